@@ -1,0 +1,44 @@
+"""Per-request sampling settings, named and validated as vLLM's `SamplingParams`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        self.stop_strings = tuple(stops)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
