@@ -1,0 +1,139 @@
+"""Engine settings: one frozen dataclass with vLLM's names, and its command-line form.
+
+`LLM(...)`, `rimuru generate` and `rimuru serve` all build an `EngineConfig`; the flags are the
+field names in kebab case (`--gpu-memory-budget 32GiB`, `--offload-mode elastic`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import MISSING, dataclass, fields, replace
+from typing import Any
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+OFFLOAD_MODES = ("static", "fixed", "elastic")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """`32GiB`, `32 GB`, `1.5GiB`, `1048576` -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a byte size: {value!r}")
+    if isinstance(value, int | float):
+        if value <= 0:
+            raise ValueError(f"a byte size must be positive, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {value!r} (use e.g. 32GiB, 500MB or a number of bytes)")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"a byte size must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: int | float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # default: the model directory
+    device: str = "auto"  # auto | cuda | cpu
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (auto: the config's dtype on GPU, float32 on CPU)
+    gpu_memory_budget: int | str | None = None  # bytes the engine may use in all; default: 90 % of the GPU
+    offload_mode: str | None = None  # static | fixed | elastic; default static
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    load_format: str = "auto"  # auto | safetensors | dummy
+    seed: int = 0
+    enforce_eager: bool = False
+    resident_experts: float | None = None  # fixed mode: experts per layer (>= 1) or a fraction (< 1)
+    expert_offload_limit: int | None = None  # the most experts one layer may have offloaded
+    expert_ranking: str | None = None  # JSON file from `rimuru profile`
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cuda", "cpu") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.offload_mode is not None and self.offload_mode not in OFFLOAD_MODES:
+            raise ValueError(f"offload_mode must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload_mode!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet (page geometry already carries it)")
+        if self.gpu_memory_budget is not None:
+            parse_bytes(self.gpu_memory_budget)
+        if self.resident_experts is not None and self.resident_experts <= 0:
+            raise ValueError(f"resident_experts must be positive, got {self.resident_experts}")
+        if self.expert_offload_limit is not None and self.expert_offload_limit < 0:
+            raise ValueError(f"expert_offload_limit must be >= 0, got {self.expert_offload_limit}")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.gpu_memory_budget is None else parse_bytes(self.gpu_memory_budget)
+
+    def with_(self, **changes: Any) -> EngineConfig:
+        return replace(self, **changes)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**values)
+
+
+_FLAG_HELP = {
+    "tokenizer": "tokenizer directory (default: the model directory)",
+    "device": "auto | cuda | cpu",
+    "dtype": "auto | bfloat16 | float16 | float32",
+    "gpu_memory_budget": "bytes the engine may use on the device in all, e.g. 32GiB (default: 90%% of the GPU)",
+    "offload_mode": "static (all experts resident) | fixed | elastic",
+    "load_format": "auto | safetensors | dummy (random weights of the real shapes)",
+    "resident_experts": "fixed mode: resident experts per layer (>= 1) or a fraction (< 1)",
+    "expert_offload_limit": "the most experts one layer may have offloaded",
+    "expert_ranking": "expert popularity JSON written by `rimuru profile`",
+    "enforce_eager": "never capture CUDA graphs",
+}
+
+_FLAG_TYPES: dict[str, Any] = {
+    "tokenizer": str, "device": str, "dtype": str, "gpu_memory_budget": str, "offload_mode": str,
+    "max_num_seqs": int, "max_model_len": int, "max_num_batched_tokens": int, "block_size": int,
+    "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int,
+    "expert_ranking": str, "tensor_parallel_size": int,
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, with_model: bool = True) -> argparse.ArgumentParser:
+    """Adds every EngineConfig field as a kebab-case flag (`model` as the positional argument)."""
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            if with_model:
+                parser.add_argument("model", help="model directory (config.json + safetensors + tokenizer)")
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "enforce_eager":
+            parser.add_argument(flag, action="store_true", help=_FLAG_HELP[f.name])
+            continue
+        default = None if f.default is MISSING else f.default
+        parser.add_argument(flag, type=_FLAG_TYPES[f.name], default=default, help=_FLAG_HELP.get(f.name))
+    return parser
