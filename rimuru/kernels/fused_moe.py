@@ -12,8 +12,18 @@ The gate/up GEMM is one [2f]-column GEMM whose column n reads page p1 (n < f) or
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from rimuru.kernels.moe_align import MoeAlignment, moe_align
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: fused_moe uses the reference there
+    triton = None
 
 
 def _check_args(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, intermediate_size: int) -> None:
@@ -77,4 +87,238 @@ def fused_moe(
     intermediate_size: int,
 ) -> Tensor:
     """Paged fused MoE: the Triton kernel on CUDA tensors, the torch reference on the CPU."""
+    if hidden.is_cuda:
+        return fused_moe_triton(hidden, topk_weights, topk_ids, expert_view, expert_table, intermediate_size)
     return fused_moe_reference(hidden, topk_weights, topk_ids, expert_view, expert_table, intermediate_size)
+
+
+def fused_moe_triton(
+    hidden: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    expert_view: Tensor,
+    expert_table: Tensor,
+    intermediate_size: int,
+) -> Tensor:
+    """The paged Triton kernels on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1).
+
+    Caller guarantees every routed expert has all three pages (>= 0); the kernels do not sync to check
+    (an expert with a -1 page contributes zeros instead of reading out of bounds).
+    """
+    _check_args(hidden, topk_weights, topk_ids, intermediate_size)
+    d = hidden.shape[1]
+    if expert_view.shape[1] != intermediate_size * d or not expert_view.is_contiguous():
+        raise ValueError(f"expert_view must be a contiguous [pages, f*d = {intermediate_size * d}] tensor")
+    table = expert_table.to(device=hidden.device, dtype=torch.int32).contiguous()
+    return _run(hidden, topk_weights, topk_ids, expert_view, expert_view, table, intermediate_size, paged=True)
+
+
+def fused_moe_contiguous(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """The same kernels on contiguous weights: w13 [E, 2f, d] (gate rows, then up rows), w2 [E, d, f]."""
+    E, two_f, d = w13.shape
+    f = two_f // 2
+    _check_args(hidden, topk_weights, topk_ids, f)
+    if w2.shape != (E, d, f) or not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError(f"need contiguous w13 [E, 2f, d] and w2 [E, d, f], got {tuple(w13.shape)}, {tuple(w2.shape)}")
+    table = torch.empty(E, 3, dtype=torch.int32, device=hidden.device)  # unread (PAGED=False); gives E
+    return _run(hidden, topk_weights, topk_ids, w13, w2, table, f, paged=False)
+
+
+@dataclass(frozen=True)
+class _TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def _tile_config(rows_per_expert: float) -> _TileConfig:
+    # Few rows per expert (decode): the GEMMs stream weights, so use the smallest M tile and narrow N
+    # tiles for enough programs to fill the SMs. Many rows: square-ish tiles for tensor-core reuse.
+    if rows_per_expert <= 16:
+        return _TileConfig(16, 32, 128, 4, 4)
+    if rows_per_expert <= 48:
+        return _TileConfig(32, 64, 128, 4, 4)
+    if rows_per_expert <= 192:
+        return _TileConfig(64, 128, 64, 4, 4)
+    return _TileConfig(128, 128, 64, 8, 3)
+
+
+def _run(
+    hidden: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    table: Tensor,
+    f: int,
+    paged: bool,
+) -> Tensor:
+    if triton is None:
+        raise RuntimeError("the fused MoE kernel needs Triton (pip install triton)")
+    T, d = hidden.shape
+    k = topk_ids.shape[1]
+    E = table.shape[0]
+    n = T * k
+    out = torch.empty(T, d, dtype=hidden.dtype, device=hidden.device)
+    if T == 0:
+        return out
+    hidden = hidden.contiguous()
+    cfg = _tile_config(n / E)
+    align: MoeAlignment = moe_align(topk_ids, E, cfg.block_m)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [n]
+    inter = torch.empty(align.max_blocks * cfg.block_m, f, dtype=hidden.dtype, device=hidden.device)
+    # One output row per assignment; with k == 1 that is already [T, d].
+    per_assign = out if k == 1 else torch.empty(n, d, dtype=hidden.dtype, device=hidden.device)
+    block_e = triton.next_power_of_2(E)
+    common = dict(
+        PAGED=paged, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    grid1 = (align.max_blocks * triton.cdiv(f, cfg.block_n),)
+    _gate_up_kernel[grid1](
+        hidden, w_gate_up, table, align.sorted_ids, align.block_end, inter,
+        n, k, E, align.max_blocks, F=f, D=d, **common,
+    )  # fmt: skip
+    grid2 = (align.max_blocks * triton.cdiv(d, cfg.block_n),)
+    _down_kernel[grid2](
+        inter, w_down, table, align.sorted_ids, align.block_end, weights, per_assign,
+        n, E, align.max_blocks, F=f, D=d, **common,
+    )  # fmt: skip
+    if k > 1:
+        torch.sum(per_assign.view(T, k, d), dim=1, out=out)  # deterministic top-k sum
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_coords(pid, num_pid_m, num_pid_n, block_end_ptr, num_experts,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+        # Grouped ordering: GROUP_M consecutive M blocks (mostly one expert) sweep N together, so an
+        # expert's weight tiles are reused from L2 across its M blocks.
+        width = GROUP_M * num_pid_n
+        first_m = (pid // width) * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        # Expert of this M block: number of experts whose padded group ends at or before its first row.
+        e = tl.arange(0, BLOCK_E)
+        ends = tl.load(block_end_ptr + e, mask=e < num_experts, other=2147483647)  # [BLOCK_E]
+        expert = tl.sum((ends <= pid_m * BLOCK_M).to(tl.int32), axis=0)  # == E past the real end
+        return pid_m, pid_n, expert
+
+    @triton.jit
+    def _gate_up_kernel(
+        a_ptr,  # hidden [T, d]
+        w_ptr,  # PAGED: expert_view [pages, f*d]; else w13 [E, 2f, d]
+        table_ptr,  # [E, 3] int32 pages (W1, W3, W2), PAGED only
+        sorted_ptr,  # [max_blocks*BLOCK_M] int32 assignment ids (n = padding)
+        block_end_ptr,  # [E] int32
+        out_ptr,  # [max_blocks*BLOCK_M, f]: SiLU(gate) * up, row = sorted position
+        n, top_k, num_experts, num_pid_m,
+        F: tl.constexpr,  # intermediate size; a model constant, constexpr so the K loops specialise
+        D: tl.constexpr,  # hidden size
+        PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        # A program computes gate columns [n0, n0+BLOCK_N) and the SAME up columns, so SiLU(g)*u is
+        # fused in registers. Column c of the [2f]-wide GEMM reads page p1 (c < f) or p3 (c >= f):
+        #   addr(c, t) = base + page(c)*f*d + (c mod f)*d + t, page looked up once per program.
+        pid_m, pid_n, expert = _block_coords(
+            tl.program_id(0), num_pid_m, tl.cdiv(F, BLOCK_N), block_end_ptr, num_experts,
+            BLOCK_M, BLOCK_E, GROUP_M,
+        )  # fmt: skip
+        if expert >= num_experts:
+            return
+        if PAGED:
+            p_gate = tl.load(table_ptr + expert * 3).to(tl.int64)
+            p_up = tl.load(table_ptr + expert * 3 + 1).to(tl.int64)
+            p_down = tl.load(table_ptr + expert * 3 + 2)
+            if (p_gate < 0) | (p_up < 0) | (p_down < 0):
+                return  # not resident: never routed to by contract; its rows stay unwritten
+            gate_base = p_gate * F * D
+            up_base = p_up * F * D
+        else:
+            gate_base = expert.to(tl.int64) * 2 * F * D
+            up_base = gate_base + F * D
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(sorted_ptr + offs_m)  # [BLOCK_M] assignment ids
+        row_ok = rows < n
+        tok = (rows // top_k).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column inside W1/W3 (c mod f)
+        n_ok = offs_n < F
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + tok[:, None] * D + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        # B tiles are [BLOCK_K, BLOCK_N] views of row-major [f, d] pages (row c, contiguous along t).
+        g_ptrs = w_ptr + gate_base + offs_n[None, :] * D + offs_k[:, None]
+        u_ptrs = w_ptr + up_base + offs_n[None, :] * D + offs_k[:, None]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k_ok = offs_k < D - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        act = acc_g * tl.sigmoid(acc_g) * acc_u  # SiLU(gate) * up, fp32
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * F + offs_n[None, :]
+        tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(
+        a_ptr,  # [max_blocks*BLOCK_M, f] intermediate, row = sorted position
+        w_ptr,  # PAGED: expert_view [pages, f*d]; else w2 [E, d, f]
+        table_ptr,  # [E, 3] int32
+        sorted_ptr,  # [max_blocks*BLOCK_M] int32
+        block_end_ptr,  # [E] int32
+        weight_ptr,  # [n] fp32 router weights, per assignment
+        out_ptr,  # [n, d]: weighted expert output, row = assignment id
+        n, num_experts, num_pid_m,
+        F: tl.constexpr,
+        D: tl.constexpr,
+        PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        pid_m, pid_n, expert = _block_coords(
+            tl.program_id(0), num_pid_m, tl.cdiv(D, BLOCK_N), block_end_ptr, num_experts,
+            BLOCK_M, BLOCK_E, GROUP_M,
+        )  # fmt: skip
+        if expert >= num_experts:
+            return
+        resident = True
+        if PAGED:
+            p_gate = tl.load(table_ptr + expert * 3)
+            p_up = tl.load(table_ptr + expert * 3 + 1)
+            p_down = tl.load(table_ptr + expert * 3 + 2)
+            resident = (p_gate >= 0) & (p_up >= 0) & (p_down >= 0)
+            base = tl.maximum(p_down, 0).to(tl.int64) * F * D
+        else:
+            base = expert.to(tl.int64) * D * F
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(sorted_ptr + offs_m)
+        row_ok = rows < n
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output column = row of W2 [d, f]
+        n_ok = offs_n < D
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * F + offs_k[None, :]
+        b_ptrs = w_ptr + base + offs_n[None, :] * F + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if resident:
+            for k0 in range(0, F, BLOCK_K):
+                k_ok = offs_k < F - k0
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
+        w = tl.load(weight_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
+        acc = acc * w[:, None]
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * D + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
