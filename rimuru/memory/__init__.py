@@ -1,0 +1,19 @@
+"""The unified page pool: geometry (page sizes, id arithmetic), allocator (three levels), pool (typed views)."""
+
+from rimuru.memory.allocator import (
+    AllocatorError,
+    AllocatorStats,
+    DoubleFreeError,
+    PageAllocator,
+    WrongKindError,
+)
+from rimuru.memory.geometry import PageGeometry
+
+__all__ = [
+    "AllocatorError",
+    "AllocatorStats",
+    "DoubleFreeError",
+    "PageAllocator",
+    "PageGeometry",
+    "WrongKindError",
+]

@@ -1,0 +1,234 @@
+"""Page sizes of the unified pool and ALL page-id <-> byte-offset arithmetic.
+
+Three levels of pages tile one byte range (per tensor-parallel rank):
+
+    pool  |<------------------ huge 0 ------------------>|<------------------ huge 1 ---- ...
+    mid   |  expert 0  |  expert 1  |  expert 2  |  ...  |     ssm 0     |     ssm 1     | ...
+    small | kv0 kv1 kv2 ... kv(r-1) |                                       (one mid, split into one small kind)
+
+A page of kind K (size S_K) starting at byte offset o has id o // S_K. Every mid size divides the huge
+size (huge = lcm of the mid sizes) and every small size divides every mid size (small sizes are padded up
+until they do), so page boundaries of every level line up and one id names the same bytes in every view
+of its kind. Nothing outside this module multiplies or divides page ids by page sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from rimuru.model_spec import ModelSpec
+
+Level = Literal["huge", "mid", "small"]
+HUGE = "huge"
+PRIMARY_MID = "expert"
+
+IdLike = int | np.ndarray
+
+
+def _smallest_divisor_at_least(n: int, lower: int) -> int:
+    """Smallest d with d | n and d >= lower (n itself when nothing smaller fits)."""
+    best = n
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            for cand in (d, n // d):
+                if lower <= cand < best:
+                    best = cand
+    return best
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    # (kind, bytes) of each mid kind; the first is the primary kind used when huge pages are split for smalls.
+    mid: tuple[tuple[str, int], ...]
+    # (kind, padded bytes, unpadded bytes) of each small kind.
+    small: tuple[tuple[str, int, int], ...]
+    huge_size: int
+    # Tensor shape facts the views need (None for custom geometries).
+    dtype: torch.dtype | None = None
+    ssm_dtype: torch.dtype | None = None
+    block_size: int | None = None
+    tp_size: int = 1
+    kv_heads_per_rank: int | None = None
+    head_dim: int | None = None
+    expert_numel: int | None = None
+    ssm_shape: tuple[int, int, int] | None = None  # (value_heads / tp, key_head_dim, value_head_dim)
+    conv_shape: tuple[int, int] | None = None  # (conv_dim / tp, kernel - 1)
+    _sizes: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
+    _levels: dict[str, Level] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.mid:
+            raise ValueError("a geometry needs at least one mid kind")
+        sizes: dict[str, int] = {HUGE: self.huge_size}
+        levels: dict[str, Level] = {HUGE: "huge"}
+        for kind, size in self.mid:
+            if size <= 0 or self.huge_size % size:
+                raise ValueError(f"mid kind {kind!r}: size {size} must be positive and divide huge {self.huge_size}")
+            sizes[kind], levels[kind] = size, "mid"
+        for kind, size, raw in self.small:
+            bad = [m for m, ms in self.mid if ms % size]
+            if size <= 0 or raw > size or bad:
+                raise ValueError(f"small kind {kind!r}: padded size {size} must hold {raw} B and divide mids {bad}")
+            if kind in sizes:
+                raise ValueError(f"page kind {kind!r} defined twice")
+            sizes[kind], levels[kind] = size, "small"
+        object.__setattr__(self, "_sizes", sizes)
+        object.__setattr__(self, "_levels", levels)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def custom(
+        cls, mid_sizes: Mapping[str, int], small_sizes: Mapping[str, int] | None = None
+    ) -> PageGeometry:
+        """A geometry from raw byte sizes (tests, simulators). The first mid kind is primary."""
+        mids = tuple((k, int(v)) for k, v in mid_sizes.items())
+        huge = math.lcm(*(s for _, s in mids))
+        g = math.gcd(*(s for _, s in mids))
+        smalls = []
+        for kind, raw in (small_sizes or {}).items():
+            if raw > g:
+                raise ValueError(f"small kind {kind!r} ({raw} B) is larger than the gcd of the mid sizes ({g} B)")
+            smalls.append((kind, _smallest_divisor_at_least(g, int(raw)), int(raw)))
+        return cls(mid=mids, small=tuple(smalls), huge_size=huge)
+
+    @classmethod
+    def for_model(
+        cls,
+        spec: ModelSpec,
+        dtype: torch.dtype = torch.bfloat16,
+        block_size: int = 16,
+        tp_size: int = 1,
+        ssm_dtype: torch.dtype = torch.float32,
+    ) -> PageGeometry:
+        if tp_size < 1 or block_size < 1:
+            raise ValueError(f"tp_size ({tp_size}) and block_size ({block_size}) must be >= 1")
+        item = dtype.itemsize
+
+        def per_rank(n: int, what: str) -> int:
+            if n % tp_size:
+                raise ValueError(f"{what}={n} is not divisible by tp_size={tp_size}")
+            return n // tp_size
+
+        expert_numel = per_rank(spec.moe_intermediate_size, "moe_intermediate_size") * spec.hidden_size
+        mid: dict[str, int] = {PRIMARY_MID: expert_numel * item}
+        small: dict[str, int] = {}
+        kv_heads = None
+        ssm_shape = conv_shape = None
+        if spec.attention_layer_ids:
+            # KV heads are replicated when there are fewer of them than ranks.
+            kv_heads = max(1, spec.num_key_value_heads // tp_size)
+            if spec.num_key_value_heads >= tp_size:
+                per_rank(spec.num_key_value_heads, "num_key_value_heads")
+            small["kv"] = block_size * 2 * kv_heads * spec.head_dim * item
+        if spec.linear_layer_ids:
+            ssm_shape = (
+                per_rank(spec.linear_num_value_heads, "linear_num_value_heads"),
+                spec.linear_key_head_dim,
+                spec.linear_value_head_dim,
+            )
+            mid["ssm"] = math.prod(ssm_shape) * ssm_dtype.itemsize
+            conv_shape = (per_rank(spec.linear_conv_dim, "linear conv dim"), spec.linear_conv_kernel_dim - 1)
+            small["conv"] = math.prod(conv_shape) * item
+        base = cls.custom(mid, small)
+        return cls(
+            mid=base.mid,
+            small=base.small,
+            huge_size=base.huge_size,
+            dtype=dtype,
+            ssm_dtype=ssm_dtype if spec.linear_layer_ids else None,
+            block_size=block_size,
+            tp_size=tp_size,
+            kv_heads_per_rank=kv_heads,
+            head_dim=spec.head_dim,
+            expert_numel=expert_numel,
+            ssm_shape=ssm_shape,
+            conv_shape=conv_shape,
+        )
+
+    # ------------------------------------------------------------------ kinds and sizes
+
+    @property
+    def mid_kinds(self) -> tuple[str, ...]:
+        return tuple(k for k, _ in self.mid)
+
+    @property
+    def small_kinds(self) -> tuple[str, ...]:
+        return tuple(k for k, _, _ in self.small)
+
+    @property
+    def primary_mid_kind(self) -> str:
+        return self.mid[0][0]
+
+    def level(self, kind: str) -> Level:
+        self._check(kind)
+        return self._levels[kind]
+
+    def size(self, kind: str) -> int:
+        self._check(kind)
+        return self._sizes[kind]
+
+    def unpadded_size(self, kind: str) -> int:
+        for k, _, raw in self.small:
+            if k == kind:
+                return raw
+        return self.size(kind)
+
+    def padding(self, kind: str) -> int:
+        """Bytes at the end of each page of `kind` that hold nothing (only small kinds are padded)."""
+        return self.size(kind) - self.unpadded_size(kind)
+
+    def num_pages(self, kind: str, pool_bytes: int) -> int:
+        return pool_bytes // self.size(kind)
+
+    def _check(self, kind: str) -> None:
+        if kind not in self._sizes:
+            raise KeyError(f"unknown page kind {kind!r}; this geometry has {sorted(self._sizes)}")
+
+    # ------------------------------------------------------------------ id <-> offset
+
+    def offset(self, kind: str, page_id: IdLike) -> IdLike:
+        return page_id * self.size(kind)
+
+    def page_id(self, kind: str, offset: int) -> int:
+        size = self.size(kind)
+        if offset % size:
+            raise ValueError(f"byte offset {offset} is not on a {kind!r} page boundary (size {size})")
+        return offset // size
+
+    def smalls_per_mid(self, small_kind: str, mid_kind: str) -> int:
+        return self.size(mid_kind) // self.size(small_kind)
+
+    def mids_per_huge(self, mid_kind: str) -> int:
+        return self.huge_size // self.size(mid_kind)
+
+    def smalls_per_huge(self, small_kind: str) -> int:
+        return self.huge_size // self.size(small_kind)
+
+    def mid_of_small(self, small_kind: str, small_id: IdLike, mid_kind: str) -> IdLike:
+        return small_id * self.size(small_kind) // self.size(mid_kind)
+
+    def smalls_of_mid(self, small_kind: str, mid_kind: str, mid_id: int) -> range:
+        r = self.smalls_per_mid(small_kind, mid_kind)
+        return range(mid_id * r, (mid_id + 1) * r)
+
+    def huge_of_mid(self, mid_kind: str, mid_id: IdLike) -> IdLike:
+        return mid_id * self.size(mid_kind) // self.huge_size
+
+    def huge_of_small(self, small_kind: str, small_id: IdLike) -> IdLike:
+        return small_id * self.size(small_kind) // self.huge_size
+
+    def mids_of_huge(self, mid_kind: str, huge_id: int) -> range:
+        r = self.mids_per_huge(mid_kind)
+        return range(huge_id * r, (huge_id + 1) * r)
+
+    def describe(self) -> str:
+        mids = ", ".join(f"{k} {s:,} B" for k, s in self.mid)
+        smalls = ", ".join(f"{k} {s:,} B (pad {s - raw:,})" for k, s, raw in self.small)
+        return f"huge {self.huge_size:,} B; mid: {mids}; small: {smalls or 'none'}"
