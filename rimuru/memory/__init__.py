@@ -8,6 +8,7 @@ from rimuru.memory.allocator import (
     WrongKindError,
 )
 from rimuru.memory.geometry import PageGeometry
+from rimuru.memory.pool import PagePool
 
 __all__ = [
     "AllocatorError",
@@ -15,5 +16,6 @@ __all__ = [
     "DoubleFreeError",
     "PageAllocator",
     "PageGeometry",
+    "PagePool",
     "WrongKindError",
 ]
