@@ -1,0 +1,103 @@
+"""Request and response bodies of the OpenAI API subset we serve (pydantic), plus vLLM's extra fields.
+
+Unknown fields are ignored, as vLLM does, so existing clients keep working; fields we accept but
+cannot honour (logprobs, echo, penalties) are rejected with a 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+
+TokenIds = list[NonNegativeInt]
+PromptInput = str | list[str] | TokenIds | list[TokenIds]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: Annotated[int, Field(ge=1, le=64)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Accepted only at their neutral values (vLLM's benchmark sends repetition_penalty=1.0, logprobs=null).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: Any = None
+    best_of: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "rimuru"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
