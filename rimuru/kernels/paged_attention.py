@@ -20,10 +20,26 @@ left unspecified by the kernel. On CUDA tensors the Triton kernel runs; otherwis
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["paged_attention", "paged_attention_reference", "write_kv", "write_kv_reference"]
+try:  # the CPU build of torch comes without Triton: the module must import without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+__all__ = [
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_triton",
+    "write_kv",
+    "write_kv_reference",
+    "write_kv_triton",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,13 +104,328 @@ def paged_attention_reference(
 
 
 # ----------------------------------------------------------------------------------------------
+# Triton kernels.
+#
+# Attention program (q_tile, b, kv_head * NUM_SPLITS + split) computes, for sequence b, query
+# tokens [q_tile * BLOCK_Q, (q_tile + 1) * BLOCK_Q) of that sequence and ALL the query heads of one
+# KV head group, packed as the rows of one tile so each K/V tile is read once per group:
+#
+#     tile row r  ->  token q_tile * BLOCK_Q + r // GROUP,  query head kv_head * GROUP + r % GROUP
+#     BLOCK_M = next_pow2(max(16, BLOCK_Q * GROUP))   (rows past BLOCK_Q * GROUP are padding)
+#
+# It walks the KV tiles [0, kv_end) of the context (kv_end = last valid row's position + 1: tiles
+# past the causal frontier are never loaded) with an online softmax in the log2 domain. A KV tile
+# of BLOCK_N positions spans BLOCK_N / BLOCK_SIZE whole pages, looked up once per tile.
+#
+# Split-K (flash-decoding): when there are few programs (decode of one or a few sequences), the
+# KV tiles of each (q_tile, b, kv_head) are cut into NUM_SPLITS contiguous ranges; each split
+# writes its normalised partial output and log2-sum-exp, and a second kernel merges them. The
+# grid depends only on (max_query_len, B, heads), never on sequence lengths: no host sync, and a
+# launch can be captured in a CUDA graph.
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr,  # [T, Hq, D]
+        kv_ptr,  # [P, 2, BLOCK_SIZE, Hkv, D]
+        block_table_ptr,  # [B, max_blocks] int32
+        query_start_loc_ptr,  # [B + 1] int32
+        seq_lens_ptr,  # [B] int32
+        out_ptr,  # [T, Hq, D] (NUM_SPLITS == 1)
+        part_out_ptr,  # [NUM_SPLITS, T, Hq, D_PAD] fp32 (NUM_SPLITS > 1)
+        part_lse_ptr,  # [NUM_SPLITS, T, Hq] fp32, log2 domain
+        scale_log2,  # softmax scale * log2(e)
+        num_tokens,
+        stride_q_t,
+        stride_q_h,
+        stride_kv_page,
+        stride_kv_kind,
+        stride_kv_slot,
+        stride_kv_head,
+        stride_bt_b,
+        stride_o_t,
+        stride_o_h,
+        NUM_Q_HEADS: tl.constexpr,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        q_tile = tl.program_id(0)
+        b = tl.program_id(1)
+        kv_head = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
+
+        q_start = tl.load(query_start_loc_ptr + b)
+        q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+        if q_tile * BLOCK_Q >= q_len:  # the grid is sized for max_query_len
+            return
+        seq_len = tl.load(seq_lens_ptr + b)
+        first_pos = seq_len - q_len  # absolute position of the sequence's query token 0
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = q_tile * BLOCK_Q + rows // GROUP  # [BLOCK_M] token within the sequence
+        head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+        row_valid = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+        q_pos = first_pos + tok  # [BLOCK_M]
+        offs_d = tl.arange(0, D_PAD)
+        d_valid = offs_d < HEAD_DIM
+
+        q_offs = (q_start + tok)[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [M, D_PAD]
+
+        # KV range of this q tile, then this split's share of its tiles.
+        last_tok = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+        kv_end = first_pos + last_tok + 1
+        num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
+
+        PAGES_PER_TILE: tl.constexpr = BLOCK_N // BLOCK_SIZE
+        offs_page = tl.arange(0, PAGES_PER_TILE)
+        offs_slot = tl.arange(0, BLOCK_SIZE)
+        offs_n = tl.arange(0, BLOCK_N)
+        bt_row = block_table_ptr + b * stride_bt_b
+        kv_head_ptr = kv_ptr + kv_head * stride_kv_head
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 domain)
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for tile in range(tile_lo, tile_hi):
+            start_n = tile * BLOCK_N
+            # One block-table read per tile: PAGES_PER_TILE page ids -> BLOCK_N row offsets.
+            page_idx = start_n // BLOCK_SIZE + offs_page  # [PAGES]
+            pages = tl.load(bt_row + page_idx, mask=page_idx * BLOCK_SIZE < kv_end, other=0)
+            slot_offs = pages.to(tl.int64)[:, None] * stride_kv_page + offs_slot[None, :] * stride_kv_slot
+            slot_offs = tl.reshape(slot_offs, [BLOCK_N])  # [N], position order kept
+            k_pos = start_n + offs_n  # [N]
+            kv_mask = (k_pos < kv_end)[:, None] & d_valid[None, :]
+            kv_offs = slot_offs[:, None] + offs_d[None, :]  # [N, D_PAD]
+            k = tl.load(kv_head_ptr + kv_offs, mask=kv_mask, other=0.0)  # [N, D_PAD]
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+            qk = tl.where(k_pos[None, :] <= q_pos[:, None], qk, float("-inf"))  # causal (and < kv_end)
+
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row may see no key yet in this split (its first tiles are in its future): keep it
+            # at m = -inf without producing NaN from (-inf) - (-inf).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)  # [M]
+            p = tl.exp2(qk - m_safe[:, None])  # [M, N]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(kv_head_ptr + stride_kv_kind + kv_offs, mask=kv_mask, other=0.0)  # [N, D_PAD]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        token = q_start + tok  # [M] row of q / out
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            o_offs = token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
+            tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+        else:
+            # Partial of an empty split: out 0, lse -inf (weight 0 in the merge).
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))  # [M]
+            row = (split * num_tokens + token).to(tl.int64) * NUM_Q_HEADS + head  # [M]
+            tl.store(part_out_ptr + row[:, None] * D_PAD + offs_d[None, :], out, mask=row_valid[:, None])
+            tl.store(part_lse_ptr + row, lse, mask=row_valid)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_out_ptr,  # [NUM_SPLITS, T, Hq, D_PAD] fp32
+        part_lse_ptr,  # [NUM_SPLITS, T, Hq] fp32
+        out_ptr,  # [T, Hq, D]
+        num_tokens,
+        stride_o_t,
+        stride_o_h,
+        NUM_Q_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        splits = tl.arange(0, NUM_SPLITS)
+        offs_d = tl.arange(0, D_PAD)
+        row = (splits * num_tokens + token).to(tl.int64) * NUM_Q_HEADS + head  # [S]
+        lse = tl.load(part_lse_ptr + row)  # [S]
+        lse_max = tl.max(lse, 0)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # padding rows: all splits empty
+        w = tl.exp2(lse - lse_max)  # [S]
+        part = tl.load(part_out_ptr + row[:, None] * D_PAD + offs_d[None, :])  # [S, D_PAD]
+        out = tl.sum(part * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)  # [D_PAD]
+        tl.store(
+            out_ptr + token * stride_o_t + head * stride_o_h + offs_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=offs_d < HEAD_DIM,
+        )
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr,  # [T, Hkv, D]
+        v_ptr,  # [T, Hkv, D]
+        kv_ptr,  # [P, 2, BLOCK_SIZE, Hkv, D]
+        slot_mapping_ptr,  # [T] int64
+        stride_k_t,
+        stride_k_h,
+        stride_v_t,
+        stride_v_h,
+        stride_kv_page,
+        stride_kv_kind,
+        stride_kv_slot,
+        stride_kv_head,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        H_PAD: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot < 0:  # padding token
+            return
+        offs_h = tl.arange(0, H_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        dst = kv_ptr + (slot // BLOCK_SIZE) * stride_kv_page + (slot % BLOCK_SIZE) * stride_kv_slot
+        dst_offs = offs_h[:, None] * stride_kv_head + offs_d[None, :]  # [H_PAD, D_PAD]
+        k = tl.load(k_ptr + t * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
+        v = tl.load(v_ptr + t * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
+        tl.store(dst + dst_offs, k.to(kv_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_kv_kind + dst_offs, v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _check_inner_contiguous(name: str, t: Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last (head_dim) dimension, got strides {t.stride()}")
+
+
+def write_kv_triton(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    for name, t in (("k", k), ("v", v), ("kv_cache", kv_cache)):
+        _check_inner_contiguous(name, t)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        H_PAD=_next_pow2(num_kv_heads), D_PAD=_next_pow2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )  # fmt: skip
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter runs: any small number exercises the split path
+
+
+def plan_launch(
+    batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+    max_query_len: int, num_sms: int,
+) -> dict[str, int]:  # fmt: skip
+    """Tile sizes and split count. Depends only on shapes and host ints known without a sync."""
+    group = num_q_heads // num_kv_heads
+    # Pack ~128 rows (tokens x grouped heads) per prefill tile; decode uses one token per tile.
+    block_q = max(1, min(_next_pow2(max_query_len), max(1, 128 // group)))
+    block_m = _next_pow2(max(16, block_q * group))
+    d_pad = _next_pow2(max(16, head_dim))
+    block_n = 64 if d_pad <= 128 else 32
+    if block_m * d_pad > 128 * 128:
+        block_n = 32
+    block_n = max(block_n, block_size)  # a KV tile holds whole pages
+    num_q_tiles = -(-max_query_len // block_q)
+    programs = num_q_tiles * batch * num_kv_heads
+    num_splits = 1
+    if max_query_len <= 16 and programs < 2 * num_sms:
+        # Flash-decoding: enough splits to fill the GPU ~twice; empty splits exit at once.
+        num_splits = min(32, _next_pow2(-(-2 * num_sms // programs)))
+    num_warps = 8 if block_m * d_pad >= 128 * 128 else 4
+    return dict(
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, NUM_SPLITS=num_splits,
+        num_q_tiles=num_q_tiles, num_warps=num_warps, num_stages=2 if num_splits > 1 else 3,
+    )  # fmt: skip
+
+
+def paged_attention_triton(
+    q: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """The Triton path of paged_attention; `num_splits` overrides the plan, `out` receives rows."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
+    batch = seq_lens.shape[0]
+    if num_q_heads % num_kv_heads or kv_head_dim != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} does not match kv_cache {tuple(kv_cache.shape)}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    _check_inner_contiguous("q", q)
+    _check_inner_contiguous("kv_cache", kv_cache)
+    out = torch.empty_like(q) if out is None else out
+    if num_tokens == 0 or batch == 0 or max_query_len == 0:
+        return out
+    plan = plan_launch(batch, num_q_heads, num_kv_heads, head_dim, block_size, max_query_len, _num_sms(q.device))
+    if num_splits is not None:  # tests force the split path
+        plan["NUM_SPLITS"] = num_splits
+    splits, d_pad = plan["NUM_SPLITS"], plan["D_PAD"]
+    if splits > 1:
+        part_out = torch.empty(splits, num_tokens, num_q_heads, d_pad, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(splits, num_tokens, num_q_heads, device=q.device, dtype=torch.float32)
+    else:
+        part_out = part_lse = out  # unused
+    grid = (plan["num_q_tiles"], batch, num_kv_heads * splits)
+    _paged_attention_kernel[grid](
+        q, kv_cache, block_table, query_start_loc, seq_lens, out, part_out, part_lse,
+        scale * math.log2(math.e), num_tokens,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_Q=plan["BLOCK_Q"], BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"],
+        BLOCK_SIZE=block_size, NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+    )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part_out, part_lse, out, num_tokens, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits,
+        )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Public entry points: Triton on CUDA tensors, the reference elsewhere.
 # ----------------------------------------------------------------------------------------------
 
 
 def write_kv(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """k, v [T, Hkv, D]; slot_mapping [T] int64 (slot < 0: skip). Writes kv_cache in place."""
-    write_kv_reference(k, v, kv_cache, slot_mapping)
+    if kv_cache.is_cuda and triton is not None:
+        write_kv_triton(k, v, kv_cache, slot_mapping)
+    else:
+        write_kv_reference(k, v, kv_cache, slot_mapping)
 
 
 def paged_attention(
@@ -108,6 +439,5 @@ def paged_attention(
     max_seq_len: int,
 ) -> Tensor:
     """q [T, Hq, D] -> [T, Hq, D] in q's dtype. See the module docstring for the batch layout."""
-    return paged_attention_reference(
-        q, kv_cache, block_table, query_start_loc, seq_lens, scale, max_query_len, max_seq_len
-    )
+    fn = paged_attention_triton if q.is_cuda and triton is not None else paged_attention_reference
+    return fn(q, kv_cache, block_table, query_start_loc, seq_lens, scale, max_query_len, max_seq_len)
