@@ -1,0 +1,226 @@
+"""The engine: requests in, one step at a time, outputs out.
+
+One step (docs/architecture.md, "Request lifecycle"):
+  1. take in requests and aborts that arrived since the last step;
+  2. the scheduler picks running + waiting requests and gives them KV pages;
+  3. the runner builds the batch, runs the model, samples;
+  4. new tokens are appended, detokenised and checked against stop conditions; finished requests
+     free their pages; pages released after the forward pass (evicted experts) return to the pool.
+`add_request` and `abort_request` may be called from another thread (the server); they only queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from rimuru.config import EngineConfig
+from rimuru.engine.detokenizer import detokenize_incrementally
+from rimuru.engine.model_runner import ModelRunner
+from rimuru.engine.outputs import CompletionOutput, RequestOutput
+from rimuru.engine.request import Request, RequestStatus
+from rimuru.engine.sampler import Sampler
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.engine.scheduler import Scheduler, SchedulerOutput
+from rimuru.engine.setup import build_engine_parts
+
+logger = logging.getLogger("rimuru")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        parts = build_engine_parts(config)
+        self.parts = parts
+        self.spec = parts.spec
+        self.tokenizer = parts.tokenizer
+        self.device = parts.device
+        self.max_model_len = parts.max_model_len
+        self.pool = parts.pool
+        self.experts = parts.experts
+        self.kv = parts.kv
+        self.scheduler = Scheduler(parts.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(parts.model, parts.device, parts.num_attention_layers, config.block_size,
+                                  Sampler(parts.device, config.seed))
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        self._requests: dict[str, Request] = {}
+        self._next_seq_id = 0
+        self.forward_steps = 0
+        self.peak_running = 0
+
+    # ---- requests in -------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send prompt token ids instead of text")
+        # split_special_tokens: "<|im_end|>" typed by a user stays text, never a control token
+        return self.tokenizer.encode(prompt, add_special_tokens=False, split_special_tokens=True)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queues a request; raises ValueError (nothing queued) when it is malformed or can never run."""
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenize(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.spec.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context (max_model_len) is "
+                             f"{self.max_model_len}, which leaves no room for output")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens={params.max_tokens} is too large: the prompt has {len(ids)} tokens "
+                             f"and max_model_len is {self.max_model_len}, so at most {room} can be generated")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        need = self.kv.blocks_for(len(ids) + max_tokens) * self.kv.num_layers
+        most = self.max_kv_pages()
+        if need > most:
+            raise ValueError(f"this request needs {need} KV pages ({len(ids)} prompt + {max_tokens} output tokens)"
+                             f" but the pool can never hold more than {most}; lower max_tokens or the prompt")
+        with self._lock:
+            if request_id in self._requests or any(r.request_id == request_id for r in self._inbox):
+                raise ValueError(f"request id {request_id!r} is already in use")
+            req = Request(
+                request_id=request_id, seq_id=self._next_seq_id, prompt=text, prompt_token_ids=ids,
+                params=params, max_tokens=max_tokens, eos_token_id=self.eos_token_id,
+                arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            )
+            self._next_seq_id += 1
+            if params.seed is not None:
+                req.generator = torch.Generator(device=self.device)
+                req.generator.manual_seed(params.seed)
+            self._inbox.append(req)
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return int(self.tokenizer.eos_token_id)
+        return self.spec.eos_token_id[0] if self.spec.eos_token_id else None
+
+    def max_kv_pages(self) -> int:
+        """KV pages the pool could ever give requests (every allowed expert evicted)."""
+        return self.kv.capacity_pages() + self.kv.pages_in_use
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            pending = bool(self._inbox or self._aborts)
+        return pending or self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._take_inbox()
+        sched = self.scheduler.schedule()
+        self.peak_running = max(self.peak_running, len(self.scheduler.running))
+        if sched.is_empty:
+            return outputs
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        tokens = self.runner.execute(sched)
+        self.forward_steps += 1
+        outputs += self._process(sched, tokens)
+        self.pool.allocator.complete_forward()
+        return outputs
+
+    def _take_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for req in new:
+            self._requests[req.request_id] = req
+            self.scheduler.add(req)
+        outputs = []
+        for rid in aborts:
+            req = self._requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                req.metrics.finished_time = time.monotonic()
+                outputs.append(self._output(req))
+        return outputs
+
+    def _process(self, sched: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+        outputs = []
+        it = iter(tokens)
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            if not s.samples:
+                continue
+            token = next(it)
+            req.output_token_ids.append(token)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                req.metrics.finished_time = now
+                self._requests.pop(req.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if self.tokenizer is not None:
+            new_text = detokenize_incrementally(self.tokenizer, req, p.skip_special_tokens)
+            if p.stop_strings and new_text:
+                # a stop string may straddle the old and new text: search the tail that could contain it
+                start = max(0, len(req.output_text) - max(len(s) for s in p.stop_strings) + 1)
+                req.output_text += new_text
+                for stop in p.stop_strings:
+                    at = req.output_text.find(stop, start)
+                    if at != -1:
+                        end = at + len(stop) if p.include_stop_str_in_output else at
+                        req.output_text = req.output_text[:end]
+                        req.stop_reason = stop
+                        return RequestStatus.FINISHED_STOPPED
+            else:
+                req.output_text += new_text
+        if token == req.eos_token_id and not p.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        comp = CompletionOutput(index=0, text=req.output_text, token_ids=list(req.output_token_ids),
+                                finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             outputs=[comp], finished=req.status.finished, metrics=req.metrics)
+
+    # ---- numbers -----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        st = self.pool.allocator.stats()
+        with self._lock:
+            queued = len(self._inbox)
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + queued,
+            "kv_pages_used": self.kv.pages_in_use,
+            "kv_pages_free": self.kv.capacity_pages(),
+            "pool_bytes": st.pool_bytes,
+            "free_bytes": st.total_free_bytes,
+            "trapped_bytes": st.trapped_bytes,
+            "resident_experts": self.experts.num_resident,
+            "total_experts": self.experts.total_experts,
+            "forward_steps": self.forward_steps,
+            "peak_running": self.peak_running,
+            "preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,77 @@
+"""The state of one request (one sequence) as it moves through the engine.
+
+Lifecycle: WAITING -> RUNNING -> FINISHED_* ; a preempted request goes back to WAITING with its KV
+pages freed and `num_computed_tokens = 0` (recompute), keeping the tokens it already produced.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rimuru.engine.outputs import RequestMetrics
+from rimuru.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    seq_id: int  # small integer, unique while alive: the allocator's page owner
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens or what the context leaves
+    eos_token_id: int | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # KV cache filled for all_token_ids[:num_computed_tokens]
+    num_computed_tokens: int = 0
+    # kv_pages[i][l] = page id (kind "kv") of block i in attention layer l
+    kv_pages: list[list[int]] = field(default_factory=list)
+    output_text: str = ""
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # per-request sampling stream when a seed is given
+    metrics: RequestMetrics = field(init=False)
+    # incremental detokenisation state (see detokenizer.py)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.kv_pages)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

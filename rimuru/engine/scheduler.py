@@ -1,0 +1,113 @@
+"""Continuous batching with chunked prefill under a token budget.
+
+Each step (vLLM v1 style, no separate prefill/decode phases):
+  1. running requests first, in arrival order: each gets what it still needs (1 token when decoding,
+     a chunk when its prefill was cut) within the token budget; when the pool can't give a running
+     request its pages, the most recently started running request is preempted (pages freed, back
+     to the front of the queue, recomputed later) until it can;
+  2. then waiting requests in FIFO order while budget, `max_num_seqs` and pages allow; the first one
+     that does not fit stops admission and its missing pages are reported as the shortfall (the
+     elastic adjuster turns this into expert evictions).
+The scheduler decides allocation and never touches tensors; the runner turns its output into tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rimuru.engine.kv_cache_manager import KVCacheManager
+from rimuru.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # num_computed_tokens before this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step's chunk reaches the request's last known token, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # kv pages the first waiting request that could not be admitted still lacks (0: none blocked on pages)
+    shortfall_pages: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        # Admit waiting requests only when nothing had to be preempted: a preemption means the pool is full.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate(req, n):
+                out.shortfall_pages = self.kv.pages_needed(req, n) - self.kv.capacity_pages()
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Ends `req` (finished or aborted) wherever it is and frees its pages."""
+        assert status.finished
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)

@@ -1,0 +1,175 @@
+"""Start-up: from an EngineConfig to a model whose experts and KV cache live in one page pool.
+
+The budget is split as
+    budget = non-expert weights (normal tensors, never move)
+           + activation workspace (bounded from the batch limits)
+           + pool (whole huge pages: routed experts + KV cache)
+and the split is logged. In `static` mode every routed expert is made resident first; what is left
+of the pool is KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rimuru.config import EngineConfig, format_bytes
+from rimuru.engine.kv_cache_manager import KVCacheManager
+from rimuru.experts.cache import ExpertCache, PoolTooSmallError
+from rimuru.memory.geometry import PageGeometry
+from rimuru.memory.pool import PagePool
+from rimuru.model_spec import ModelSpec, dtype_bytes, load_model_spec
+from rimuru.models.expert_provider import StaticExpertProvider
+from rimuru.models.loader import init_dummy_weights, load_checkpoint
+from rimuru.models.registry import build_model
+
+logger = logging.getLogger("rimuru")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass
+class EngineParts:
+    spec: ModelSpec
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    geometry: PageGeometry
+    pool: PagePool
+    experts: ExpertCache
+    kv: KVCacheManager
+    model: torch.nn.Module
+    max_model_len: int
+    num_attention_layers: int
+    budget_split: dict[str, int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA GPU is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in bf16 are slow and lose precision; run CPU models in fp32
+    dtype = _DTYPES.get(str(spec.torch_dtype), torch.bfloat16)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def load_tokenizer(path: str | None) -> Any:
+    if path is None:
+        return None
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((Path(path) / f).exists() for f in files):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype) -> int:
+    """An upper bound of the activations of one forward pass at the batch limits.
+
+    Per token: hidden states and residual, q/k/v/o, the MLP intermediates (routed: top-k copies of
+    2f; shared expert: 2 * its width), the router logits; per sampled sequence: fp32 logits and the
+    sampler's working copies. Doubled for allocator slack, plus a fixed 256 MiB for kernels' scratch.
+    """
+    T = config.max_num_batched_tokens
+    d, el = spec.hidden_size, dtype_bytes(dtype)
+    qkv = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * spec.head_dim
+    mlp = max(spec.num_experts_per_tok * 3 * spec.moe_intermediate_size,
+              3 * spec.shared_expert_intermediate_size, 3 * spec.intermediate_size)
+    per_token = (6 * d + 2 * qkv + mlp + spec.num_experts) * el + spec.num_experts_per_tok * 16
+    logits = config.max_num_seqs * spec.vocab_size * 4 * 4
+    return 2 * (T * per_token + logits) + 256 * 2**20
+
+
+def default_budget(device: torch.device, spec: ModelSpec, dtype: torch.dtype, work: int) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    # CPU: every weight plus room for 64k tokens of KV cache
+    weights = spec.non_expert_bytes(dtype) + spec.routed_expert_bytes(dtype)
+    return weights + work + 65536 * spec.kv_bytes_per_token(dtype)
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    model_path = config.model
+    spec = load_model_spec(model_path)
+    is_dir = os.path.isdir(model_path)
+    load_format = config.load_format
+    if load_format == "auto":
+        load_format = "safetensors" if is_dir and any(Path(model_path).glob("*.safetensors")) else "dummy"
+        if load_format == "dummy":
+            logger.warning("no safetensors in %s: using random weights (load_format='dummy')", model_path)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, spec, device)
+    tokenizer = load_tokenizer(config.tokenizer or (model_path if is_dir else None))
+    mode = config.offload_mode or "static"
+    if mode != "static":
+        raise NotImplementedError(f"offload_mode={mode!r} is not implemented yet; use 'static'")
+
+    geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=config.block_size,
+                                      tp_size=config.tensor_parallel_size)
+    work = workspace_bytes(spec, config, dtype)
+    budget = config.budget_bytes or default_budget(device, spec, dtype, work)
+    non_expert = spec.non_expert_bytes(dtype)
+    pool_bytes = budget - non_expert - work
+    expert_bytes = spec.routed_expert_bytes(dtype)
+    if pool_bytes < geometry.huge_size:
+        raise ValueError(
+            f"gpu_memory_budget {format_bytes(budget)} is too small: non-expert weights take "
+            f"{format_bytes(non_expert)} and the activation workspace {format_bytes(work)}, leaving no page pool")
+    pool = PagePool(geometry, pool_bytes, device)
+    expert_view = pool.expert_view(dtype)
+    experts = ExpertCache(spec, pool.allocator, expert_view, device)
+    try:
+        experts.make_all_resident()
+    except PoolTooSmallError as e:
+        short = expert_bytes - pool.pool_bytes
+        raise ValueError(
+            f"offload_mode='static' needs every routed expert on the device ({format_bytes(expert_bytes)}), "
+            f"but the page pool is {format_bytes(pool.pool_bytes)} ({e}); short by at least "
+            f"{format_bytes(max(short, geometry.huge_size))}. Raise gpu_memory_budget or use "
+            f"offload_mode='fixed' or 'elastic' to keep some experts in host memory") from None
+    num_attn = len(spec.attention_layer_ids)
+    kv_view = pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size), spec.head_dim,
+                           dtype, config.block_size)
+    provider = StaticExpertProvider(expert_view, experts.tables)
+    model = build_model(spec, dtype, device, provider, kv_view)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed=config.seed)
+        experts.fill_random(seed=config.seed + 1)
+    else:
+        load_checkpoint(model, spec, model_path, experts.write)
+    model.eval()
+
+    kv = KVCacheManager(pool.allocator, num_attn, config.block_size)
+    kv_tokens = kv.capacity_pages() // max(1, num_attn) * config.block_size
+    if kv_tokens < config.block_size:
+        raise ValueError(f"after the experts, the pool ({format_bytes(pool.pool_bytes)}) has no room for KV cache; "
+                         "raise gpu_memory_budget or use an offload mode")
+    max_model_len = config.max_model_len or spec.max_position_embeddings
+    if config.max_model_len is None and max_model_len > kv_tokens:
+        max_model_len = kv_tokens
+    elif max_model_len > kv_tokens:
+        raise ValueError(f"max_model_len={max_model_len} does not fit: the KV cache holds {kv_tokens} tokens")
+    split = {"budget": budget, "non_expert_weights": non_expert, "workspace": work, "pool": pool.pool_bytes,
+             "experts_resident": experts.num_resident * 3 * geometry.size("expert"),
+             "kv_free": kv.capacity_pages() * geometry.size("kv")}
+    logger.info("budget %s = non-expert weights %s + workspace %s + pool %s (experts %s, KV %s = %d tokens)",
+                format_bytes(budget), format_bytes(non_expert), format_bytes(work), format_bytes(pool.pool_bytes),
+                format_bytes(split["experts_resident"]), format_bytes(split["kv_free"]), kv_tokens)
+    return EngineParts(spec=spec, tokenizer=tokenizer, device=device, dtype=dtype, geometry=geometry, pool=pool,
+                       experts=experts, kv=kv, model=model, max_model_len=max_model_len,
+                       num_attention_layers=num_attn, budget_split=split)
