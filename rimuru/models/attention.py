@@ -1,0 +1,67 @@
+"""Self-attention over the paged KV cache: project, rotate, write this step's K/V, attend.
+
+Every attention layer reads and writes its own pages of one shared KV view
+`kv_cache [n_pages, 2, block_size, Hkv, D]`, through its own block table and slot mapping
+(`batch.block_tables[attn_idx]`, `batch.slot_mapping[attn_idx]`).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from rimuru.kernels.paged_attention import paged_attention, write_kv
+from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    """Plain GQA attention (Mixtral, Qwen1.5-MoE). Architectures with q/k norms override `qkv`."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        attn_idx: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.attn_idx = attn_idx  # ordinal among attention layers: which block table / slot mapping
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-head q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] before rotary."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch
+    ) -> Tensor:  # x [T, d], cos/sin [T, D/2]
+        q, k, v = self.qkv(x)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [T, Hq, D], [T, Hkv, D]
+        write_kv(k, v, kv_cache, batch.slot_mapping[self.attn_idx])
+        out = paged_attention(
+            q,
+            kv_cache,
+            batch.block_tables[self.attn_idx],
+            batch.query_start_loc,
+            batch.seq_lens,
+            self.scale,
+            batch.max_query_len,
+            batch.max_seq_len,
+        )  # [T, Hq, D]
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))  # [T, d]

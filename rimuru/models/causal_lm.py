@@ -1,0 +1,132 @@
+"""The decoder every supported MoE architecture shares, and the hooks an architecture overrides.
+
+    input_ids [T] -> embed -> L x DecoderLayer -> final norm -> hidden [T, d]
+    DecoderLayer: h += attn(norm(h));  h += mlp(norm(h))   (mlp = SparseMoE or a dense GatedMLP)
+    compute_logits(hidden[logits_indices]) -> [B', V] fp32
+
+Parameter names follow the Hugging Face checkpoints (`model.layers.{i}.self_attn.q_proj.weight`, ...),
+so the loader maps checkpoint tensors to parameters by name. An architecture file subclasses
+`MoECausalLM` and overrides `make_attention` / `make_moe` and the checkpoint-name hooks only.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rimuru.model_spec import FULL_ATTENTION, ModelSpec
+from rimuru.models.attention import Attention
+from rimuru.models.expert_provider import ExpertProvider
+from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.layers import GatedMLP, RMSNorm
+from rimuru.models.moe import SparseMoE
+from rimuru.models.rotary import RotaryEmbedding, check_rope_config
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, self_attn: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch) -> Tensor:
+        if isinstance(self.mlp, SparseMoE):
+            # Earliest point this layer's routing could be predicted: let the provider prefetch.
+            self.mlp.provider.before_layer(self.mlp.moe_idx, h)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, batch)  # [T, d]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, d]
+
+
+class DecoderStack(nn.Module):
+    """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[DecoderLayer], eps: float) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class MoECausalLM(nn.Module):
+    # Checkpoint naming hooks, used by rimuru.models.loader.
+    # (old, new) substring renames from checkpoint names to this model's names.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # Per-expert checkpoint names of W1 (gate), W3 (up), W2 (down): `...mlp.experts.{e}.{name}.weight`.
+    expert_weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, spec: ModelSpec, experts: ExpertProvider, kv_cache: Tensor) -> None:
+        super().__init__()
+        self._check_supported(spec)
+        self.spec = spec
+        self.kv_cache = kv_cache  # [n_pages, 2, block, Hkv, D]; a view of the pool, not model state
+        attn_ids, moe_ids = spec.attention_layer_ids, spec.moe_layer_ids
+        layers = []
+        for i in range(spec.num_hidden_layers):
+            attn = self.make_attention(spec, attn_ids.index(i))
+            if spec.moe_layers[i]:
+                mlp = self.make_moe(spec, moe_ids.index(i), experts)
+            else:
+                mlp = self.make_mlp(spec)
+            layers.append(DecoderLayer(attn, mlp, spec.hidden_size, spec.rms_norm_eps))
+        self.model = DecoderStack(spec.vocab_size, spec.hidden_size, layers, spec.rms_norm_eps)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+        self.lm_head: nn.Linear | None = None
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    # ------------------------------------------------------------------ architecture hooks
+
+    def make_attention(self, spec: ModelSpec, attn_idx: int) -> Attention:
+        bias = spec.attention_bias
+        return Attention(
+            spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, attn_idx,
+            qkv_bias=bias, o_bias=bias,
+        )
+
+    def make_moe(self, spec: ModelSpec, moe_idx: int, experts: ExpertProvider) -> nn.Module:
+        return SparseMoE(
+            hidden_size=spec.hidden_size,
+            num_experts=spec.num_experts,
+            top_k=spec.num_experts_per_tok,
+            intermediate_size=spec.moe_intermediate_size,
+            renormalize=spec.norm_topk_prob,
+            moe_idx=moe_idx,
+            experts=experts,
+        )
+
+    def make_mlp(self, spec: ModelSpec) -> nn.Module:
+        if spec.intermediate_size <= 0:
+            raise ValueError(f"{spec.model_type}: a dense layer needs intermediate_size > 0")
+        return GatedMLP(spec.hidden_size, spec.intermediate_size)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, batch: ForwardBatch) -> Tensor:
+        h = self.model.embed_tokens(batch.input_ids)  # [T, d]
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, D/2] each, shared by all layers
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, self.kv_cache, batch)
+        return self.model.norm(h)  # [T, d]
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:  # [B', d]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, d]
+        return F.linear(hidden, weight).float()  # [B', V]
+
+    # ------------------------------------------------------------------ checks
+
+    @staticmethod
+    def _check_supported(spec: ModelSpec) -> None:
+        cfg = spec.hf_config
+        if spec.is_hybrid or any(t != FULL_ATTENTION for t in spec.layer_types):
+            raise NotImplementedError(f"{spec.model_type}: only full-attention layers are supported")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"{spec.model_type}: hidden_act={act!r} is not supported (only 'silu')")
+        # Qwen configs keep a sliding_window value even when use_sliding_window is false.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if window:
+            raise NotImplementedError(f"{spec.model_type}: sliding-window attention (sliding_window={window})"
+                                      " is not supported")
+        check_rope_config(cfg)

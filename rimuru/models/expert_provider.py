@@ -1,0 +1,46 @@
+"""ExpertProvider: how a MoE layer finds its routed experts' weights in the page pool.
+
+The model never owns routed-expert weights. Before a MoE layer computes, it hands its routing
+decision to the provider, which makes every routed expert addressable (a resident page, or a load
+buffer it fills now) and returns the layer's expert table:
+
+    expert_view   [n_mid, f*d]     the pool seen as expert pages
+    table[e]      (p_W1, p_W3, p_W2) page ids into expert_view; -1 = not addressable
+
+W1/W3 pages hold [f, d] row-major, W2 pages hold [d, f] (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@runtime_checkable
+class ExpertProvider(Protocol):
+    expert_view: Tensor  # [n_mid, f*d]
+
+    def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+        """Expert table [E, 3] int32 of MoE layer `moe_layer` (its ordinal among MoE layers), valid
+        for every expert id in `topk_ids` [T, k]."""
+        ...
+
+    def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
+        """Called with the input hidden states [T, d] of the decoder layer that holds MoE layer
+        `moe_layer`, before its attention runs: a chance to start prefetching. No-op by default
+        (subclass ExpertProvider explicitly to inherit it)."""
+        return None
+
+
+class StaticExpertProvider(ExpertProvider):
+    """Every expert resident at fixed pages: the tables never change (`static` mode, tests)."""
+
+    def __init__(self, expert_view: Tensor, tables: Tensor) -> None:
+        if tables.dim() != 3 or tables.shape[2] != 3:
+            raise ValueError(f"expert tables must be [L_moe, E, 3], got {tuple(tables.shape)}")
+        self.expert_view = expert_view  # [n_mid, f*d]
+        self.tables = tables  # [L_moe, E, 3] int32
+
+    def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+        return self.tables[moe_layer]  # [E, 3]

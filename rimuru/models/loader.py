@@ -1,0 +1,211 @@
+"""Weights into a built model: safetensors checkpoints from a local directory, or dummy weights.
+
+Non-expert tensors are copied into the model's parameters by name. Routed experts never become
+parameters: each expert's three matrices go to `expert_sink(moe_layer, expert, w1, w3, w2)`, which
+the caller points at expert pages (see `write_expert_to_pages`). Two checkpoint namings of experts:
+
+    per expert   model.layers.{i}.mlp.experts.{e}.gate_proj.weight  [f, d]   (W1)
+                 model.layers.{i}.mlp.experts.{e}.up_proj.weight    [f, d]   (W3)
+                 model.layers.{i}.mlp.experts.{e}.down_proj.weight  [d, f]   (W2)
+                 (Mixtral: block_sparse_moe.experts.{e}.w1 / w3 / w2)
+    fused        model.layers.{i}.mlp.experts.gate_up_proj  [E, 2f, d]   rows :f = W1, f: = W3
+                 model.layers.{i}.mlp.experts.down_proj     [E, d, f]
+                 (transformers 5 `save_pretrained(..., save_original_format=False)`)
+
+Tensors are read one at a time (per expert for fused tensors) from memory-mapped files, so the
+whole checkpoint is never resident at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from rimuru.model_spec import ModelSpec
+from rimuru.models.causal_lm import MoECausalLM
+
+ExpertSink = Callable[[int, int, Tensor, Tensor, Tensor], None]
+
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# Tensors some checkpoints carry that are not weights.
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model: missing, unexpected or mis-shaped tensors."""
+
+
+@dataclass
+class _LayerExperts:
+    per_expert: dict[tuple[int, int], str] = field(default_factory=dict)  # (expert, slot 0/1/2) -> name
+    fused: dict[str, str] = field(default_factory=dict)  # "gate_up_proj" / "down_proj" -> name
+
+
+def checkpoint_files(checkpoint_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else every *.safetensors."""
+    root = Path(checkpoint_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {root}")
+    return files
+
+
+def load_checkpoint(
+    model: MoECausalLM, spec: ModelSpec, checkpoint_dir: str | Path, expert_sink: ExpertSink
+) -> None:
+    """Fill every non-expert parameter of `model` and hand every routed expert to `expert_sink`.
+
+    Raises CheckpointError naming the tensor when one is missing, unexpected or mis-shaped; all
+    names and shapes are checked before any data is read.
+    """
+    params = dict(model.named_parameters())
+    moe_ordinal = {layer: i for i, layer in enumerate(spec.moe_layer_ids)}
+    slot_of = {name: slot for slot, name in enumerate(model.expert_weight_names)}
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}  # checkpoint name -> open safe_open handle
+        for path in checkpoint_files(checkpoint_dir):
+            handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            for name in handle.keys():
+                if name in handles:
+                    raise CheckpointError(f"tensor {name} appears in more than one file of {checkpoint_dir}")
+                handles[name] = handle
+
+        targets: dict[str, str] = {}  # parameter name -> checkpoint name
+        experts: dict[int, _LayerExperts] = {}
+        unexpected: list[str] = []
+        for name in handles:
+            canon = name
+            for old, new in model.checkpoint_renames:
+                canon = canon.replace(old, new)
+            if _IGNORED.search(canon) or (canon == "lm_head.weight" and model.lm_head is None):
+                continue
+            if canon in params:
+                targets[canon] = name
+            elif (m := _PER_EXPERT.match(canon)) and m.group(3) in slot_of and int(m.group(1)) in moe_ordinal:
+                layer = experts.setdefault(moe_ordinal[int(m.group(1))], _LayerExperts())
+                layer.per_expert[(int(m.group(2)), slot_of[m.group(3)])] = name
+            elif (m := _FUSED.match(canon)) and int(m.group(1)) in moe_ordinal:
+                experts.setdefault(moe_ordinal[int(m.group(1))], _LayerExperts()).fused[m.group(2)] = name
+            else:
+                unexpected.append(name)
+        if unexpected:
+            raise CheckpointError(
+                f"unexpected tensors in checkpoint (not in the {spec.model_type} model): {unexpected[:8]}"
+            )
+        missing = [p for p in params if p not in targets]
+        if missing:
+            raise CheckpointError(f"checkpoint {checkpoint_dir} lacks tensors: {missing[:8]}")
+        for pname, cname in targets.items():
+            _check_shape(cname, handles[cname].get_slice(cname).get_shape(), tuple(params[pname].shape))
+        plans = [
+            _expert_plan(model, spec, moe_idx, experts.get(moe_idx, _LayerExperts()), handles)
+            for moe_idx in range(spec.num_moe_layers)
+        ]
+
+        with torch.no_grad():
+            for pname, cname in targets.items():
+                params[pname].copy_(handles[cname].get_tensor(cname))
+            for moe_idx, read_expert in enumerate(plans):
+                for e in range(spec.num_experts):
+                    expert_sink(moe_idx, e, *read_expert(e))
+
+
+def _check_shape(name: str, got: Sequence[int], want: tuple[int, ...]) -> None:
+    if tuple(got) != want:
+        raise CheckpointError(f"tensor {name} has shape {tuple(got)}, expected {want}")
+
+
+def _expert_plan(
+    model: MoECausalLM, spec: ModelSpec, moe_idx: int, layer: _LayerExperts, handles: dict[str, Any]
+) -> Callable[[int], tuple[Tensor, Tensor, Tensor]]:
+    """Validate one MoE layer's expert tensors; return a reader of (w1, w3, w2) by expert id."""
+    E, f, d = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    layer_id = spec.moe_layer_ids[moe_idx]
+    if layer.per_expert and layer.fused:
+        raise CheckpointError(
+            f"layer {layer_id} has experts both per expert and fused: {sorted(layer.fused.values())}"
+        )
+    if layer.fused:
+        for kind, shape in (("gate_up_proj", (E, 2 * f, d)), ("down_proj", (E, d, f))):
+            name = layer.fused.get(kind) or f"model.layers.{layer_id}.mlp.experts.{kind}"
+            if kind not in layer.fused:
+                raise CheckpointError(f"checkpoint lacks tensor {name}")
+            _check_shape(name, handles[name].get_slice(name).get_shape(), shape)
+        gate_up, down = layer.fused["gate_up_proj"], layer.fused["down_proj"]
+
+        def read_fused(e: int) -> tuple[Tensor, Tensor, Tensor]:
+            w13 = handles[gate_up].get_slice(gate_up)[e]  # [2f, d]
+            return w13[:f], w13[f:], handles[down].get_slice(down)[e]  # [f, d], [f, d], [d, f]
+
+        return read_fused
+
+    prefix = next(iter(layer.per_expert.values()), f"model.layers.{layer_id}.mlp.experts.0.x.weight")
+    prefix = prefix[: prefix.index(".experts.")]
+    shapes = ((f, d), (f, d), (d, f))
+    for e in range(E):
+        for slot, wname in enumerate(model.expert_weight_names):
+            name = layer.per_expert.get((e, slot))
+            if name is None:
+                raise CheckpointError(f"checkpoint lacks tensor {prefix}.experts.{e}.{wname}.weight")
+            _check_shape(name, handles[name].get_slice(name).get_shape(), shapes[slot])
+    stray = sorted(name for (e, _), name in layer.per_expert.items() if e >= E)
+    if stray:
+        raise CheckpointError(f"unexpected tensors for experts beyond num_experts={E}: {stray[:8]}")
+
+    def read_per_expert(e: int) -> tuple[Tensor, Tensor, Tensor]:
+        w1, w3, w2 = (layer.per_expert[(e, slot)] for slot in range(3))
+        return handles[w1].get_tensor(w1), handles[w3].get_tensor(w3), handles[w2].get_tensor(w2)
+
+    return read_per_expert
+
+
+def write_expert_to_pages(
+    expert_view: Tensor, table_row: Tensor | Sequence[int], w1: Tensor, w3: Tensor, w2: Tensor
+) -> None:
+    """Copy one expert's W1 [f, d], W3 [f, d], W2 [d, f] into its pages (p1, p3, p2) of
+    `expert_view` [n_mid, f*d], converting to the view's dtype and device."""
+    pages = [int(p) for p in (table_row.tolist() if isinstance(table_row, Tensor) else table_row)]
+    if len(pages) != 3 or min(pages) < 0 or max(pages) >= expert_view.shape[0]:
+        raise ValueError(f"expert pages {pages} must be 3 ids in [0, {expert_view.shape[0]})")
+    f, d = w1.shape
+    for name, w, shape in (("w1", w1, (f, d)), ("w3", w3, (f, d)), ("w2", w2, (d, f))):
+        if tuple(w.shape) != shape or f * d != expert_view.shape[1]:
+            raise ValueError(
+                f"expert matrix {name} has shape {tuple(w.shape)}, expected {shape} "
+                f"with f*d = {expert_view.shape[1]}"
+            )
+    with torch.no_grad():
+        for page, w in zip(pages, (w1, w3, w2), strict=True):
+            expert_view[page].copy_(w.reshape(-1))
+
+
+def init_dummy_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Random non-expert weights of the real shapes on the model's device (vLLM's
+    `--load-format dummy`): N(0, std) everywhere, norm weights 1."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            if p.device not in generators:
+                generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.normal_(0.0, std, generator=generators[p.device])

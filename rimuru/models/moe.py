@@ -1,0 +1,64 @@
+"""The sparse MoE block: router -> fp32 softmax -> top-k -> (renormalise) -> paged fused MoE.
+
+Routed experts are not parameters of this module: their weights live in expert pages of the pool,
+which the ExpertProvider makes addressable and names in an expert table. The router (`gate`) and
+an optional shared expert are ordinary parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rimuru.kernels.fused_moe import fused_moe
+from rimuru.models.expert_provider import ExpertProvider
+from rimuru.models.layers import GatedMLP
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        moe_idx: int,
+        experts: ExpertProvider,
+    ) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.top_k = top_k
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize
+        self.moe_idx = moe_idx  # ordinal among MoE layers: which expert table
+        self.provider = experts  # a plain attribute: the provider's pages are not model state
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Top-k routing weights [T, k] fp32 and expert ids [T, k]."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, d]
+        weights, ids = self.route(x)  # [T, k]
+        table = self.provider.table(self.moe_idx, ids)  # [E, 3] int32
+        return fused_moe(x, weights, ids, self.provider.expert_view, table, self.intermediate_size)  # [T, d]
+
+
+class SharedExpertMoE(SparseMoE):
+    """Routed experts plus one always-on shared expert scaled by a sigmoid gate (Qwen MoE family)."""
+
+    def __init__(self, shared_intermediate_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        hidden_size = self.gate.in_features
+        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, d]
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, d]
+        return super().forward(x) + shared

@@ -1,0 +1,42 @@
+"""model_type -> model class, and `build_model`, the one way to make a model."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rimuru.model_spec import ModelSpec
+from rimuru.models.causal_lm import MoECausalLM
+from rimuru.models.expert_provider import ExpertProvider
+from rimuru.models.mixtral import MixtralForCausalLM
+from rimuru.models.olmoe import OlmoeForCausalLM
+from rimuru.models.qwen2_moe import Qwen2MoeForCausalLM
+from rimuru.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODEL_CLASSES: dict[str, type[MoECausalLM]] = {
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "olmoe": OlmoeForCausalLM,
+}
+
+
+def model_class(model_type: str) -> type[MoECausalLM]:
+    if model_type not in MODEL_CLASSES:
+        supported = ", ".join(sorted(MODEL_CLASSES))
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {supported}")
+    return MODEL_CLASSES[model_type]
+
+
+def build_model(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, experts: ExpertProvider, kv_cache: Tensor
+) -> MoECausalLM:
+    """The model with UNINITIALISED non-expert weights on `device`; fill them with
+    `load_checkpoint` or `init_dummy_weights`. Built on the meta device first, so nothing is
+    initialised twice and full-size models appear on the GPU without a host copy."""
+    cls = model_class(spec.model_type)
+    with torch.device("meta"):
+        model = cls(spec, experts, kv_cache)
+    model = model.to_empty(device=device).to(dtype)
+    model.requires_grad_(False)
+    return model.eval()
