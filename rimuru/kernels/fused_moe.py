@@ -46,7 +46,7 @@ def fused_moe_reference(
     expert_table: Tensor,
     intermediate_size: int,
 ) -> Tensor:
-    """Plain-torch paged MoE: loops over experts that received tokens, accumulates in fp32.
+    """Plain-torch paged MoE: loops over experts that received tokens, accumulates in fp32 (fp64 for fp64).
 
     out[t] = sum_j topk_weights[t, j] * W2_e(SiLU(W1_e h_t) * W3_e h_t),  e = topk_ids[t, j].
     """
@@ -56,9 +56,10 @@ def fused_moe_reference(
     k = topk_ids.shape[1]
     if expert_view.shape[1] != f * d:
         raise ValueError(f"expert_view rows hold {expert_view.shape[1]} elements, expected f*d = {f * d}")
-    out = torch.zeros(T, d, dtype=torch.float32, device=hidden.device)  # [T, d]
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    out = torch.zeros(T, d, dtype=acc, device=hidden.device)  # [T, d]
     flat_ids = topk_ids.reshape(-1).long()  # [T*k]
-    flat_w = topk_weights.reshape(-1).float()  # [T*k]
+    flat_w = topk_weights.reshape(-1).to(acc)  # [T*k]
     token_of = torch.arange(T, device=hidden.device).repeat_interleave(k)  # [T*k]
     table = expert_table.cpu()
     for e in torch.unique(flat_ids).tolist():
@@ -67,12 +68,12 @@ def fused_moe_reference(
         p1, p3, p2 = (int(p) for p in table[e])
         if min(p1, p3, p2) < 0:
             raise ValueError(f"expert {e} is routed to but not resident: pages {(p1, p3, p2)}")
-        w1 = expert_view[p1].view(f, d).float()  # [f, d]
-        w3 = expert_view[p3].view(f, d).float()  # [f, d]
-        w2 = expert_view[p2].view(d, f).float()  # [d, f]
+        w1 = expert_view[p1].view(f, d).to(acc)  # [f, d]
+        w3 = expert_view[p3].view(f, d).to(acc)  # [f, d]
+        w2 = expert_view[p2].view(d, f).to(acc)  # [d, f]
         sel = flat_ids == e
         rows = token_of[sel]  # [n_e]
-        h = hidden[rows].float()  # [n_e, d]
+        h = hidden[rows].to(acc)  # [n_e, d]
         act = torch.nn.functional.silu(h @ w1.T) * (h @ w3.T)  # [n_e, f]
         out.index_add_(0, rows, (act @ w2.T) * flat_w[sel, None])  # [n_e, d]
     return out.to(hidden.dtype)
