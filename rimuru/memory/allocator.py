@@ -429,7 +429,7 @@ class PageAllocator:
         holder = self._holder_of(self.geometry.offset(kind, page))
         if holder is not None:
             raise WrongKindError(f"{kind} page {page} was never allocated as {kind!r}: its bytes belong to {holder}")
-        raise DoubleFreeError(f"{kind} page {page} is not allocated (never allocated, or freed and merged)")
+        raise AllocatorError(f"{kind} page {page} is not allocated (never allocated, or freed and merged)")
 
     def _holder_of(self, offset: int) -> str | None:
         """The used page of another kind covering `offset`, for error messages."""
