@@ -1,0 +1,1 @@
+"""Workloads (ShareGPT, Poisson arrivals) and the serving benchmark client."""

@@ -1,0 +1,105 @@
+"""`rimuru bench serve`: replay ShareGPT against an OpenAI-compatible server and report latencies."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    s = bench_sub.add_parser("serve", help="replay ShareGPT against a running server")
+    add_serve_args(s)
+    s.set_defaults(func=run_serve)
+
+
+def add_serve_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--model", required=True, help="the served model name")
+    s.add_argument("--dataset", "--dataset-name", dest="dataset", default="sharegpt", choices=["sharegpt"])
+    s.add_argument("--dataset-path", default=None, help="a ShareGPT JSON file (default: the bundled one)")
+    s.add_argument("--num-prompts", type=int, default=100)
+    s.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    s.add_argument("--burstiness", type=float, default=1.0)
+    s.add_argument("--max-concurrency", type=int, default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the Qwen vocabulary)")
+    s.add_argument("--prompt-format", choices=["text", "token-ids"], default="text")
+    s.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length")
+    s.add_argument("--max-prompt-len", type=int, default=1024)
+    s.add_argument("--max-total-len", type=int, default=2048)
+    s.add_argument("--max-output-len", type=int, default=None, help="cap on each reply's length")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--poll-metrics", type=float, default=0.0, help="sample /metrics every S seconds (0: off)")
+    s.add_argument("--output-json", default=None)
+    s.add_argument("--no-progress", action="store_true")
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+async def bench_serve(args: argparse.Namespace) -> dict:
+    from rimuru.bench.metrics_poll import MetricsPoller
+    from rimuru.bench.serve_client import BenchConfig, run_benchmark, summarize
+    from rimuru.bench.workload import load_tokenizer, poisson_arrivals, sample_sharegpt
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    requests = sample_sharegpt(tokenizer, args.num_prompts, args.seed, path=args.dataset_path,
+                               fixed_output_len=args.sharegpt_output_len, max_prompt_len=args.max_prompt_len,
+                               max_total_len=args.max_total_len, max_output_len=args.max_output_len)
+    arrivals = poisson_arrivals(len(requests), args.request_rate, args.seed, args.burstiness)
+    cfg = BenchConfig(base_url=args.base_url, model=args.model, request_rate=args.request_rate,
+                      max_concurrency=args.max_concurrency, prompt_format=args.prompt_format,
+                      api_key=args.api_key, seed=args.seed)
+    poller = MetricsPoller(args.base_url, args.poll_metrics) if args.poll_metrics > 0 else None
+    if poller:
+        poller.start()
+    results, duration = await run_benchmark(cfg, requests, arrivals, show_progress=not args.no_progress)
+    if poller:
+        await poller.stop()
+    summary = summarize(results, duration)
+    report = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "git_commit": git_commit(),
+        "base_url": args.base_url,
+        "model": args.model,
+        "dataset": args.dataset,
+        "num_prompts": len(requests),
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "prompt_format": args.prompt_format,
+        **summary,
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "ttfts_s": [r.ttft for r in results],
+        "errors": [r.error for r in results if r.error][:50],
+    }
+    if poller:
+        report["metrics_timeline"] = [{"t": t, **vals} for t, vals in poller.samples]
+    return report
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from rimuru.bench.serve_client import format_summary
+
+    report = asyncio.run(bench_serve(args))
+    print(format_summary(report))
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(report, indent=1, default=float))
+        print(f"wrote {args.output_json}")
+    return 0 if report["completed"] > 0 or not report["num_prompts"] else 1
