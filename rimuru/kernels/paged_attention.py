@@ -158,7 +158,8 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        q_tile = tl.program_id(0)
+        # Longest causal rows first: later q tiles see more context, so launch them first.
+        q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
         b = tl.program_id(1)
         kv_head = tl.program_id(2) // NUM_SPLITS
         split = tl.program_id(2) % NUM_SPLITS
@@ -335,15 +336,17 @@ def _num_sms(device: torch.device) -> int:
 
 def plan_launch(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    max_query_len: int, num_sms: int,
+    max_query_len: int, num_sms: int, elem_size: int = 2,
 ) -> dict[str, int]:  # fmt: skip
     """Tile sizes and split count. Depends only on shapes and host ints known without a sync."""
     group = num_q_heads // num_kv_heads
-    # Pack ~128 rows (tokens x grouped heads) per prefill tile; decode uses one token per tile.
-    block_q = max(1, min(_next_pow2(max_query_len), max(1, 128 // group)))
+    # Pack ~128 rows (tokens x grouped heads) per prefill tile (64 in fp32, for shared memory);
+    # decode uses one token per tile.
+    target_rows = 128 if elem_size <= 2 else 64
+    block_q = max(1, min(_next_pow2(max_query_len), max(1, target_rows // group)))
     block_m = _next_pow2(max(16, block_q * group))
     d_pad = _next_pow2(max(16, head_dim))
-    block_n = 64 if d_pad <= 128 else 32
+    block_n = 64 if d_pad <= 128 and elem_size <= 2 else 32
     if block_m * d_pad > 128 * 128:
         block_n = 32
     block_n = max(block_n, block_size)  # a KV tile holds whole pages
@@ -356,7 +359,7 @@ def plan_launch(
     num_warps = 8 if block_m * d_pad >= 128 * 128 else 4
     return dict(
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, NUM_SPLITS=num_splits,
-        num_q_tiles=num_q_tiles, num_warps=num_warps, num_stages=2 if num_splits > 1 else 3,
+        num_q_tiles=num_q_tiles, num_warps=num_warps, num_stages=2 if num_splits > 1 or elem_size > 2 else 3,
     )  # fmt: skip
 
 
@@ -385,7 +388,10 @@ def paged_attention_triton(
     out = torch.empty_like(q) if out is None else out
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
-    plan = plan_launch(batch, num_q_heads, num_kv_heads, head_dim, block_size, max_query_len, _num_sms(q.device))
+    plan = plan_launch(
+        batch, num_q_heads, num_kv_heads, head_dim, block_size, max_query_len, _num_sms(q.device),
+        elem_size=q.element_size(),
+    )  # fmt: skip
     if num_splits is not None:  # tests force the split path
         plan["NUM_SPLITS"] = num_splits
     splits, d_pad = plan["NUM_SPLITS"], plan["D_PAD"]
