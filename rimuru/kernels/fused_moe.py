@@ -128,7 +128,8 @@ def fused_moe_contiguous(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor,
 @dataclass(frozen=True)
 class _TileConfig:
     block_m: int
-    block_n: int
+    block_n: int  # down GEMM N tile
+    block_n_gate_up: int  # gate/up N tile: the program holds a gate AND an up accumulator of this width
     block_k: int
     num_warps: int
     num_stages: int
@@ -139,12 +140,12 @@ def _tile_config(rows_per_expert: float) -> _TileConfig:
     # Few rows per expert (decode): the GEMMs stream weights, so use the smallest M tile and narrow N
     # tiles for enough programs to fill the SMs. Many rows: square-ish tiles for tensor-core reuse.
     if rows_per_expert <= 16:
-        return _TileConfig(16, 32, 128, 4, 4)
+        return _TileConfig(16, 32, 32, 128, 4, 4)
     if rows_per_expert <= 48:
-        return _TileConfig(32, 64, 128, 4, 4)
+        return _TileConfig(32, 64, 64, 128, 4, 4)
     if rows_per_expert <= 192:
-        return _TileConfig(64, 128, 64, 4, 4)
-    return _TileConfig(128, 128, 64, 8, 3)
+        return _TileConfig(64, 128, 64, 64, 4, 4)
+    return _TileConfig(128, 128, 64, 64, 8, 3)
 
 
 def _run(
@@ -175,18 +176,18 @@ def _run(
     per_assign = out if k == 1 else torch.empty(n, d, dtype=hidden.dtype, device=hidden.device)
     block_e = triton.next_power_of_2(E)
     common = dict(
-        PAGED=paged, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
+        PAGED=paged, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    grid1 = (align.max_blocks * triton.cdiv(f, cfg.block_n),)
+    grid1 = (align.max_blocks * triton.cdiv(f, cfg.block_n_gate_up),)
     _gate_up_kernel[grid1](
         hidden, w_gate_up, table, align.sorted_ids, align.block_end, inter,
-        n, k, E, align.max_blocks, F=f, D=d, **common,
+        n, k, E, align.max_blocks, F=f, D=d, BLOCK_N=cfg.block_n_gate_up, **common,
     )  # fmt: skip
     grid2 = (align.max_blocks * triton.cdiv(d, cfg.block_n),)
     _down_kernel[grid2](
         inter, w_down, table, align.sorted_ids, align.block_end, weights, per_assign,
-        n, E, align.max_blocks, F=f, D=d, **common,
+        n, E, align.max_blocks, F=f, D=d, BLOCK_N=cfg.block_n, **common,
     )  # fmt: skip
     if k > 1:
         torch.sum(per_assign.view(T, k, d), dim=1, out=out)  # deterministic top-k sum
