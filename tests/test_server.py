@@ -1,0 +1,301 @@
+"""End-to-end: the real engine on a tiny MoE checkpoint behind the real server, driven by the official
+`openai` client (and raw httpx where a client would refuse to send the bad input)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from rimuru.bench.metrics_poll import parse_metrics
+from rimuru.config import EngineConfig
+from rimuru.engine.llm_engine import LLMEngine
+from rimuru.server.app import ServerConfig, build_app
+
+MODEL = "tiny-moe"
+KEY = "sk-test-key"
+BODY_LIMIT = 64 * 1024
+KV_PAGES = 72  # a small pool: 50 clients queue, and a long request can never fit
+
+
+@dataclass
+class Server:
+    url: str
+    engine: LLMEngine
+
+    def client(self, **kw: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics").text)
+
+    def wait_idle(self, timeout: float = 15.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["rimuru:num_requests_running"], m["rimuru:num_requests_waiting"],
+                    m["rimuru:kv_pages_used"], m["rimuru:server_tracked_requests"]) == (0, 0, 0, 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+
+def _small_pool_engine(ckpt: Path) -> LLMEngine:
+    base = dict(model=str(ckpt), device="cpu", max_num_seqs=64, max_num_batched_tokens=512)
+    probe = LLMEngine(EngineConfig(**base, gpu_memory_budget="64MiB"))
+    split = probe.parts.budget_split
+    page = split["kv_free"] // probe.stats()["kv_pages_free"]
+    budget = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + KV_PAGES * page
+    del probe
+    return LLMEngine(EngineConfig(**base, gpu_memory_budget=budget))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint) -> Iterator[Server]:
+    engine = _small_pool_engine(tiny_checkpoint("qwen2_moe"))
+    app = build_app(engine, ServerConfig(served_model_name=MODEL, api_key=KEY, max_body_bytes=BODY_LIMIT))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield Server(f"http://127.0.0.1:{port}", engine)
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def greedy(**kw: object) -> dict:
+    return {"model": MODEL, "temperature": 0.0, **kw}
+
+
+# ---- happy paths ------------------------------------------------------------------------------------
+def test_models_health_metrics(server: Server) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    m = server.metrics()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_pages_used", "resident_experts",
+                 "total_experts", "forward_steps_total"):
+        assert "rimuru:" + name in m
+    text = httpx.get(server.url + "/metrics").text
+    assert "rimuru:time_to_first_token_seconds_bucket" in text and "rimuru:e2e_request_latency_seconds" in text
+
+
+def test_completion_stream_matches_non_stream(server: Server) -> None:
+    client = server.client()
+    full = client.completions.create(**greedy(prompt="Hello world", max_tokens=12, extra_body={"ignore_eos": True}))
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12
+    prompt_ids = server.engine.tokenizer("Hello world", add_special_tokens=False).input_ids
+    assert full.usage.prompt_tokens == len(prompt_ids)
+    again = client.completions.create(**greedy(prompt=prompt_ids, max_tokens=12, extra_body={"ignore_eos": True}))
+    assert again.choices[0].text == full.choices[0].text  # token-id prompt == text prompt
+
+    chunks = list(client.completions.create(**greedy(prompt="Hello world", max_tokens=12, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True})))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_n_and_prompt_lists(server: Server) -> None:
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=4, seed=1,
+                                    extra_body={"ignore_eos": True, "top_k": 20})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 16
+    again = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=4, seed=1,
+                                      extra_body={"ignore_eos": True, "top_k": 20})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded sampling repeats
+    streamed = client.completions.create(model=MODEL, prompt="abc", n=3, max_tokens=5, stream=True, top_p=0.9,
+                                         extra_body={"ignore_eos": True})
+    tokens: dict[int, str] = {}
+    for c in streamed:
+        for ch in c.choices:
+            tokens[ch.index] = tokens.get(ch.index, "") + ch.text
+    assert sorted(tokens) == [0, 1, 2]
+
+
+def test_chat(server: Server) -> None:
+    client = server.client()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, n=2)
+    assert len(out.choices) == 2 and out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == out.choices[1].message.content  # greedy
+    tok = server.engine.tokenizer
+    expect = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert out.usage.prompt_tokens == len(tok(expect, add_special_tokens=False).input_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_stop_strings(server: Server) -> None:
+    client = server.client()
+    base = client.completions.create(**greedy(prompt="Once upon a time", max_tokens=20,
+                                              extra_body={"ignore_eos": True})).choices[0].text
+    k = next(i for i in range(2, len(base)) if base[i] not in "\ufffd" and base[i].strip())
+    stop = base[k]
+    out = client.completions.create(**greedy(prompt="Once upon a time", max_tokens=20, stop=[stop],
+                                             extra_body={"ignore_eos": True})).choices[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base[: base.index(stop)]
+
+
+def test_special_token_text_stays_text(server: Server) -> None:
+    out = server.client().completions.create(model=MODEL, prompt="<|im_end|>", max_tokens=1)
+    tok = server.engine.tokenizer
+    assert out.usage.prompt_tokens == len(tok("<|im_end|>", split_special_tokens=True).input_ids) > 1
+    chat = server.client().chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        {"role": "user", "content": "<|im_end|>"}])
+    template_only = server.client().chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        {"role": "user", "content": "x"}])
+    # the user's "<|im_end|>" costs several byte tokens, not the one control token
+    assert chat.usage.prompt_tokens > template_only.usage.prompt_tokens
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+def _post(server: Server, path: str, body: object, key: str | None = KEY, raw: bytes | None = None) -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=30)
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None = None, needle: str = "") -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert needle.lower() in err["message"].lower(), err
+
+
+C = "/v1/completions"
+BAD_COMPLETIONS = [
+    ({"model": "nope", "prompt": "hi"}, 404, "model", "does not exist"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens", ""),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens", "context"),
+    ({"model": MODEL, "prompt": [7] * 600, "max_tokens": 1}, 400, "prompt", "context"),
+    ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature", ""),
+    ({"model": MODEL, "prompt": "hi", "temperature": -0.1}, 400, "temperature", ""),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", ""),
+    ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p", ""),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt", "empty"),
+    ({"model": MODEL, "prompt": ["ok", ""]}, 400, "prompt", "empty"),
+    ({"model": MODEL, "prompt": 5}, 400, None, ""),
+    ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "range"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", ""),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs", "not supported"),
+    ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, None, "stop"),
+    ({"prompt": "hi"}, 400, "model", ""),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "needle"), BAD_COMPLETIONS)
+def test_bad_completion_requests(server: Server, body: dict, status: int, param: str | None, needle: str) -> None:
+    _assert_error(_post(server, C, body), status, param, needle)
+
+
+def test_bad_requests_other(server: Server) -> None:
+    _assert_error(_post(server, C, None, raw=b'{"model": "tiny-moe", "prompt": '), 400, None, "malformed JSON")
+    _assert_error(_post(server, C, None, raw=b"[1, 2]"), 400, None, "object")
+    _assert_error(_post(server, C, {"model": MODEL, "prompt": "x" * (BODY_LIMIT + 10)}), 413, None, "limit")
+    _assert_error(_post(server, C, {"model": MODEL, "prompt": "hi"}, key=None), 401, None, "API key")
+    _assert_error(_post(server, C, {"model": MODEL, "prompt": "hi"}, key="wrong"), 401, None, "API key")
+    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages", "")
+    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}),
+                  400, "messages", "empty")
+    _assert_error(httpx.get(server.url + "/v1/models"), 401, None, "API key")
+    _assert_error(httpx.get(server.url + "/v1/nothing"), 404)
+    # the official client surfaces the same errors as typed exceptions
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="other", prompt="hi")
+    with pytest.raises(openai.BadRequestError) as exc:
+        server.client().completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert exc.value.body["param"] == "max_tokens"
+
+
+def test_request_that_never_fits(server: Server) -> None:
+    most = server.engine.max_kv_pages()
+    layers = server.engine.kv.num_layers
+    block = server.engine.config.block_size
+    tokens = (most // layers + 1) * block  # one block more per layer than the pool can ever give
+    if tokens > server.engine.max_model_len:
+        # static mode caps max_model_len to the KV pool at start-up, so the context check catches it first
+        resp = _post(server, C, {"model": MODEL, "prompt": [5] * 8, "max_tokens": tokens - 8})
+        _assert_error(resp, 400, "max_tokens", "context")
+        pytest.skip("this engine mode caps max_model_len to the pool: no request within the context can overflow it")
+    resp = _post(server, C, {"model": MODEL, "prompt": [5] * 8, "max_tokens": tokens - 8})
+    _assert_error(resp, 400, None, "pool")
+    assert server.wait_idle()["rimuru:kv_pages_used"] == 0
+
+
+# ---- disconnects and accounting ---------------------------------------------------------------------
+def test_50_streams_third_disconnect(server: Server) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=f"request {i}: tell me", max_tokens=24,
+                                                 stream=True, temperature=0.8, seed=i,
+                                                 extra_body={"ignore_eos": True})
+        if i % 6 == 0:  # gone before its first token (most are still waiting)
+            await stream.close()
+            return "early"
+        n = 0
+        async for chunk in stream:
+            n += len(chunk.choices)
+            if i % 6 == 3 and n >= 2:  # gone mid-stream
+                await stream.close()
+                return "mid"
+        return f"done:{n}"
+
+    async def run() -> list[str]:
+        client = server.async_client()
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(50)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert results.count("early") + results.count("mid") == 17
+    assert all(r.startswith("done") for r in results if r not in ("early", "mid"))
+    m = server.wait_idle()
+    assert m["rimuru:num_requests_running"] == 0 and m["rimuru:num_requests_waiting"] == 0
+    assert m["rimuru:kv_pages_used"] == 0 and m["rimuru:server_tracked_requests"] == 0
+    assert server.engine.stats()["kv_pages_used"] == 0
+
+
+def test_non_streaming_client_timeout_aborts(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": 300, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + C, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+    m = server.wait_idle()
+    assert m["rimuru:num_requests_running"] == 0 and m["rimuru:kv_pages_used"] == 0
