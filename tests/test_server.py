@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,12 +13,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from rimuru.bench.metrics_poll import parse_metrics
 from rimuru.config import EngineConfig
 from rimuru.engine.llm_engine import LLMEngine
-from rimuru.server.app import ServerConfig, build_app
+from rimuru.server.app import ServerConfig
+from rimuru.server.background import BackgroundServer
 
 MODEL = "tiny-moe"
 KEY = "sk-test-key"
@@ -66,20 +64,9 @@ def _small_pool_engine(ckpt: Path) -> LLMEngine:
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint) -> Iterator[Server]:
     engine = _small_pool_engine(tiny_checkpoint("qwen2_moe"))
-    app = build_app(engine, ServerConfig(served_model_name=MODEL, api_key=KEY, max_body_bytes=BODY_LIMIT))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield Server(f"http://127.0.0.1:{port}", engine)
-    srv.should_exit = True
-    thread.join(timeout=10)
+    config = ServerConfig(served_model_name=MODEL, api_key=KEY, max_body_bytes=BODY_LIMIT)
+    with BackgroundServer(engine, config) as srv:
+        yield Server(srv.url, engine)
 
 
 def greedy(**kw: object) -> dict:
