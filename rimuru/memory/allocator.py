@@ -97,15 +97,20 @@ class PageAllocator:
         self._mid_size_table = np.array([g.size(m) for m in self._mid_kinds], dtype=np.int64)
 
         self._huge_kind = np.full(num_huge_pages, -1, dtype=np.int8)
-        self._huge_busy = np.zeros(num_huge_pages, dtype=np.int32)
+        self._huge_busy = [0] * num_huge_pages  # a list: read and written one element at a time
         self._huge_heap = list(range(num_huge_pages))  # sorted, hence already a heap
         self._free_huge = num_huge_pages
 
-        self._mid_state = {m: np.zeros(g.num_pages(m, self.pool_bytes), dtype=np.int8) for m in self._mid_kinds}
+        # bytearray for fast one-element access; a numpy view of the same memory for slices and checks.
+        self._mid_bytes = {m: bytearray(g.num_pages(m, self.pool_bytes)) for m in self._mid_kinds}
+        self._mid_state = {m: np.frombuffer(b, dtype=np.int8) for m, b in self._mid_bytes.items()}
         self._mid_heap: dict[str, list[int]] = {m: [] for m in self._mid_kinds}
         self._free_mids = dict.fromkeys(self._mid_kinds, 0)
 
         kinds = g.small_kinds
+        # Ratios from the geometry, cached: they are read on every request.
+        self._spm = {(s, m): g.smalls_per_mid(s, m) for s in kinds for m in self._mid_kinds}
+        self._sph = {s: g.smalls_per_huge(s) for s in kinds}
         self._small_state = {s: np.zeros(g.num_pages(s, self.pool_bytes), dtype=np.int8) for s in kinds}
         self._parents: dict[int, _Parent] = {}  # every split mid page, by byte offset
         self._partial: dict[str, dict[int, _Parent]] = {s: {} for s in kinds}  # parents with free smalls
@@ -123,11 +128,11 @@ class PageAllocator:
 
     def small_capacity(self, kind: str) -> int:
         """Small pages of `kind` obtainable now, counting splits of free mid and huge pages."""
-        self._check_level(kind, "small")
-        g = self.geometry
-        cap = self._free_smalls[kind] + self._free_huge * g.smalls_per_huge(kind)
+        if kind not in self._sph:
+            self._check_level(kind, "small")
+        cap = self._free_smalls[kind] + self._free_huge * self._sph[kind]
         for m in self._mid_kinds:
-            cap += self._free_mids[m] * g.smalls_per_mid(kind, m)
+            cap += self._free_mids[m] * self._spm[kind, m]
         return cap
 
     def mid_capacity(self, kind: str) -> int:
@@ -265,7 +270,10 @@ class PageAllocator:
         self._free_smalls[kind] += ids.size
         # Parent key = byte offset of the enclosing mid page; ids are sorted so keys are non-decreasing.
         off = g.offset(kind, ids)
-        mid_size = self._mid_size_table[self._huge_kind[g.huge_of_small(kind, ids)]]
+        if len(self._mid_kinds) == 1:
+            mid_size = self._mid_size_table[0]
+        else:
+            mid_size = self._mid_size_table[self._huge_kind[g.huge_of_small(kind, ids)]]
         keys = off - off % mid_size
         cuts = (np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist()
         starts = [0, *cuts]
@@ -276,7 +284,7 @@ class PageAllocator:
         for key, a, b in zip(key_list, starts, ends, strict=True):
             p = self._parents[key]
             p.free.extend(id_list[a:b])
-            if len(p.free) == g.smalls_per_mid(kind, p.mid_kind):
+            if len(p.free) == self._spm[kind, p.mid_kind]:
                 self._merge_parent(kind, p)
             elif key not in partial:
                 partial[key] = p
@@ -328,7 +336,7 @@ class PageAllocator:
         self._free_mids[kind] += len(r)
 
     def _take_free_mid(self, kind: str, new_state: int) -> int:
-        heap, state = self._mid_heap[kind], self._mid_state[kind]
+        heap, state = self._mid_heap[kind], self._mid_bytes[kind]
         while True:
             m = heapq.heappop(heap)
             if state[m] == FREE:  # otherwise a stale entry left by a merge (see module docstring)
@@ -340,7 +348,7 @@ class PageAllocator:
 
     def _release_mid(self, kind: str, m: int) -> None:
         g = self.geometry
-        self._mid_state[kind][m] = FREE
+        self._mid_bytes[kind][m] = FREE
         self._free_mids[kind] += 1
         heap = self._mid_heap[kind]
         heapq.heappush(heap, m)
@@ -354,7 +362,7 @@ class PageAllocator:
             heapq.heappush(self._huge_heap, h)
             self._free_huge += 1
             if len(heap) > 2 * self._free_mids[kind] + 1024:  # drop stale entries now and then
-                state = self._mid_state[kind]
+                state = self._mid_bytes[kind]
                 self._mid_heap[kind] = [x for x in heap if state[x] == FREE]
                 heapq.heapify(self._mid_heap[kind])
 

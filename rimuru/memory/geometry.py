@@ -171,8 +171,11 @@ class PageGeometry:
         return self._levels[kind]
 
     def size(self, kind: str) -> int:
-        self._check(kind)
-        return self._sizes[kind]
+        try:
+            return self._sizes[kind]
+        except KeyError:
+            self._check(kind)
+            raise
 
     def unpadded_size(self, kind: str) -> int:
         for k, _, raw in self.small:
