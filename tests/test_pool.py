@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rimuru.memory import PageGeometry, PagePool
 from rimuru.model_spec import load_model_spec
@@ -79,3 +81,31 @@ def test_view_errors():
         p.kv_view()
     with pytest.raises(KeyError, match="unknown page kind"):
         p.view("ssm", torch.float32, (1,))
+
+
+VIEW_GEOMETRIES = [
+    PageGeometry.custom(mid_sizes={"expert": 96, "ssm": 64}, small_sizes={"kv": 16, "conv": 20}),
+    PageGeometry.custom(mid_sizes={"expert": 48}, small_sizes={"kv": 16, "conv": 8}),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(geo=st.sampled_from(VIEW_GEOMETRIES), data=st.data())
+def test_write_through_one_kind_read_through_another(geo: PageGeometry, data: st.DataObject):
+    p = PagePool(geo, 2 * geo.huge_size, "cpu")
+    kinds = [*geo.mid_kinds, *geo.small_kinds]
+    src = data.draw(st.sampled_from(kinds))
+    page = data.draw(st.integers(0, geo.num_pages(src, p.pool_bytes) - 1))
+    n = geo.size(src) // 4
+    pattern = torch.arange(1, n + 1, dtype=torch.int32) * 7
+    p.view(src, torch.int32, (n,))[page] = pattern
+    start = geo.offset(src, page)
+    expected = pattern.view(torch.uint8)  # the bytes at [start, start + size(src))
+    for dst in kinds:
+        size = geo.size(dst)
+        view = p.view(dst, torch.uint8, (size,))
+        for q in range(start // size, (start + geo.size(src) - 1) // size + 1):
+            lo, hi = max(start, geo.offset(dst, q)), min(start + geo.size(src), geo.offset(dst, q) + size)
+            got = view[q][lo - geo.offset(dst, q) : hi - geo.offset(dst, q)]
+            assert torch.equal(got, expected[lo - start : hi - start])
+    assert p.buffer.count_nonzero().item() == expected.count_nonzero().item()
