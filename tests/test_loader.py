@@ -15,6 +15,7 @@ from rimuru.model_spec import ModelSpec
 from rimuru.models import (
     StaticExpertProvider,
     build_model,
+    init_dummy_expert_pages,
     init_dummy_weights,
     load_checkpoint,
     write_expert_to_pages,
@@ -150,6 +151,12 @@ def test_init_dummy_weights(tiny_checkpoint: Callable[..., Path]) -> None:
             assert torch.all(p == 1), name
     emb = a.model.embed_tokens.weight.float()
     assert 0.015 < emb.std().item() < 0.025
+
+
+def test_init_dummy_expert_pages_fills_only_the_given_pages() -> None:
+    view = torch.zeros(10, 12)
+    init_dummy_expert_pages(view, torch.tensor([[7, 2, 5]]), seed=1, chunk=2)
+    assert view[[2, 5, 7]].abs().min() > 0 and not view[[0, 1, 3, 4, 6, 8, 9]].any()
 
 
 def test_unsupported_model_type() -> None:

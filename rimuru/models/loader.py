@@ -209,3 +209,17 @@ def init_dummy_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) -> 
             if p.device not in generators:
                 generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
             p.normal_(0.0, std, generator=generators[p.device])
+
+
+def init_dummy_expert_pages(
+    expert_view: Tensor, pages: Tensor, seed: int = 0, std: float = 0.02, chunk: int = 256
+) -> None:
+    """Random N(0, std) expert matrices in the given pages of `expert_view` [n_mid, f*d], generated
+    on the view's device `chunk` pages at a time (no full-size temporary)."""
+    flat = pages.reshape(-1).to(device=expert_view.device, dtype=torch.long)
+    g = torch.Generator(device=expert_view.device).manual_seed(seed)
+    with torch.no_grad():
+        for start in range(0, flat.numel(), chunk):
+            ids = flat[start : start + chunk]
+            rows = expert_view.new_empty(ids.numel(), expert_view.shape[1])  # [chunk, f*d]
+            expert_view[ids] = rows.normal_(0.0, std, generator=g)
