@@ -78,12 +78,13 @@ def load_tokenizer(path: str | None) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype) -> int:
+def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
     """An upper bound of the activations of one forward pass at the batch limits.
 
     Per token: hidden states and residual, q/k/v/o, the MLP intermediates (routed: top-k copies of
     2f; shared expert: 2 * its width), the router logits; per sampled sequence: fp32 logits and the
-    sampler's working copies. Doubled for allocator slack, plus a fixed 256 MiB for kernels' scratch.
+    sampler's working copies. Doubled for allocator slack, plus fixed scratch for kernels and the CUDA
+    context's allocator (256 MiB on a GPU, 16 MiB on the CPU).
     """
     T = config.max_num_batched_tokens
     d, el = spec.hidden_size, dtype_bytes(dtype)
@@ -92,7 +93,8 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype) -
               3 * spec.shared_expert_intermediate_size, 3 * spec.intermediate_size)
     per_token = (6 * d + 2 * qkv + mlp + spec.num_experts) * el + spec.num_experts_per_tok * 16
     logits = config.max_num_seqs * spec.vocab_size * 4 * 4
-    return 2 * (T * per_token + logits) + 256 * 2**20
+    scratch = 256 * 2**20 if device.type == "cuda" else 16 * 2**20
+    return 2 * (T * per_token + logits) + scratch
 
 
 def default_budget(device: torch.device, spec: ModelSpec, dtype: torch.dtype, work: int) -> int:
@@ -121,7 +123,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=config.block_size,
                                       tp_size=config.tensor_parallel_size)
-    work = workspace_bytes(spec, config, dtype)
+    work = workspace_bytes(spec, config, dtype, device)
     budget = config.budget_bytes or default_budget(device, spec, dtype, work)
     non_expert = spec.non_expert_bytes(dtype)
     pool_bytes = budget - non_expert - work
