@@ -286,3 +286,18 @@ def test_non_streaming_client_timeout_aborts(server: Server) -> None:
         httpx.post(server.url + C, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
     m = server.wait_idle()
     assert m["rimuru:num_requests_running"] == 0 and m["rimuru:kv_pages_used"] == 0
+
+
+def test_vllm_bench_client_payload(server: Server) -> None:
+    """What `vllm bench serve --backend vllm --endpoint /v1/completions --ignore-eos` sends and parses."""
+    payload = {"model": MODEL, "prompt": "Hello world", "repetition_penalty": 1.0, "max_tokens": 7,
+               "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}", "x-request-id": "bench-0"}
+    with httpx.stream("POST", server.url + C, json=payload, headers=headers, timeout=30) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        messages = [m.strip() for m in resp.read().decode().split("\n\n") if m.strip()]
+    assert messages[-1] == "data: [DONE]"
+    data = [json.loads(m.removeprefix("data: ")) for m in messages[:-1]]
+    token_chunks = [d for d in data if d.get("choices")]
+    assert len(token_chunks) == 7 and all(isinstance(d["choices"][0]["text"], str) for d in token_chunks)
+    assert data[-1]["usage"]["completion_tokens"] == 7 and data[-1]["usage"]["prompt_tokens"] > 0
