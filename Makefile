@@ -20,6 +20,10 @@ test: $(STAMP)
 	$(BIN)/ruff check rimuru tests benchmarks
 	$(BIN)/python -m pytest tests
 
+# The main job: a tiny demo MoE checkpoint served in each offload mode, replayed with ShareGPT (CPU without a GPU).
+demo: $(STAMP)
+	$(BIN)/python -m rimuru.demo
+
 lint: $(STAMP)
 	$(BIN)/ruff check rimuru tests benchmarks
 

@@ -12,6 +12,7 @@ _SUBCOMMANDS = {
     "generate": "rimuru.engine.generate_cli",
     "serve": "rimuru.server.cli",
     "bench": "rimuru.bench.cli",
+    "simulate": "rimuru.sim.cli",
 }
 
 
