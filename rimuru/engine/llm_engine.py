@@ -27,8 +27,14 @@ from rimuru.engine.sampler import Sampler
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerOutput
 from rimuru.engine.setup import build_engine_parts
+from rimuru.models.expert_provider import StaticExpertProvider
 
 logger = logging.getLogger("rimuru")
+
+
+def _graph_capturable(model: torch.nn.Module) -> bool:
+    """Decode graphs need expert tables that never require a host decision mid-forward (static experts)."""
+    return all(isinstance(m.provider, StaticExpertProvider) for m in model.modules() if hasattr(m, "provider"))
 
 
 class LLMEngine:
@@ -46,6 +52,8 @@ class LLMEngine:
         self.scheduler = Scheduler(parts.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(parts.model, parts.device, parts.num_attention_layers, config.block_size,
                                   Sampler(parts.device, config.seed))
+        if self.device.type == "cuda" and not config.enforce_eager and _graph_capturable(parts.model):
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._lock = threading.Lock()
