@@ -1,0 +1,134 @@
+"""Offline throughput: N ShareGPT-length requests submitted at once to `LLM`, one engine per mode.
+
+Every mode runs in this one process on identical requests (prompt token ids and output lengths from
+ShareGPT, counted with the Qwen vocabulary; EOS ignored, as vLLM's throughput benchmark does), so the
+rows are comparable side by side. Per mode it reports output tokens/s, requests/s, peak running
+requests, forward steps, preemptions and expert traffic, and keeps the per-step series (running,
+waiting, KV pages) for plots.
+
+    PYTHONPATH=. python benchmarks/bench_offline.py --model qwen1.5-moe-a2.7b --load-format dummy \
+        --gpu-memory-budget 32GiB --modes static --num-prompts 500 --output-json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import run_metadata  # noqa: E402
+from rimuru import LLM, SamplingParams  # noqa: E402
+from rimuru.bench.workload import load_tokenizer, sample_sharegpt  # noqa: E402
+
+
+def warm_up(llm: LLM, vocab: int) -> None:
+    """Compiles the kernels for small and large batches before the clock starts."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(10, vocab - 10, (n,), generator=g).tolist()}
+               for n in (7, 33, 130, 600, 2000)]
+    llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+
+
+def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[str, Any]:
+    engine_args = dict(device=args.device, dtype=args.dtype, gpu_memory_budget=args.gpu_memory_budget,
+                       offload_mode=mode, load_format=args.load_format, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                       enforce_eager=args.enforce_eager)
+    if mode != "static":
+        engine_args.update(resident_experts=args.resident_experts, expert_offload_limit=args.expert_offload_limit)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **engine_args)
+    start_s = time.perf_counter() - t0
+    engine = llm.engine
+    warm_up(llm, engine.spec.vocab_size)
+    before = engine.stats()
+    for i, r in enumerate(requests):
+        engine.add_request(f"b{i}", r.prompt_token_ids,
+                           SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0))
+    series = []
+    out_tokens = 0
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        # cheap counters only: engine.stats() walks the allocator and would slow the loop being measured
+        series.append([round(time.perf_counter() - t0, 4), len(engine.scheduler.running),
+                       len(engine.scheduler.waiting), engine.kv.pages_in_use, engine.experts.num_resident])
+        out_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+    elapsed = time.perf_counter() - t0
+    after = engine.stats()
+    row = {
+        "mode": mode,
+        "engine_start_s": round(start_s, 2),
+        "elapsed_s": round(elapsed, 3),
+        "requests": len(requests),
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "output_tok_per_s": round(out_tokens / elapsed, 1),
+        "requests_per_s": round(len(requests) / elapsed, 3),
+        "forward_steps": after["forward_steps"] - before["forward_steps"],
+        "peak_running": max(s[1] for s in series),
+        "preemptions": after["preemptions"] - before["preemptions"],
+        "kv_pages_total": after["kv_pages_free"] + after["kv_pages_used"],
+        "kv_tokens": (after["kv_pages_free"] + after["kv_pages_used"]) // max(1, engine.kv.num_layers)
+        * engine.config.block_size,
+        "resident_experts": after["resident_experts"],
+        "total_experts": after["total_experts"],
+        "budget_split": engine.parts.budget_split,
+        "stats_after": after,
+        "series_columns": ["t_s", "running", "waiting", "kv_pages_used", "resident_experts"],
+        "series": series,
+    }
+    assert after["kv_pages_used"] == 0, "pages leaked"
+    del llm, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen1.5-moe-a2.7b", help="preset name or model directory")
+    ap.add_argument("--modes", default="static")
+    ap.add_argument("--num-prompts", type=int, default=500)
+    ap.add_argument("--gpu-memory-budget", default="32GiB")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--resident-experts", type=float, default=None)
+    ap.add_argument("--expert-offload-limit", type=int, default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the Qwen vocabulary)")
+    ap.add_argument("--output-json", required=True)
+    args = ap.parse_args()
+
+    requests = sample_sharegpt(load_tokenizer(args.tokenizer), args.num_prompts, seed=args.seed)
+    rows = [run_mode(m.strip(), args, requests) for m in args.modes.split(",")]
+    result = {**run_metadata(), "benchmark": "offline_throughput", "model": args.model,
+              "config": vars(args), "rows": rows}
+    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output_json).write_text(json.dumps(result, indent=1))
+    print(f"{'mode':8} {'out tok/s':>10} {'req/s':>7} {'steps':>6} {'peak run':>8} {'preempt':>7} "
+          f"{'kv tokens':>9} {'experts':>9} {'elapsed s':>9}")
+    for r in rows:
+        print(f"{r['mode']:8} {r['output_tok_per_s']:>10} {r['requests_per_s']:>7} {r['forward_steps']:>6} "
+              f"{r['peak_running']:>8} {r['preemptions']:>7} {r['kv_tokens']:>9} "
+              f"{r['resident_experts']:>4}/{r['total_experts']:<4} {r['elapsed_s']:>9}")
+    print(f"wrote {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()
