@@ -231,4 +231,5 @@ class LLMEngine:
             "forward_steps": self.forward_steps,
             "peak_running": self.peak_running,
             "preemptions": self.scheduler.num_preemptions,
+            **self.parts.offload_stats(),  # expert_bytes_loaded, prefetch_hits, prefetch_misses
         }

@@ -5,7 +5,11 @@ The budget is split as
            + activation workspace (bounded from the batch limits)
            + pool (whole huge pages: routed experts + KV cache)
 and the split is logged. In `static` mode every routed expert is made resident first; what is left
-of the pool is KV cache.
+of the pool is KV cache. In `fixed` mode every routed expert gets a home copy in (pinned) host memory,
+the first K of each layer's ranking are made resident, and two load buffers of `expert_offload_limit`
+experts each are reserved for the rest:
+
+    pool = L_moe * K * 3 expert pages (resident) + 2 * limit * 3 expert pages (load buffers) + KV cache
 """
 
 from __future__ import annotations
@@ -20,15 +24,27 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.kv_cache_manager import KVCacheManager
-from rimuru.experts.cache import ExpertCache, PoolTooSmallError
+from rimuru.experts.cache import (
+    EXPERT,
+    ExpertCache,
+    PoolTooSmallError,
+    resolve_offload_limit,
+    resolve_resident_count,
+)
+from rimuru.experts.host_store import HostExpertStore
+from rimuru.experts.loader import ExpertLoader, LoadCounters
+from rimuru.experts.offload_provider import OffloadExpertProvider
+from rimuru.experts.predictor import ExpertPredictor, moe_routers
 from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pool import PagePool
 from rimuru.model_spec import ModelSpec, dtype_bytes, load_model_spec
-from rimuru.models.expert_provider import StaticExpertProvider
+from rimuru.models.expert_provider import ExpertProvider, StaticExpertProvider
 from rimuru.models.loader import init_dummy_weights, load_checkpoint
 from rimuru.models.registry import build_model
 
 logger = logging.getLogger("rimuru")
+
+BUFFER_OWNER = -2  # allocator owner id of the load buffers' pages
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -48,6 +64,13 @@ class EngineParts:
     max_model_len: int
     num_attention_layers: int
     budget_split: dict[str, int]
+    provider: ExpertProvider
+    host_store: HostExpertStore | None = None  # fixed mode: every expert's home copy
+    loader: ExpertLoader | None = None  # fixed mode with offloaded experts
+
+    def offload_stats(self) -> dict[str, int]:
+        c = self.loader.counters if self.loader is not None else LoadCounters()
+        return {"expert_bytes_loaded": c.bytes_loaded, "prefetch_hits": c.hits, "prefetch_misses": c.misses}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -118,8 +141,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, spec, device)
     tokenizer = load_tokenizer(config.tokenizer or (model_path if is_dir else None))
     mode = config.offload_mode or "static"
-    if mode != "static":
-        raise NotImplementedError(f"offload_mode={mode!r} is not implemented yet; use 'static'")
+    if mode == "elastic":
+        raise NotImplementedError("offload_mode='elastic' is not implemented yet; use 'static' or 'fixed'")
+    if mode == "fixed":
+        resident = resolve_resident_count(config.resident_experts, spec.num_experts)
+        limit = resolve_offload_limit(config.expert_offload_limit, spec.num_experts, resident)
+    if config.expert_ranking is not None:
+        logger.warning("expert_ranking=%s is not read yet: using uniform expert order", config.expert_ranking)
 
     geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=config.block_size,
                                       tp_size=config.tensor_parallel_size)
@@ -135,25 +163,54 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     pool = PagePool(geometry, pool_bytes, device)
     expert_view = pool.expert_view(dtype)
     experts = ExpertCache(spec, pool.allocator, expert_view, device)
-    try:
-        experts.make_all_resident()
-    except PoolTooSmallError as e:
-        short = expert_bytes - pool.pool_bytes
-        raise ValueError(
-            f"offload_mode='static' needs every routed expert on the device ({format_bytes(expert_bytes)}), "
-            f"but the page pool is {format_bytes(pool.pool_bytes)} ({e}); short by at least "
-            f"{format_bytes(max(short, geometry.huge_size))}. Raise gpu_memory_budget or use "
-            f"offload_mode='fixed' or 'elastic' to keep some experts in host memory") from None
     num_attn = len(spec.attention_layer_ids)
     kv_view = pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size), spec.head_dim,
                            dtype, config.block_size)
-    provider = StaticExpertProvider(expert_view, experts.tables)
+    store: HostExpertStore | None = None
+    loader: ExpertLoader | None = None
+    if mode == "static":
+        try:
+            experts.make_all_resident()
+        except PoolTooSmallError as e:
+            short = expert_bytes - pool.pool_bytes
+            raise ValueError(
+                f"offload_mode='static' needs every routed expert on the device ({format_bytes(expert_bytes)}), "
+                f"but the page pool is {format_bytes(pool.pool_bytes)} ({e}); short by at least "
+                f"{format_bytes(max(short, geometry.huge_size))}. Raise gpu_memory_budget or use "
+                f"offload_mode='fixed' or 'elastic' to keep some experts in host memory") from None
+        provider: ExpertProvider = StaticExpertProvider(expert_view, experts.tables)
+    else:
+        _check_fixed_fits(experts, geometry, pool, resident, limit)  # before the slow pinning
+        experts.make_prefix_resident(resident)
+        if limit == 0:  # every expert resident: the tables never change, CUDA graphs stay possible
+            provider = StaticExpertProvider(expert_view, experts.tables)
+        else:
+            store = HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size,
+                                    spec.hidden_size, dtype, pin=device.type == "cuda")
+            pages = pool.allocator.allocate_mid(EXPERT, 2 * 3 * limit, owner=BUFFER_OWNER)
+            assert pages is not None  # capacity was checked above
+            loader = ExpertLoader(experts, store, pages, limit)
+            provider = OffloadExpertProvider(experts, loader)
     model = build_model(spec, dtype, device, provider, kv_view)
+    if isinstance(provider, OffloadExpertProvider):
+        provider.predictor = ExpertPredictor(moe_routers(model), spec.num_experts_per_tok)
     if load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
-        experts.fill_random(seed=config.seed + 1)
-    else:
+        if store is None:
+            experts.fill_random(seed=config.seed + 1)
+        else:  # the same draws as static mode's pages, so every mode serves the same random model
+            store.fill_random(seed=config.seed + 1, device=device)
+            experts.load_from_store(store)
+    elif store is None:
         load_checkpoint(model, spec, model_path, experts.write)
+    else:
+        def sink(layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
+            store.write(layer, expert, w1, w3, w2)
+            experts.write_if_resident(layer, expert, w1, w3, w2)
+
+        load_checkpoint(model, spec, model_path, sink)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # every non-blocking copy into expert pages has landed
     model.eval()
 
     kv = KVCacheManager(pool.allocator, num_attn, config.block_size)
@@ -168,10 +225,32 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         raise ValueError(f"max_model_len={max_model_len} does not fit: the KV cache holds {kv_tokens} tokens")
     split = {"budget": budget, "non_expert_weights": non_expert, "workspace": work, "pool": pool.pool_bytes,
              "experts_resident": experts.num_resident * 3 * geometry.size("expert"),
+             "load_buffers": len(loader.buffer_pages) * geometry.size("expert") if loader else 0,
+             "host_experts": store.nbytes if store else 0,
              "kv_free": kv.capacity_pages() * geometry.size("kv")}
-    logger.info("budget %s = non-expert weights %s + workspace %s + pool %s (experts %s, KV %s = %d tokens)",
+    logger.info("budget %s = non-expert weights %s + workspace %s + pool %s (experts %s, load buffers %s, "
+                "KV %s = %d tokens); %s mode, %d of %d experts resident, host copies %s",
                 format_bytes(budget), format_bytes(non_expert), format_bytes(work), format_bytes(pool.pool_bytes),
-                format_bytes(split["experts_resident"]), format_bytes(split["kv_free"]), kv_tokens)
+                format_bytes(split["experts_resident"]), format_bytes(split["load_buffers"]),
+                format_bytes(split["kv_free"]), kv_tokens, mode, experts.num_resident, experts.total_experts,
+                format_bytes(split["host_experts"]))
     return EngineParts(spec=spec, tokenizer=tokenizer, device=device, dtype=dtype, geometry=geometry, pool=pool,
                        experts=experts, kv=kv, model=model, max_model_len=max_model_len,
-                       num_attention_layers=num_attn, budget_split=split)
+                       num_attention_layers=num_attn, budget_split=split, provider=provider, host_store=store,
+                       loader=loader)
+
+
+def _check_fixed_fits(experts: ExpertCache, geometry: PageGeometry, pool: PagePool, resident: int,
+                      limit: int) -> None:
+    """`fixed` mode: `resident` experts per layer and two load buffers of `limit` experts must fit the pool."""
+    L, E = experts.num_layers, experts.num_experts
+    need_resident, need_buffers = 3 * L * resident, 2 * 3 * limit
+    have = pool.allocator.mid_capacity(EXPERT)
+    if need_resident + need_buffers > have:
+        page = geometry.size(EXPERT)
+        raise ValueError(
+            f"offload_mode='fixed' with resident_experts={resident} of {E} per layer and expert_offload_limit="
+            f"{limit} needs {need_resident} expert pages for {L} x {resident} resident experts + {need_buffers} "
+            f"for 2 load buffers of {limit} experts = {need_resident + need_buffers} pages "
+            f"({format_bytes((need_resident + need_buffers) * page)}), but the page pool holds {have} "
+            f"({format_bytes(have * page)}); lower resident_experts or raise gpu_memory_budget")

@@ -3,13 +3,20 @@
 Every resident expert owns three mid pages of kind "expert": W1 (gate, [f, d]), W3 (up, [f, d]) and
 W2 (down, [d, f]). The table of MoE layer l is a device tensor [E, 3] int32 of those page ids, -1
 when the expert is not resident; the fused MoE kernel reads weights through it. Tables are one
-[L_moe, E, 3] tensor updated in place, so CUDA graphs captured over them stay valid.
+[L_moe, E, 3] tensor updated in place, so CUDA graphs captured over them stay valid; `host_tables`
+is the same numbers on the host, so deciding what to load never reads the device.
+
+Each layer has a popularity ranking (expert ids, most popular first; uniform order 0..E-1 when none is
+given). The resident set of a layer is always a prefix of its ranking (DESIGN.md §4).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from rimuru.experts.host_store import HostExpertStore
 from rimuru.memory.allocator import PageAllocator
 from rimuru.model_spec import ModelSpec
 
@@ -21,17 +28,63 @@ class PoolTooSmallError(RuntimeError):
     pass
 
 
+def resolve_resident_count(resident_experts: float | None, num_experts: int) -> int:
+    """`fixed` mode: experts kept resident per layer, from a count (>= 1, whole) or a fraction (< 1,
+    rounded down, at least 1)."""
+    if resident_experts is None:
+        raise ValueError("offload_mode='fixed' needs resident_experts: a count per layer (>= 1) or a fraction (< 1)")
+    r = float(resident_experts)
+    if r <= 0:
+        raise ValueError(f"resident_experts must be positive, got {resident_experts}")
+    if r < 1:
+        return max(1, int(r * num_experts))
+    if r != int(r):
+        raise ValueError(f"resident_experts={resident_experts} is neither a whole count (>= 1) nor a fraction (< 1)")
+    if int(r) > num_experts:
+        raise ValueError(f"resident_experts={int(r)} is more than the {num_experts} experts of a layer")
+    return int(r)
+
+
+def resolve_offload_limit(expert_offload_limit: int | None, num_experts: int, resident: int) -> int:
+    """The most experts a layer may have offloaded (= load-buffer slots); default E - resident."""
+    offloaded = num_experts - resident
+    if expert_offload_limit is None:
+        return offloaded
+    if expert_offload_limit < offloaded:
+        raise ValueError(f"expert_offload_limit={expert_offload_limit} is below the {offloaded} experts per layer "
+                         f"that resident_experts={resident} of {num_experts} leaves offloaded; raise the limit or "
+                         f"resident_experts")
+    if expert_offload_limit > num_experts:
+        raise ValueError(f"expert_offload_limit={expert_offload_limit} is more than the {num_experts} experts "
+                         "of a layer")
+    return expert_offload_limit
+
+
 class ExpertCache:
     def __init__(self, spec: ModelSpec, allocator: PageAllocator, expert_view: torch.Tensor,
-                 device: torch.device) -> None:
+                 device: torch.device, ranking: Sequence[Sequence[int]] | None = None) -> None:
         self.spec = spec
         self.allocator = allocator
         self.expert_view = expert_view  # [n_mid, f*d]
         self.num_layers = spec.num_moe_layers
         self.num_experts = spec.num_experts
         self.tables = torch.full((self.num_layers, self.num_experts, 3), -1, dtype=torch.int32, device=device)
+        self.host_tables = torch.full((self.num_layers, self.num_experts, 3), -1, dtype=torch.int32)  # mirror
         self._pages: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self.ranking = self._check_ranking(ranking)  # per layer: expert ids, most popular first
 
+    def _check_ranking(self, ranking: Sequence[Sequence[int]] | None) -> list[list[int]]:
+        L, E = self.num_layers, self.num_experts
+        if ranking is None:
+            return [list(range(E)) for _ in range(L)]
+        rows = [[int(e) for e in row] for row in ranking]
+        if len(rows) != L:
+            raise ValueError(f"the expert ranking has {len(rows)} layers; the model has {L} MoE layers")
+        for layer, row in enumerate(rows):
+            if sorted(row) != list(range(E)):
+                raise ValueError(f"the expert ranking of MoE layer {layer} must order each of the {E} experts "
+                                 f"exactly once, got {row}")
+        return rows
     @property
     def num_resident(self) -> int:
         return len(self._pages)
@@ -60,11 +113,21 @@ class ExpertCache:
         rows = torch.tensor(pages, dtype=torch.int32).view(-1, 3)
         idx = torch.tensor(experts, dtype=torch.int64).view(-1, 2)
         self.tables[idx[:, 0], idx[:, 1]] = rows.to(self.tables.device)
+        self.host_tables[idx[:, 0], idx[:, 1]] = rows
         for (layer, expert), row in zip(experts, rows.tolist(), strict=True):
             self._pages[(layer, expert)] = tuple(row)  # type: ignore[assignment]
 
     def make_all_resident(self) -> None:
         self.make_resident([(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)])
+
+    def make_prefix_resident(self, per_layer: int) -> None:
+        """`fixed` mode: the first `per_layer` experts of each layer's ranking become resident."""
+        if not 0 <= per_layer <= self.num_experts:
+            raise ValueError(f"resident experts per layer must be in [0, {self.num_experts}], got {per_layer}")
+        self.make_resident([(layer, e) for layer in range(self.num_layers) for e in self.ranking[layer][:per_layer]])
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self._pages
 
     def pages_of(self, layer: int, expert: int) -> tuple[int, int, int] | None:
         return self._pages.get((layer, expert))
@@ -76,6 +139,18 @@ class ExpertCache:
             raise KeyError(f"expert {expert} of MoE layer {layer} is not resident")
         for page, w in zip(pages, (w1, w3, w2), strict=True):
             self.expert_view[page].copy_(w.reshape(-1), non_blocking=True)
+
+    def write_if_resident(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor,
+                          w2: torch.Tensor) -> None:
+        if (layer, expert) in self._pages:
+            self.write(layer, expert, w1, w3, w2)
+
+    def load_from_store(self, store: HostExpertStore) -> None:
+        """Copies every resident expert's matrices from its home copy into its pages."""
+        for (layer, expert), pages in self._pages.items():
+            src = store.expert(layer, expert)  # [3, f*d]
+            for j, page in enumerate(pages):
+                self.expert_view[page].copy_(src[j], non_blocking=True)
 
     def fill_random(self, seed: int, std: float = 0.02) -> None:
         """Dummy weights: normal(0, std) in every resident expert page (load_format="dummy")."""

@@ -1,0 +1,171 @@
+"""Copies non-resident experts from the host store into two load buffers on a dedicated copy stream.
+
+A load buffer is `limit` expert slots of reserved expert pages (3 mid pages per slot) plus its own
+device expert table [E, 3] that the MoE kernel reads: the layer's resident rows, plus one row per
+expert copied into a slot. Consecutive MoE layers alternate buffers, so layer l computes from one
+while layer l+1's experts arrive in the other:
+
+    buffer 0: layers 0, 2, 4, ...      slots: | s0: p1 p3 p2 | s1: p1 p3 p2 | ... | s(limit-1) |
+    buffer 1: layers 1, 3, 5, ...      table: [E, 3] int32, resident rows + slot rows, -1 elsewhere
+
+Ordering on a GPU (all host-side decisions; the device only sees events):
+
+    compute stream:  ... MoE(l-2)[reads buf b] --fence(b)--> attn(l-1) MoE(l-1) ... wait ready(b) MoE(l)
+    copy stream:            wait fence(b) --> copies into b, table(b) update --> ready(b)
+
+  * fence(b): recorded on the compute stream at the first provider call after the kernel that read
+    buffer b was queued; the copy stream waits on it before the buffer's pages or table are rewritten,
+    so a buffer is never overwritten while the layer using it may still run.
+  * ready(b): recorded on the copy stream after the last copy into b; the compute stream waits on it
+    before the layer's kernel, so a kernel never reads a half-copied expert.
+Without CUDA the same calls run as plain synchronous copies and the events are absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rimuru.experts.cache import ExpertCache
+from rimuru.experts.host_store import HostExpertStore
+
+
+@dataclass
+class LoadCounters:
+    experts_loaded: int = 0  # experts copied host -> device, prefetched or on demand
+    bytes_loaded: int = 0
+    prefetched: int = 0  # of experts_loaded, copied ahead of their layer by the predictor
+    on_demand: int = 0  # of experts_loaded, copied when the real routing asked for them
+    hits: int = 0  # routed non-resident experts found already prefetched
+    misses: int = 0  # routed non-resident experts loaded on demand
+
+
+@dataclass
+class LoadBuffer:
+    index: int
+    slot_pages: list[tuple[int, int, int]]  # slot -> (p_W1, p_W3, p_W2)
+    table: Tensor  # [E, 3] int32 on the device: what the kernel of `layer` reads
+    host_table: Tensor  # [E, 3] int32 on the host: the same numbers, edited here then pushed
+    layer: int = -1  # MoE layer whose experts the slots hold; -1 = none yet
+    slot_of: dict[int, int] = field(default_factory=dict)  # expert -> slot
+    consumed: bool = True  # handed to `layer`'s kernel: reusable only behind a fence
+    dirty: bool = False  # host_table differs from table
+    fence: torch.cuda.Event | None = None
+    ready: torch.cuda.Event | None = None
+
+
+class ExpertLoader:
+    def __init__(self, cache: ExpertCache, store: HostExpertStore, buffer_pages: list[int], limit: int) -> None:
+        if len(buffer_pages) != 2 * 3 * limit:
+            raise ValueError(f"two load buffers of {limit} experts need {6 * limit} pages, got {len(buffer_pages)}")
+        if (store.num_layers, store.num_experts) != (cache.num_layers, cache.num_experts):
+            raise ValueError(f"host store ({store.num_layers} x {store.num_experts}) does not match the expert "
+                             f"cache ({cache.num_layers} x {cache.num_experts})")
+        self.cache = cache
+        self.store = store
+        self.limit = limit
+        self.expert_view = cache.expert_view  # [n_mid, f*d]
+        device = cache.tables.device
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.counters = LoadCounters()
+        E = cache.num_experts
+        self.buffers: list[LoadBuffer] = []
+        for b in range(2):
+            own = buffer_pages[b * 3 * limit : (b + 1) * 3 * limit]
+            slots = [(own[3 * s], own[3 * s + 1], own[3 * s + 2]) for s in range(limit)]
+            self.buffers.append(LoadBuffer(
+                index=b, slot_pages=slots, table=torch.full((E, 3), -1, dtype=torch.int32, device=device),
+                host_table=torch.full((E, 3), -1, dtype=torch.int32)))
+
+    @property
+    def buffer_pages(self) -> list[int]:
+        return [p for buf in self.buffers for slot in buf.slot_pages for p in slot]
+
+    def _copy_stream(self) -> contextlib.AbstractContextManager[object]:
+        return torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ ordering
+
+    def fence_consumed(self) -> None:
+        """Called at every provider entry: every buffer whose kernel has been queued since the last call
+        gets its fence, recorded on the compute stream right after that kernel."""
+        for buf in self.buffers:
+            if buf.consumed and buf.fence is None and buf.layer >= 0 and self.copy_stream is not None:
+                buf.fence = torch.cuda.Event()
+                buf.fence.record()
+
+    def claim(self, layer: int) -> LoadBuffer:
+        """The buffer of MoE layer `layer`: as is when it holds this layer's unconsumed prefetch, otherwise
+        emptied for it (the copy stream first waits until its previous layer's kernel is done)."""
+        buf = self.buffers[layer % 2]
+        if buf.layer == layer and not buf.consumed:
+            return buf
+        if buf.fence is not None:
+            self.copy_stream.wait_event(buf.fence)  # type: ignore[union-attr]
+        buf.layer, buf.consumed, buf.fence = layer, False, None
+        buf.slot_of = {}
+        buf.host_table.copy_(self.cache.host_tables[layer])  # resident rows only
+        buf.dirty = True
+        return buf
+
+    def wait_ready(self, buf: LoadBuffer) -> None:
+        """The compute stream will not run past this point until every copy into `buf` has landed."""
+        if buf.ready is not None:
+            torch.cuda.current_stream().wait_event(buf.ready)
+
+    # ------------------------------------------------------------------ copies
+
+    def load(self, buf: LoadBuffer, experts: Iterable[int], keep: set[int], prefetch: bool) -> None:
+        """Copies `experts` of `buf.layer` into free slots of `buf`; slots of experts not in `keep` are reused
+        when no slot is free. Then pushes the buffer's table and records its ready event."""
+        experts = [e for e in experts if e not in buf.slot_of]
+        if not experts:
+            return
+        used = set(buf.slot_of.values())
+        free = [s for s in range(self.limit) if s not in used]
+        if len(free) < len(experts):  # reuse slots of prefetched experts the routing did not pick
+            stale = [e for e in buf.slot_of if e not in keep]
+            for e in stale[: len(experts) - len(free)]:
+                free.append(buf.slot_of.pop(e))
+                buf.host_table[e] = -1
+        if len(free) < len(experts):
+            raise RuntimeError(f"MoE layer {buf.layer} needs {len(experts)} more experts in a load buffer of "
+                               f"{self.limit} slots holding {len(buf.slot_of)} still needed; expert_offload_limit "
+                               "is smaller than the experts a layer has offloaded")
+        layer_store = self.store.layers[buf.layer]  # [E, 3, f*d] host
+        with self._copy_stream():
+            for e, slot in zip(experts, free, strict=False):
+                pages = buf.slot_pages[slot]
+                for j, page in enumerate(pages):
+                    self.expert_view[page].copy_(layer_store[e, j], non_blocking=True)
+                buf.slot_of[e] = slot
+                buf.host_table[e] = torch.tensor(pages, dtype=torch.int32)
+            self._publish(buf)
+        n = len(experts)
+        c = self.counters
+        c.experts_loaded += n
+        c.bytes_loaded += n * self.store.expert_bytes
+        if prefetch:
+            c.prefetched += n
+        else:
+            c.on_demand += n
+
+    def publish(self, buf: LoadBuffer) -> None:
+        """Pushes `buf`'s host table to its device table (after the copy stream's fence wait)."""
+        if buf.dirty:
+            with self._copy_stream():
+                self._publish(buf)
+
+    def _publish(self, buf: LoadBuffer) -> None:
+        if self.copy_stream is None:
+            buf.table.copy_(buf.host_table)
+        else:
+            # a pinned staging copy from the caching host allocator: it is not reused before this copy ends
+            buf.table.copy_(buf.host_table.pin_memory(), non_blocking=True)
+            buf.ready = torch.cuda.Event()
+            buf.ready.record(self.copy_stream)
+        buf.dirty = False

@@ -1,0 +1,88 @@
+"""ExpertProvider for `fixed` (and later `elastic`) mode: resident experts from their pages, the rest
+from the load buffers, filled by prefetch (predictor) or on demand.
+
+Per MoE layer l of a forward pass:
+
+    before_layer(l, h)   predictor: scores of layer l+1's experts from h (queued on the device, no sync)
+    table(l, topk_ids)   1. ONE device->host read: which experts the real routing picked (+ the scores)
+                         2. routed & not resident: in the buffer already = hit, else load now = miss
+                         3. the kernel of l waits for the buffer's copies; returns its table [E, 3]
+                         4. prefetch layer l+1's predicted non-resident experts into the other buffer
+
+The prefetch copies are issued at step 4 rather than in before_layer because the host only learns the
+predicted ids at the one read of step 1 (a second sync per layer would stall the launch pipeline);
+they still overlap layer l's MoE kernel and layer l+1's attention. That read makes this provider
+unusable inside a CUDA graph (the engine captures graphs only for StaticExpertProvider).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rimuru.experts.cache import ExpertCache
+from rimuru.experts.loader import ExpertLoader, LoadCounters
+from rimuru.experts.predictor import ExpertPredictor
+from rimuru.models.expert_provider import ExpertProvider
+
+
+class OffloadExpertProvider(ExpertProvider):
+    def __init__(self, cache: ExpertCache, loader: ExpertLoader, predictor: ExpertPredictor | None = None) -> None:
+        self.cache = cache
+        self.loader = loader
+        self.expert_view = cache.expert_view  # [n_mid, f*d]
+        self.predictor = predictor  # set after the model is built (its routers live in the model)
+        self._prediction: tuple[int, Tensor] | None = None  # (MoE layer, scores [E] on the device)
+
+    @property
+    def counters(self) -> LoadCounters:
+        return self.loader.counters
+
+    def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
+        self.loader.fence_consumed()
+        nxt = moe_layer + 1
+        if self.predictor is not None and nxt < self.cache.num_layers:
+            self._prediction = (nxt, self.predictor.scores(nxt, hidden))
+        else:
+            self._prediction = None
+
+    def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+        loader, E = self.loader, self.cache.num_experts
+        if not 0 <= moe_layer < self.cache.num_layers:
+            raise IndexError(f"MoE layer {moe_layer} is outside [0, {self.cache.num_layers})")
+        loader.fence_consumed()
+        flat = topk_ids.reshape(-1).long()
+        flat = torch.where((flat >= 0) & (flat < E), flat, E)  # out-of-range ids counted in bin E
+        counts = torch.bincount(flat, minlength=E + 1).float()  # [E + 1]
+        pred, self._prediction = self._prediction, None
+        if pred is not None and pred[0] != moe_layer + 1:
+            pred = None
+        both = counts if pred is None else torch.cat([counts, pred[1]])  # [E + 1 (+ E)]
+        host = both.cpu()  # the one device->host sync of this layer
+        if host[E] > 0:
+            raise ValueError(f"routed expert ids of MoE layer {moe_layer} must be in [0, {E})")
+        absent = self.cache.host_tables[moe_layer, :, 0] < 0  # [E] not resident
+        needed = torch.nonzero((host[:E] > 0) & absent).flatten().tolist()
+
+        buf = loader.claim(moe_layer)
+        hits = sum(1 for e in needed if e in buf.slot_of)
+        loader.counters.hits += hits
+        loader.counters.misses += len(needed) - hits
+        loader.load(buf, needed, keep=set(needed), prefetch=False)
+        if needed:
+            loader.publish(buf)
+            loader.wait_ready(buf)
+            table = buf.table
+        else:
+            table = self.cache.tables[moe_layer]  # every routed expert is resident
+        buf.consumed = True
+
+        if pred is not None and loader.limit > 0:
+            scores = host[E + 1 :]
+            cand = torch.nonzero((scores > 0) & self.cache.host_tables[moe_layer + 1, :, 0].lt(0)).flatten()
+            order = torch.argsort(scores[cand], descending=True, stable=True)
+            picked = cand[order][: loader.limit].tolist()
+            if picked:
+                nxt = loader.claim(moe_layer + 1)
+                loader.load(nxt, picked, keep=set(), prefetch=True)
+        return table  # [E, 3]
