@@ -1,0 +1,198 @@
+"""`rimuru simulate`: would elastic expert offloading help this model, card and traffic? (no GPU needed)
+
+    rimuru simulate --model qwen1.5-moe-a2.7b --gpu-memory-budget 32GiB --dataset sharegpt \\
+        --request-rate 10 --num-prompts 500 --modes static,fixed,elastic --seed 0 --output-json sim.json
+
+Per mode it runs the trace once at --request-rate (peak running, forward steps, throughput, TTFT/TPOT,
+evictions/grows, PCIe bytes) and then a rate sweep: the largest rate of --sweep-rates such that it and
+every lower rate meet TTFT p99 <= --slo-ttft-p99 (the same prompts, new Poisson arrivals per rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rimuru.config import format_bytes, parse_bytes
+from rimuru.experts.adjuster import AdjusterConfig
+from rimuru.experts.popularity import ExpertPopularity
+from rimuru.model_spec import load_model_spec
+from rimuru.sim.cost_model import HARDWARE
+from rimuru.sim.simulator import MODES, SimConfig, SimRequest, Simulation, SimulationError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("simulate", help="capacity simulator: static / fixed / elastic on a cost model",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="preset name or a directory with config.json")
+    p.add_argument("--gpu-memory-budget", required=True, help="e.g. 32GiB")
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt | fixed:PROMPT_LEN:OUTPUT_LEN")
+    p.add_argument("--request-rate", type=float, default=10.0, help="requests/s (Poisson)")
+    p.add_argument("--num-prompts", type=int, default=500)
+    p.add_argument("--modes", default="static,fixed,elastic")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json")
+    p.add_argument("--plot", help="PNG of the memory split and running/waiting over time")
+    p.add_argument("--resident-experts", type=int, help="fixed mode: experts per layer (default E - limit)")
+    p.add_argument("--expert-offload-limit", type=int, default=10, help="most experts one layer may offload")
+    p.add_argument("--routing", default="uniform", help="uniform | zipf:S (seeded power-law router)")
+    p.add_argument("--ranking", help="ranking JSON from `rimuru profile` (overrides --routing)")
+    p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
+    p.add_argument("--peak-tflops", type=float, help="override the hardware's bf16 TFLOP/s")
+    p.add_argument("--hbm-bandwidth", type=float, help="override, GB/s")
+    p.add_argument("--pcie-bandwidth", type=float, help="override, GB/s")
+    p.add_argument("--flops-efficiency", type=float)
+    p.add_argument("--bandwidth-efficiency", type=float)
+    p.add_argument("--copy-overlap", type=float, help="share of compute time copies hide behind (0..1)")
+    p.add_argument("--step-overhead-ms", type=float)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--sweep-rates", default="2,5,10,15,20,30,40,60", help="comma list; empty: no sweep")
+    p.add_argument("--slo-ttft-p99", type=float, default=2.0, help="seconds, the sweep's criterion")
+    p.set_defaults(func=run)
+
+
+def load_requests(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) per request; ShareGPT through the shared loader (Qwen vocabulary)."""
+    if dataset == "sharegpt":
+        from rimuru.bench.workload import load_tokenizer, sample_sharegpt
+
+        return [(r.prompt_len, r.output_len) for r in sample_sharegpt(load_tokenizer(None), num_prompts, seed)]
+    kind, _, rest = dataset.partition(":")
+    if kind == "fixed":
+        try:
+            prompt, output = (int(x) for x in rest.split(":"))
+        except ValueError:
+            raise SystemExit(f"bad --dataset {dataset!r}: use fixed:PROMPT_LEN:OUTPUT_LEN") from None
+        return [(prompt, output)] * num_prompts
+    raise SystemExit(f"unknown --dataset {dataset!r}: use sharegpt or fixed:PROMPT_LEN:OUTPUT_LEN")
+
+
+def with_arrivals(pairs: list[tuple[int, int]], rate: float, seed: int) -> list[SimRequest]:
+    from rimuru.bench.workload import poisson_arrivals
+
+    return [SimRequest(p, o, t) for (p, o), t in zip(pairs, poisson_arrivals(len(pairs), rate, seed), strict=True)]
+
+
+def hardware_from(args: argparse.Namespace):
+    hw = HARDWARE[args.hardware]
+    over: dict[str, float] = {}
+    for flag, field_name, scale in (("peak_tflops", "peak_flops", 1e12), ("hbm_bandwidth", "hbm_bandwidth", 1e9),
+                                    ("pcie_bandwidth", "pcie_bandwidth", 1e9),
+                                    ("flops_efficiency", "flops_efficiency", 1.0),
+                                    ("bandwidth_efficiency", "bandwidth_efficiency", 1.0),
+                                    ("copy_overlap", "copy_overlap", 1.0),
+                                    ("step_overhead_ms", "step_overhead_s", 1e-3)):
+        value = getattr(args, flag)
+        if value is not None:
+            over[field_name] = value * scale
+    return replace(hw, **over)
+
+
+def sustained_rate(run_at, rates: list[float], slo: float) -> tuple[float | None, list[dict[str, float]]]:
+    """Largest rate r such that r and every lower rate of `rates` meet TTFT p99 <= slo."""
+    best, points = None, []
+    for rate in sorted(rates):
+        s = run_at(rate).summary()
+        ok = s["ttft_p99_s"] <= slo
+        points.append({"rate": rate, "ttft_p99_s": s["ttft_p99_s"], "output_throughput_tok_s":
+                       s["output_throughput_tok_s"], "peak_running": s["peak_running"], "meets_slo": ok})
+        if not ok:
+            break
+        best = rate
+    return best, points
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_model_spec(args.model)
+    L, E = spec.num_moe_layers, spec.num_experts
+    if args.ranking:
+        pop = ExpertPopularity.load(args.ranking, L, E)
+        routing = f"ranking file {args.ranking}"
+    else:
+        pop = ExpertPopularity.from_routing(str(args.model), args.routing, L, E, seed=args.seed)
+        routing = args.routing
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+    hw = hardware_from(args)
+    pairs = load_requests(args.dataset, args.num_prompts, args.seed)
+    base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,
+                     adjuster=AdjusterConfig(), resident_experts=args.resident_experts,
+                     expert_offload_limit=args.expert_offload_limit, max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens)
+    rates = [float(r) for r in args.sweep_rates.split(",") if r.strip()]
+    sections: dict[str, dict[str, Any]] = {}
+    print(f"{args.model}: {len(pairs)} requests at {args.request_rate} req/s, budget "
+          f"{format_bytes(base.budget_bytes)}, hardware {hw.name}, routing {routing}")
+    for mode in modes:
+        cfg = replace(base, mode=mode)
+
+        def run_at(rate: float, cfg: SimConfig = cfg):
+            return Simulation(spec, pop, cfg).run(with_arrivals(pairs, rate, args.seed))
+
+        t0 = time.perf_counter()
+        try:
+            result = run_at(args.request_rate)
+        except SimulationError as e:
+            print(f"{mode:8s} cannot run: {e}")
+            sections[mode] = {"error": str(e)}
+            continue
+        section = result.summary()
+        section["timeline"] = result.timeline
+        if rates:
+            best, points = sustained_rate(run_at, rates, args.slo_ttft_p99)
+            section["max_sustained_rate"] = best
+            section["sweep"] = points
+        section["wall_s"] = time.perf_counter() - t0
+        sections[mode] = section
+        print_section(mode, section)
+    report = {
+        "config": {"model": args.model, "budget_bytes": base.budget_bytes, "dataset": args.dataset,
+                   "num_prompts": len(pairs), "request_rate": args.request_rate, "seed": args.seed,
+                   "routing": routing, "hardware": vars(hw), "adjuster": vars(base.adjuster),
+                   "resident_experts": args.resident_experts, "expert_offload_limit": args.expert_offload_limit,
+                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "sweep_rates": rates, "sweep_criterion": f"ttft_p99_s <= {args.slo_ttft_p99}"},
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "command": "rimuru simulate " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["simulate"] else sys.argv[1:]),
+        "modes": sections,
+    }
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"json: {args.output_json}")
+    if args.plot:
+        from rimuru.sim.plot import plot_timelines
+
+        ok = {m: s for m, s in sections.items() if "timeline" in s}
+        plot_timelines(ok, args.plot, f"{args.model}, {format_bytes(base.budget_bytes)}, {args.request_rate} req/s, "
+                                      f"{hw.name}, routing {routing}")
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def print_section(mode: str, s: dict[str, Any]) -> None:
+    rate = s.get("max_sustained_rate", "-")
+    print(f"{mode:8s} peak running {s['peak_running']:4d}  steps {s['forward_steps']:6d}  "
+          f"{s['output_throughput_tok_s']:8.1f} tok/s  TTFT p50/p99 {s['ttft_p50_s']:.3f}/{s['ttft_p99_s']:.3f} s  "
+          f"TPOT p50/p99 {1e3 * s['tpot_p50_s']:.1f}/{1e3 * s['tpot_p99_s']:.1f} ms  evict/grow "
+          f"{s['evictions']}/{s['grows']}  PCIe {s['pcie_bytes'] / 1e9:.1f} GB  max rate {rate}")
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

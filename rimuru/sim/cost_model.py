@@ -1,0 +1,113 @@
+"""Step time of one forward pass without a GPU: a roofline for compute plus PCIe copies of offloaded experts.
+
+    compute = max(FLOPs / (peak_flops * flops_efficiency), HBM bytes / (hbm_bandwidth * bandwidth_efficiency))
+    copies  = PCIe bytes / pcie_bandwidth
+    step    = step_overhead + compute + max(0, copies - copy_overlap * compute)
+
+FLOPs: 2 per weight per token for every non-embedding weight a token passes through (attention, shared
+expert, router, its top-k routed experts; lm_head only for rows that are sampled) plus attention scores
+and values (4 * heads * head_dim per (query, key) pair, causal within a prefill chunk).
+HBM bytes: every non-expert weight once per step, every *activated resident* expert once, the KV cache
+the step attends over, and the KV it writes.
+Activated experts: with p[l, e] the routing share (a popularity), one token picks expert e with
+probability q = min(1, top_k * p); among T tokens it is activated with probability 1 - (1 - q)^T, summed
+over experts for the expected count. Activated experts that are not resident cross PCIe every step
+(the load buffers hold them only for their layer), as do experts grown this step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rimuru.model_spec import ModelSpec, dtype_bytes
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    name: str = "h200"
+    peak_flops: float = 779e12  # bf16 dense GEMM, measured on the H200 (DESIGN.md section 9)
+    hbm_bandwidth: float = 4.26e12  # device-to-device copy, measured on the H200
+    flops_efficiency: float = 0.6  # share of peak a serving step reaches in its GEMMs
+    bandwidth_efficiency: float = 0.8  # calibrated: 30-request decode ~7.5 ms, vLLM (CUDA graphs) TPOT 7.8 ms
+    pcie_bandwidth: float = 55e9  # pinned host-to-device, measured (50-55 GB/s)
+    copy_overlap: float = 1.0  # copies hide behind this share of compute (1: a perfect side stream)
+    step_overhead_s: float = 0.0  # per-step launch / scheduling time (CUDA graphs: ~0)
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "hbm_bandwidth", "flops_efficiency", "bandwidth_efficiency", "pcie_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.copy_overlap <= 1.0 or self.step_overhead_s < 0:
+            raise ValueError("copy_overlap must be in [0, 1] and step_overhead_s >= 0")
+
+
+HARDWARE = {
+    "h200": HardwareConfig(),
+    # RTX 5090 as the paper ran it (CUDA graphs off): 1.79 TB/s GDDR7, 209.5 TFLOP/s dense bf16, PCIe 5.0;
+    # eager launch overhead 32 ms/step = our H200's eager TPOT (40 ms) minus its CUDA-graph TPOT (7.8 ms).
+    "rtx5090": HardwareConfig(name="rtx5090", peak_flops=209.5e12, hbm_bandwidth=1.79e12, step_overhead_s=0.032),
+}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    time_s: float
+    compute_s: float
+    copy_s: float
+    flops: float
+    hbm_bytes: float
+    pcie_bytes: float
+    activated_experts: float  # expected, all layers
+    offloaded_activated: float  # expected, all layers
+
+
+class CostModel:
+    def __init__(self, spec: ModelSpec, probabilities: np.ndarray, hardware: HardwareConfig,
+                 dtype: str = "bfloat16") -> None:
+        self.spec = spec
+        self.hw = hardware
+        el = dtype_bytes(dtype)
+        h = spec.hidden_size
+        embed = spec.vocab_size * h
+        lm_head = embed  # tied or not, the head is a [vocab, hidden] GEMM
+        self.lm_head_params = lm_head
+        # weights every token passes through, except the embedding lookup, lm_head and routed experts
+        self.dense_params = spec.non_expert_params() - embed - (0 if spec.tie_word_embeddings else lm_head)
+        self.expert_params = 3 * spec.expert_matrix_numel  # one routed expert
+        self.expert_bytes = self.expert_params * el
+        self.non_expert_bytes = spec.non_expert_bytes(dtype)
+        self.kv_bytes_per_token = spec.kv_bytes_per_token(dtype)
+        self.attn_width = spec.num_attention_heads * spec.head_dim
+        self.num_attn_layers = len(spec.attention_layer_ids)
+        self.top_k = spec.num_experts_per_tok
+        self.q = np.minimum(1.0, self.top_k * np.asarray(probabilities, dtype=np.float64))  # [L, E]
+        self._log_miss = np.log1p(-np.minimum(self.q, 1.0 - 1e-12))  # log(1 - q), finite
+
+    def activation(self, num_tokens: int) -> np.ndarray:
+        """[L, E]: probability that each expert is routed to by at least one of `num_tokens` tokens."""
+        return -np.expm1(num_tokens * self._log_miss)
+
+    def step(self, chunks: Sequence[tuple[int, int]], num_sampled: int, resident: np.ndarray,
+             grown: int = 0) -> StepCost:
+        """`chunks`: (tokens computed before, new tokens) per scheduled sequence; `resident`: [L, E] bool."""
+        T = sum(n for _, n in chunks)
+        pairs = sum(n * (start + (n + 1) / 2) for start, n in chunks)  # causal (query, key) pairs
+        context = sum(start + n for start, n in chunks)
+        act = self.activation(T)
+        activated = float(act.sum())
+        offloaded = float(act[~resident].sum())
+        flops = 2.0 * T * (self.dense_params + self.spec.num_moe_layers * self.top_k * self.expert_params)
+        flops += 2.0 * num_sampled * self.lm_head_params
+        flops += 4.0 * self.attn_width * pairs * self.num_attn_layers
+        hbm = (self.non_expert_bytes + (activated - offloaded) * self.expert_bytes
+               + context * self.kv_bytes_per_token + T * self.kv_bytes_per_token)
+        pcie = (offloaded + grown) * self.expert_bytes
+        hw = self.hw
+        compute = max(flops / (hw.peak_flops * hw.flops_efficiency), hbm / (hw.hbm_bandwidth * hw.bandwidth_efficiency))
+        copy = pcie / hw.pcie_bandwidth
+        time = hw.step_overhead_s + compute + max(0.0, copy - hw.copy_overlap * compute)
+        return StepCost(time_s=time, compute_s=compute, copy_s=copy, flops=flops, hbm_bytes=hbm, pcie_bytes=pcie,
+                        activated_experts=activated, offloaded_activated=offloaded)
