@@ -63,16 +63,21 @@ def make_case(
     device: str = "cpu",
     seed: int = 0,
     spare_pages: int = 5,
+    num_pages: int | None = None,
+    max_blocks: int | None = None,
 ) -> Case:
-    """Sequences with q_lens[b] new tokens at the end of seq_lens[b] context, on shuffled pages."""
+    """Sequences with q_lens[b] new tokens at the end of seq_lens[b] context, on shuffled pages.
+    `num_pages` / `max_blocks` fix the pool and block-table shapes (cases that refill one graph's buffers)."""
     assert all(0 <= ql <= sl for ql, sl in zip(q_lens, seq_lens, strict=True))
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-s // block_size) for s in seq_lens]
-    num_pages = sum(blocks) + spare_pages
+    num_pages = sum(blocks) + spare_pages if num_pages is None else num_pages
+    assert num_pages >= sum(blocks)
     # Every page starts as noise: a kernel that reads the wrong page or slot is caught.
     kv_cache = torch.randn(num_pages, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     perm = torch.randperm(num_pages, generator=gen)
-    max_blocks = max(blocks + [1]) + 2
+    max_blocks = max(blocks + [1]) + 2 if max_blocks is None else max_blocks
+    assert max_blocks >= max(blocks + [1])
     # Unused block-table entries point far outside the pool: reading one would fault.
     block_table = torch.full((len(seq_lens), max_blocks), num_pages + 10_000, dtype=torch.int32)
     keys, values, used = [], [], 0
@@ -386,19 +391,64 @@ def test_gpu_write_kv_matches_reference() -> None:
 
 @gpu
 @needs_cuda
-def test_gpu_cuda_graph_replay_with_new_lengths() -> None:
-    # Grids depend only on shapes and host ints: capture once, replay with other lengths/pages.
-    case = make_case([1] * 4, [100, 200, 300, 400], 16, 4, 128, dtype=torch.bfloat16, device="cuda")
-    static = case.args()
-    paged_attention(*static)  # compile outside the graph
-    torch.cuda.synchronize()
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_gpu_cuda_graph_replay_with_new_lengths(q_len: int) -> None:
+    # A decode step as the engine captures it: write this step's K/V through the slot mapping, then
+    # attend. Grids depend only on shapes and host ints, so one capture serves any lengths and pages
+    # that fit the static buffers. Every case below has the same buffer shapes (pool, block table
+    # width) and each sequence owns enough pages for its length: refilling the buffers and replaying
+    # must equal contiguous attention on the new contents. (The first version of this test grew a
+    # sequence past its pages, so the block table pointed outside the pool and the reference's
+    # gather asserted on the device.)
+    B, hq, hkv, d, bs = 4, 16, 4, 128, 16
+    shapes = dict(num_pages=100, max_blocks=30, dtype=torch.bfloat16, device="cuda")
+    lengths = [[100, 200, 300, 400], [17, 400, 4, 250], [16, 33, 479, 5]]
+    cases = [make_case([q_len] * B, sl, hq, hkv, d, block_size=bs, seed=i, **shapes) for i, sl in enumerate(lengths)]
+    static = make_case([q_len] * B, lengths[0], hq, hkv, d, block_size=bs, seed=0, **shapes)  # the graph's buffers
+    k_new = torch.empty(B * q_len, hkv, d, dtype=torch.bfloat16, device="cuda")  # [T, Hkv, D]
+    v_new = torch.empty_like(k_new)
+    slot_mapping = torch.empty(B * q_len, dtype=torch.int64, device="cuda")  # [T]
+
+    def load(case: Case) -> None:
+        """Copy a case into the static buffers; its last q_len positions are written by the graph."""
+        static.q.copy_(case.q)
+        static.block_table.copy_(case.block_table)
+        static.seq_lens.copy_(case.seq_lens)
+        static.query_start_loc.copy_(case.query_start_loc)
+        static.kv_cache.copy_(case.kv_cache)
+        rows, slots = [], []
+        for b, s in enumerate(case.seq_lens.tolist()):
+            pos = torch.arange(s - q_len, s)  # [L] this step's positions
+            slots.append(case.block_table[b, pos // bs].cpu().long() * bs + pos % bs)
+            rows.append((case.keys[b][s - q_len :], case.values[b][s - q_len :]))
+        slot_mapping.copy_(torch.cat(slots))
+        k_new.copy_(torch.cat([k for k, _ in rows]))
+        v_new.copy_(torch.cat([v for _, v in rows]))
+        # Poison this step's slots in the pool: only the captured write_kv can restore them.
+        static.kv_cache[slot_mapping // bs, :, slot_mapping % bs] = float("nan")  # [T, 2, Hkv, D]
+
+    def step() -> Tensor:
+        write_kv(k_new, v_new, static.kv_cache, slot_mapping)
+        return paged_attention(*static.args())
+
+    load(static)
+    stream = torch.cuda.Stream()  # compile and warm up outside the graph, on a side stream
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_attention(*static)
-    case.seq_lens.copy_(torch.tensor([17, 400, 1, 250], dtype=torch.int32))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out, paged_attention_reference(*static)) < 1e-2
+        out = step()  # [T, Hq, D], a static output
+    for case in (*cases[1:], cases[0]):
+        load(case)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), "rows left unwritten, or the K/V write did not replay"
+        ref = contiguous_attention(case)
+        assert rel_err(out, ref) < 1e-2, case.seq_lens.tolist()
+        assert rel_err(paged_attention_reference(*static.args()), ref) < 1e-2
 
 
 if __name__ == "__main__":

@@ -104,14 +104,19 @@ def fused_moe_triton(
     """The paged Triton kernels on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1).
 
     Caller guarantees every routed expert has all three pages (>= 0); the kernels do not sync to check
-    (an expert with a -1 page contributes zeros instead of reading out of bounds).
+    (an expert with a -1 page contributes zeros instead of reading out of bounds). No host sync and no
+    data-dependent host branch: a call can be captured in a CUDA graph and replayed with new contents of
+    hidden / topk_weights / topk_ids / expert_table / expert_view (same shapes).
     """
     _check_args(hidden, topk_weights, topk_ids, intermediate_size)
     d = hidden.shape[1]
     if expert_view.shape[1] != intermediate_size * d or not expert_view.is_contiguous():
         raise ValueError(f"expert_view must be a contiguous [pages, f*d = {intermediate_size * d}] tensor")
-    table = expert_table.to(device=hidden.device, dtype=torch.int32).contiguous()
-    return _run(hidden, topk_weights, topk_ids, expert_view, expert_view, table, intermediate_size, paged=True)
+    table = expert_table
+    if table.device != hidden.device or table.dtype not in (torch.int32, torch.int64) or not table.is_contiguous():
+        table = table.to(device=hidden.device, dtype=torch.int32).contiguous()  # the kernels read int32 or int64
+    return _run(hidden, topk_weights, topk_ids, expert_view, expert_view, table, table.shape[0], intermediate_size,
+                paged=True)  # fmt: skip
 
 
 def fused_moe_contiguous(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
@@ -121,8 +126,7 @@ def fused_moe_contiguous(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor,
     _check_args(hidden, topk_weights, topk_ids, f)
     if w2.shape != (E, d, f) or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError(f"need contiguous w13 [E, 2f, d] and w2 [E, d, f], got {tuple(w13.shape)}, {tuple(w2.shape)}")
-    table = torch.empty(E, 3, dtype=torch.int32, device=hidden.device)  # unread (PAGED=False); gives E
-    return _run(hidden, topk_weights, topk_ids, w13, w2, table, f, paged=False)
+    return _run(hidden, topk_weights, topk_ids, w13, w2, w2, E, f, paged=False)  # table unread when not paged
 
 
 @dataclass(frozen=True)
@@ -155,22 +159,27 @@ def _run(
     w_gate_up: Tensor,
     w_down: Tensor,
     table: Tensor,
+    num_experts: int,
     f: int,
     paged: bool,
 ) -> Tensor:
+    # Per call: 1 alignment launch (<= SINGLE_PROGRAM_MAX assignments; ~10 torch ops above), the two
+    # GEMM launches, and for k > 1 one torch.sum; everything else is host arithmetic on shapes. The
+    # ids, router weights and table are read in their own dtypes, so no cast launches.
     if triton is None:
         raise RuntimeError("the fused MoE kernel needs Triton (pip install triton)")
     T, d = hidden.shape
     k = topk_ids.shape[1]
-    E = table.shape[0]
+    E = num_experts
     n = T * k
     out = torch.empty(T, d, dtype=hidden.dtype, device=hidden.device)
     if T == 0:
         return out
-    hidden = hidden.contiguous()
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()  # rows may be strided, elements within a row may not
+    weights = topk_weights.reshape(-1)  # [n], a view when [T, k] is contiguous
     cfg = _tile_config(n / E)
     align: MoeAlignment = moe_align(topk_ids, E, cfg.block_m)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [n]
     inter = torch.empty(align.max_blocks * cfg.block_m, f, dtype=hidden.dtype, device=hidden.device)
     # One output row per assignment; with k == 1 that is already [T, d].
     per_assign = out if k == 1 else torch.empty(n, d, dtype=hidden.dtype, device=hidden.device)
@@ -182,7 +191,7 @@ def _run(
     grid1 = (align.max_blocks * triton.cdiv(f, cfg.block_n_gate_up),)
     _gate_up_kernel[grid1](
         hidden, w_gate_up, table, align.sorted_ids, align.block_end, inter,
-        n, k, E, align.max_blocks, F=f, D=d, BLOCK_N=cfg.block_n_gate_up, **common,
+        n, k, E, align.max_blocks, hidden.stride(0), F=f, D=d, BLOCK_N=cfg.block_n_gate_up, **common,
     )  # fmt: skip
     grid2 = (align.max_blocks * triton.cdiv(d, cfg.block_n),)
     _down_kernel[grid2](
@@ -190,7 +199,8 @@ def _run(
         n, E, align.max_blocks, F=f, D=d, BLOCK_N=cfg.block_n, **common,
     )  # fmt: skip
     if k > 1:
-        torch.sum(per_assign.view(T, k, d), dim=1, out=out)  # deterministic top-k sum
+        # Deterministic top-k sum in a fixed order (atomics in the down kernel would not be for k > 2).
+        torch.sum(per_assign.view(T, k, d), dim=1, out=out)
     return out
 
 
@@ -214,13 +224,13 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(
-        a_ptr,  # hidden [T, d]
+        a_ptr,  # hidden [T, d], row stride stride_a
         w_ptr,  # PAGED: expert_view [pages, f*d]; else w13 [E, 2f, d]
-        table_ptr,  # [E, 3] int32 pages (W1, W3, W2), PAGED only
+        table_ptr,  # [E, 3] int32/int64 pages (W1, W3, W2), PAGED only
         sorted_ptr,  # [max_blocks*BLOCK_M] int32 assignment ids (n = padding)
         block_end_ptr,  # [E] int32
         out_ptr,  # [max_blocks*BLOCK_M, f]: SiLU(gate) * up, row = sorted position
-        n, top_k, num_experts, num_pid_m,
+        n, top_k, num_experts, num_pid_m, stride_a,
         F: tl.constexpr,  # intermediate size; a model constant, constexpr so the K loops specialise
         D: tl.constexpr,  # hidden size
         PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -253,7 +263,7 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column inside W1/W3 (c mod f)
         n_ok = offs_n < F
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + tok[:, None] * D + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        a_ptrs = a_ptr + tok[:, None] * stride_a + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         # B tiles are [BLOCK_K, BLOCK_N] views of row-major [f, d] pages (row c, contiguous along t).
         g_ptrs = w_ptr + gate_base + offs_n[None, :] * D + offs_k[:, None]
         u_ptrs = w_ptr + up_base + offs_n[None, :] * D + offs_k[:, None]
@@ -277,10 +287,10 @@ if triton is not None:
     def _down_kernel(
         a_ptr,  # [max_blocks*BLOCK_M, f] intermediate, row = sorted position
         w_ptr,  # PAGED: expert_view [pages, f*d]; else w2 [E, d, f]
-        table_ptr,  # [E, 3] int32
+        table_ptr,  # [E, 3] int32/int64
         sorted_ptr,  # [max_blocks*BLOCK_M] int32
         block_end_ptr,  # [E] int32
-        weight_ptr,  # [n] fp32 router weights, per assignment
+        weight_ptr,  # [n] router weights, per assignment (any float dtype, used in fp32)
         out_ptr,  # [n, d]: weighted expert output, row = assignment id
         n, num_experts, num_pid_m,
         F: tl.constexpr,
@@ -320,7 +330,7 @@ if triton is not None:
                 acc = tl.dot(a, b, acc)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
-        w = tl.load(weight_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
+        w = tl.load(weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
         acc = acc * w[:, None]
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * D + offs_n[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

@@ -70,7 +70,7 @@ if triton is not None:
 
     @triton.jit
     def _moe_align_single_kernel(
-        ids_ptr,  # [n] int32 expert of each assignment
+        ids_ptr,  # [n] expert of each assignment, any integer dtype (topk's int64 needs no cast launch)
         sorted_ptr,  # [max_padded] int32 out
         block_end_ptr,  # [E] int32 out
         delta_ptr,  # [BLOCK_E] int32 scratch: padded start - unpadded start, per expert
@@ -84,7 +84,7 @@ if triton is not None:
         FILL_BOUND: tl.constexpr,  # >= max_padded; constexpr loop bounds (also run in the interpreter)
     ):
         offs = tl.arange(0, BLOCK_N)
-        ids = tl.load(ids_ptr + offs, mask=offs < n, other=num_experts)  # [BLOCK_N]
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=num_experts).to(tl.int32)  # [BLOCK_N]
         e = tl.arange(0, BLOCK_E)
         counts = tl.histogram(ids, BLOCK_E)  # [BLOCK_E]
         counts = tl.where(e < num_experts, counts, 0)
@@ -106,22 +106,25 @@ if triton is not None:
 
 
 def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """Device-side alignment; no host sync, so it can be captured in a CUDA graph."""
     n = topk_ids.numel()
     if triton is None or n > SINGLE_PROGRAM_MAX:
         return moe_align_torch(topk_ids, num_experts, block_m)
-    dev = topk_ids.device
     max_blocks = max_blocks_bound(n, num_experts, block_m)
+    max_padded = max_blocks * block_m
     block_e = triton.next_power_of_2(num_experts + 1)
-    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
-    block_end = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    delta = torch.empty(block_e, dtype=torch.int32, device=dev)
-    ids = topk_ids.reshape(-1).to(torch.int32)
+    # One allocation for the three int32 outputs/scratch (each torch.empty costs host time per call):
+    #   buf = | sorted_ids [max_padded] | block_end [E] | delta [BLOCK_E] |
+    buf = torch.empty(max_padded + num_experts + block_e, dtype=torch.int32, device=topk_ids.device)
+    sorted_ids = buf[:max_padded]
+    block_end = buf[max_padded : max_padded + num_experts]
+    delta = buf[max_padded + num_experts :]
     block_n = max(16, triton.next_power_of_2(n))
     fill = 1024
     # A bound on max_padded that depends only on the constexprs, so the fill loop stays constexpr.
     fill_bound = triton.cdiv(max_blocks_bound(block_n, num_experts, block_m) * block_m, fill) * fill
     _moe_align_single_kernel[(1,)](
-        ids, sorted_ids, block_end, delta, n, num_experts, max_blocks * block_m,
+        topk_ids.reshape(-1), sorted_ids, block_end, delta, n, num_experts, max_padded,
         BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_M=block_m, FILL=fill, FILL_BOUND=fill_bound,
         num_warps=8 if n > 1024 else 4,
     )  # fmt: skip

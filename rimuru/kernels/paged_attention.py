@@ -20,7 +20,9 @@ left unspecified by the kernel. On CUDA tensors the Triton kernel runs; otherwis
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -33,9 +35,11 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 __all__ = [
+    "LaunchPlan",
     "paged_attention",
     "paged_attention_reference",
     "paged_attention_triton",
+    "plan_launch",
     "write_kv",
     "write_kv_reference",
     "write_kv_triton",
@@ -62,7 +66,15 @@ def _gather_context(kv_cache: Tensor, block_row: Tensor, seq_len: int) -> tuple[
     """K and V of positions 0..seq_len-1 of one sequence, contiguous: each [seq_len, Hkv, D]."""
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    pages = kv_cache[block_row[:num_blocks].long()]  # [nb, 2, bs, Hkv, D]
+    page_ids = block_row[:num_blocks].long()  # [nb]
+    # A clear error instead of a device-side assert in the gather (a sequence longer than its pages).
+    in_pool = num_blocks == 0 or 0 <= int(page_ids.min()) <= int(page_ids.max()) < kv_cache.shape[0]
+    if num_blocks > block_row.shape[0] or not in_pool:
+        raise ValueError(
+            f"seq_len {seq_len} needs {num_blocks} pages; its block table row holds {page_ids.tolist()} "
+            f"for a pool of {kv_cache.shape[0]} pages"
+        )
+    pages = kv_cache[page_ids]  # [nb, 2, bs, Hkv, D]
     k = pages[:, 0].flatten(0, 1)[:seq_len]  # [S, Hkv, D]
     v = pages[:, 1].flatten(0, 1)[:seq_len]
     return k, v
@@ -328,17 +340,32 @@ def write_kv_triton(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8  # interpreter runs: any small number exercises the split path
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    block_q: int  # query tokens per tile
+    block_m: int  # tile rows: block_q tokens x GROUP heads, padded to a power of two >= 16
+    block_n: int  # KV positions per tile (whole pages)
+    d_pad: int  # head_dim padded to a power of two
+    num_splits: int  # flash-decoding splits of the KV range (1: no merge kernel)
+    num_q_tiles: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=1024)
 def plan_launch(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     max_query_len: int, num_sms: int, elem_size: int = 2,
-) -> dict[str, int]:  # fmt: skip
-    """Tile sizes and split count. Depends only on shapes and host ints known without a sync."""
+) -> LaunchPlan:  # fmt: skip
+    """Tile sizes and split count. Depends only on shapes and host ints known without a sync, so a
+    launch can be captured in a CUDA graph; cached, since a serving loop repeats a few shapes."""
     group = num_q_heads // num_kv_heads
     # Pack ~128 rows (tokens x grouped heads) per prefill tile (64 in fp32, for shared memory);
     # decode uses one token per tile.
@@ -356,11 +383,14 @@ def plan_launch(
     if max_query_len <= 16 and programs < 2 * num_sms:
         # Flash-decoding: enough splits to fill the GPU ~twice; empty splits exit at once.
         num_splits = min(32, _next_pow2(-(-2 * num_sms // programs)))
-    num_warps = 8 if block_m * d_pad >= 128 * 128 else 4
-    return dict(
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=d_pad, NUM_SPLITS=num_splits,
-        num_q_tiles=num_q_tiles, num_warps=num_warps, num_stages=2 if num_splits > 1 or elem_size > 2 else 3,
+    return LaunchPlan(
+        block_q=block_q, block_m=block_m, block_n=block_n, d_pad=d_pad, num_splits=num_splits,
+        num_q_tiles=num_q_tiles, num_warps=8 if block_m * d_pad >= 128 * 128 else 4,
+        num_stages=2 if num_splits > 1 or elem_size > 2 else 3,
     )  # fmt: skip
+
+
+_LOG2_E = math.log2(math.e)
 
 
 def paged_attention_triton(
@@ -392,26 +422,25 @@ def paged_attention_triton(
         batch, num_q_heads, num_kv_heads, head_dim, block_size, max_query_len, _num_sms(q.device),
         elem_size=q.element_size(),
     )  # fmt: skip
-    if num_splits is not None:  # tests force the split path
-        plan["NUM_SPLITS"] = num_splits
-    splits, d_pad = plan["NUM_SPLITS"], plan["D_PAD"]
+    splits = plan.num_splits if num_splits is None else num_splits  # tests force the split path
+    d_pad = plan.d_pad
     if splits > 1:
         part_out = torch.empty(splits, num_tokens, num_q_heads, d_pad, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(splits, num_tokens, num_q_heads, device=q.device, dtype=torch.float32)
     else:
         part_out = part_lse = out  # unused
-    grid = (plan["num_q_tiles"], batch, num_kv_heads * splits)
+    grid = (plan.num_q_tiles, batch, num_kv_heads * splits)
     _paged_attention_kernel[grid](
         q, kv_cache, block_table, query_start_loc, seq_lens, out, part_out, part_lse,
-        scale * math.log2(math.e), num_tokens,
+        scale * _LOG2_E, num_tokens,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_Q=plan["BLOCK_Q"], BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"],
+        BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
