@@ -298,7 +298,7 @@ def test_fixed_mode_bad_settings(checkpoints) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_bf16_fixed_equals_static(arch: str, checkpoints) -> None:
     path = str(checkpoints[arch])
-    common = dict(device="cuda", dtype="bfloat16", gpu_memory_budget="1GiB")
+    common = dict(device="cuda", dtype="bfloat16", gpu_memory_budget="1GiB", enforce_eager=True)  # offload only
     static = run(LLM(path, **common), prompts())
     for resident in (4, 1):
         llm = LLM(path, offload_mode="fixed", resident_experts=resident, **common)
