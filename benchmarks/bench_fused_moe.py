@@ -23,6 +23,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
+    TIMING_NOTE,
     metadata,
     print_header,
     rotation_sets,
@@ -181,7 +182,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_fused_moe needs a CUDA GPU")
     meta = metadata(
-        "fused_moe",
+        "fused_moe", timing=TIMING_NOTE,
         ceilings={"copy_GBps": COPY_GBPS, "bf16_TFLOPs": BF16_TFLOPS},
         bytes="weights of activated experts (3*f*d*2 each, mean over input sets) + hidden in + out (bf16)",
         floor="max(bytes / copy ceiling, flops / bf16 ceiling)",

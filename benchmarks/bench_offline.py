@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import run_metadata  # noqa: E402
+from benchmarks.common import metadata  # noqa: E402
 from rimuru import LLM, SamplingParams  # noqa: E402
 from rimuru.bench.workload import load_tokenizer, sample_sharegpt  # noqa: E402
 
@@ -32,7 +32,8 @@ from rimuru.bench.workload import load_tokenizer, sample_sharegpt  # noqa: E402
 def warm_up(llm: LLM, vocab: int) -> None:
     """Compiles the kernels for small and large batches before the clock starts."""
     g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(10, vocab - 10, (n,), generator=g).tolist()}
+    most = llm.engine.max_model_len - 25
+    prompts = [{"prompt_token_ids": torch.randint(10, vocab - 10, (min(n, most),), generator=g).tolist()}
                for n in (7, 33, 130, 600, 2000)]
     llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
 
@@ -50,6 +51,9 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
     engine = llm.engine
     warm_up(llm, engine.spec.vocab_size)
     before = engine.stats()
+    too_long = [r for r in requests if len(r.prompt_token_ids) + r.output_len > engine.max_model_len]
+    if too_long:
+        raise SystemExit(f"{len(too_long)} requests exceed max_model_len={engine.max_model_len}")
     for i, r in enumerate(requests):
         engine.add_request(f"b{i}", r.prompt_token_ids,
                            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0))
@@ -112,15 +116,19 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the Qwen vocabulary)")
+    ap.add_argument("--max-total-len", type=int, default=2048, help="drop ShareGPT pairs longer than this")
     ap.add_argument("--output-json", required=True)
     args = ap.parse_args()
 
-    requests = sample_sharegpt(load_tokenizer(args.tokenizer), args.num_prompts, seed=args.seed)
-    rows = [run_mode(m.strip(), args, requests) for m in args.modes.split(",")]
-    result = {**run_metadata(), "benchmark": "offline_throughput", "model": args.model,
-              "config": vars(args), "rows": rows}
-    Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output_json).write_text(json.dumps(result, indent=1))
+    requests = sample_sharegpt(load_tokenizer(args.tokenizer), args.num_prompts, seed=args.seed,
+                               max_total_len=args.max_total_len, max_prompt_len=min(1024, args.max_total_len // 2))
+    meta = metadata("offline_throughput", model=args.model, config=vars(args))
+    rows = []
+    for mode in args.modes.split(","):
+        rows.append(run_mode(mode.strip(), args, requests))
+        # written after every mode, so a run cut short by a time limit keeps what it measured
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps({**meta, "rows": rows}, indent=1))
     print(f"{'mode':8} {'out tok/s':>10} {'req/s':>7} {'steps':>6} {'peak run':>8} {'preempt':>7} "
           f"{'kv tokens':>9} {'experts':>9} {'elapsed s':>9}")
     for r in rows:

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
+    TIMING_NOTE,
     metadata,
     print_header,
     rotation_sets,
@@ -159,7 +160,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_paged_attention needs a CUDA GPU")
     meta = metadata(
-        "paged_attention", dtype=opts.dtype, block_size=BLOCK_SIZE,
+        "paged_attention", timing=TIMING_NOTE, dtype=opts.dtype, block_size=BLOCK_SIZE,
         ceilings=dict(hbm_gbps=HBM_GBPS, bf16_tflops=BF16_TFLOPS),
     )  # fmt: skip
     print_header(meta)

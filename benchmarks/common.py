@@ -40,15 +40,24 @@ def git_commit() -> str:
         return os.environ.get("RIMURU_COMMIT", "unknown")
 
 
+TIMING_NOTE = ("graph_us: median over samples of back-to-back CUDA-graph replays (per op); eager_us: median over "
+               "samples of back-to-back eager calls (per call, host launch overhead included)")
+
+
 def metadata(benchmark: str, **extra: Any) -> dict[str, Any]:
     """Device, date, commit, command and versions: the header of every result file."""
-    import triton
+    try:
+        import triton
 
-    props = torch.cuda.get_device_properties(0)
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    props = torch.cuda.get_device_properties(0) if cuda else None
     return {
         "benchmark": benchmark,
-        "device": torch.cuda.get_device_name(0),
-        "sms": props.multi_processor_count,
+        "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)",
+        "sms": props.multi_processor_count if props else None,
         "l2_bytes": getattr(props, "L2_cache_size", None),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
@@ -56,9 +65,7 @@ def metadata(benchmark: str, **extra: Any) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "timing": "graph_us: median over samples of back-to-back CUDA-graph replays (per op); "
-        "eager_us: median over samples of back-to-back eager calls (per call, host launch overhead included)",
+        "triton": triton_version,
         **extra,
     }
 
