@@ -49,7 +49,9 @@ class LLMEngine:
         self.pool = parts.pool
         self.experts = parts.experts
         self.kv = parts.kv
-        self.scheduler = Scheduler(parts.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.elastic = parts.elastic
+        self.scheduler = Scheduler(parts.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   reclaimable=self.elastic.reclaimable_kv_pages if self.elastic else None)
         self.runner = ModelRunner(parts.model, parts.device, parts.num_attention_layers, config.block_size,
                                   Sampler(parts.device, config.seed))
         if self.device.type == "cuda" and not config.enforce_eager and _graph_capturable(parts.model):
@@ -120,7 +122,7 @@ class LLMEngine:
 
     def max_kv_pages(self) -> int:
         """KV pages the pool could ever give requests (every allowed expert evicted)."""
-        return self.kv.capacity_pages() + self.kv.pages_in_use
+        return self.parts.max_kv_pages
 
     # ---- the step ----------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -130,18 +132,24 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._take_inbox()
+        if self.elastic is not None:
+            self.elastic.commit_grows()
         sched = self.scheduler.schedule()
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
-        if sched.is_empty:
-            return outputs
-        now = time.monotonic()
-        for s in sched.scheduled:
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = now
-        tokens = self.runner.execute(sched)
-        self.forward_steps += 1
-        outputs += self._process(sched, tokens)
-        self.pool.allocator.complete_forward()
+        if self.elastic is not None:
+            self.elastic.adjust(sched.shortfall_pages, sched.num_tokens, len(self.scheduler.running),
+                                len(self.scheduler.waiting))
+        if not sched.is_empty:
+            now = time.monotonic()
+            for s in sched.scheduled:
+                if s.request.metrics.first_scheduled_time is None:
+                    s.request.metrics.first_scheduled_time = now
+            tokens = self.runner.execute(sched)  # returns after the forward pass has finished (host read)
+            self.forward_steps += 1
+            outputs += self._process(sched, tokens)
+        if self.elastic is not None:
+            self.elastic.after_forward()
+        self.pool.allocator.complete_forward()  # pages the finished forward pass may have read are free now
         return outputs
 
     def _take_inbox(self) -> list[RequestOutput]:

@@ -3,8 +3,10 @@
 Each step (vLLM v1 style, no separate prefill/decode phases):
   1. running requests first, in arrival order: each gets what it still needs (1 token when decoding,
      a chunk when its prefill was cut) within the token budget; when the pool can't give a running
-     request its pages, the most recently started running request is preempted (pages freed, back
-     to the front of the queue, recomputed later) until it can;
+     request its pages and evicting experts could (elastic mode: `reclaimable`), the request sits out
+     this step and its missing pages join the shortfall, so the adjuster evicts experts whose pages
+     are free from the next step; otherwise the most recently started running request is preempted
+     (pages freed, back to the front of the queue, recomputed later) until it can;
   2. then waiting requests in FIFO order while budget, `max_num_seqs` and pages allow; the first one
      that does not fit stops admission and its missing pages are reported as the shortfall (the
      elastic adjuster turns this into expert evictions).
@@ -14,6 +16,7 @@ The scheduler decides allocation and never touches tensors; the runner turns its
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rimuru.engine.kv_cache_manager import KVCacheManager
@@ -36,7 +39,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # kv pages the first waiting request that could not be admitted still lacks (0: none blocked on pages)
+    stalled: list[Request] = field(default_factory=list)  # running, waiting this step for evictions' pages
+    # kv pages the stalled requests, or else the first waiting request that could not be admitted, still lack
     shortfall_pages: int = 0
 
     @property
@@ -49,8 +53,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 reclaimable: Callable[[], int] | None = None) -> None:
         self.kv = kv
+        self.reclaimable = reclaimable  # KV pages that evicting experts could free (elastic mode)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -70,18 +76,27 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, n):
+            got = self.kv.allocate(req, n)
+            while not got:
+                missing = self.kv.pages_needed(req, n) - self.kv.capacity_pages()
+                if self.reclaimable is not None and out.shortfall_pages + missing <= self.reclaimable():
+                    out.stalled.append(req)
+                    out.shortfall_pages += missing
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
-            else:
+                got = self.kv.allocate(req, n)
+            if got:
                 out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
                 budget -= n
+            if req.status == RequestStatus.RUNNING:
                 i += 1
-        # Admit waiting requests only when nothing had to be preempted: a preemption means the pool is full.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Admit waiting requests only when no running request lacked pages: then the pool is full.
+        while (not out.preempted and not out.stalled and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req, n):

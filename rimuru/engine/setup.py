@@ -10,6 +10,10 @@ the first K of each layer's ranking are made resident, and two load buffers of `
 experts each are reserved for the rest:
 
     pool = L_moe * K * 3 expert pages (resident) + 2 * limit * 3 expert pages (load buffers) + KV cache
+
+`elastic` mode starts like `fixed` with as many experts resident as fit (at most all, at least E - limit
+per layer) while leaving `ELASTIC_KV_RESERVE` of the pool to KV cache; from then on the adjuster
+(experts/elastic.py) moves experts in and out every step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.kv_cache_manager import KVCacheManager
+from rimuru.experts.adjuster import AdjusterConfig, PaperAdjuster
 from rimuru.experts.cache import (
     EXPERT,
     ExpertCache,
@@ -31,9 +36,11 @@ from rimuru.experts.cache import (
     resolve_offload_limit,
     resolve_resident_count,
 )
+from rimuru.experts.elastic import ElasticController, ElasticCounters
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader, LoadCounters
 from rimuru.experts.offload_provider import OffloadExpertProvider
+from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
 from rimuru.experts.predictor import ExpertPredictor, moe_routers
 from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pool import PagePool
@@ -45,6 +52,12 @@ from rimuru.models.registry import build_model
 logger = logging.getLogger("rimuru")
 
 BUFFER_OWNER = -2  # allocator owner id of the load buffers' pages
+ELASTIC_KV_RESERVE = 0.10  # elastic start-up: share of the pool kept for KV cache when placing experts
+
+
+def default_elastic_limit(num_experts: int) -> int:
+    """The paper found about ten offloadable experts (of 60) near the throughput peak: E / 6."""
+    return max(1, num_experts // 6)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -67,10 +80,14 @@ class EngineParts:
     provider: ExpertProvider
     host_store: HostExpertStore | None = None  # fixed mode: every expert's home copy
     loader: ExpertLoader | None = None  # fixed mode with offloaded experts
+    elastic: ElasticController | None = None  # elastic mode
+    max_kv_pages: int = 0  # KV pages requests could ever get: free now + what evicting allowed experts frees
 
     def offload_stats(self) -> dict[str, int]:
         c = self.loader.counters if self.loader is not None else LoadCounters()
-        return {"expert_bytes_loaded": c.bytes_loaded, "prefetch_hits": c.hits, "prefetch_misses": c.misses}
+        e = self.elastic.counters if self.elastic is not None else ElasticCounters()
+        return {"expert_bytes_loaded": c.bytes_loaded, "prefetch_hits": c.hits, "prefetch_misses": c.misses,
+                "expert_evictions": e.evictions, "expert_grows": e.grows, "expert_reranks": e.reranks}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -142,12 +159,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(config.tokenizer or (model_path if is_dir else None))
     mode = config.offload_mode or "static"
     if mode == "elastic":
-        raise NotImplementedError("offload_mode='elastic' is not implemented yet; use 'static' or 'fixed'")
+        limit = config.expert_offload_limit
+        limit = default_elastic_limit(spec.num_experts) if limit is None else limit
+        if not 1 <= limit <= spec.num_experts:
+            raise ValueError(f"expert_offload_limit must be in [1, {spec.num_experts}] in elastic mode, got {limit}")
     if mode == "fixed":
         resident = resolve_resident_count(config.resident_experts, spec.num_experts)
         limit = resolve_offload_limit(config.expert_offload_limit, spec.num_experts, resident)
-    if config.expert_ranking is not None:
-        logger.warning("expert_ranking=%s is not read yet: using uniform expert order", config.expert_ranking)
+    popularity = (ExpertPopularity.load(config.expert_ranking, spec.num_moe_layers, spec.num_experts)
+                  if config.expert_ranking is not None
+                  else ExpertPopularity.uniform(model_path, spec.num_moe_layers, spec.num_experts))
 
     geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=config.block_size,
                                       tp_size=config.tensor_parallel_size)
@@ -162,7 +183,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             f"{format_bytes(non_expert)} and the activation workspace {format_bytes(work)}, leaving no page pool")
     pool = PagePool(geometry, pool_bytes, device)
     expert_view = pool.expert_view(dtype)
-    experts = ExpertCache(spec, pool.allocator, expert_view, device)
+    experts = ExpertCache(spec, pool.allocator, expert_view, device,
+                          ranking=[popularity.ranking(layer) for layer in range(spec.num_moe_layers)])
     num_attn = len(spec.attention_layer_ids)
     kv_view = pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size), spec.head_dim,
                            dtype, config.block_size)
@@ -180,9 +202,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                 f"offload_mode='fixed' or 'elastic' to keep some experts in host memory") from None
         provider: ExpertProvider = StaticExpertProvider(expert_view, experts.tables)
     else:
-        _check_fixed_fits(experts, geometry, pool, resident, limit)  # before the slow pinning
+        if mode == "elastic":
+            resident = _elastic_start(experts, pool, limit)
+        _check_offload_fits(mode, experts, geometry, pool, resident, limit)  # before the slow pinning
         experts.make_prefix_resident(resident)
-        if limit == 0:  # every expert resident: the tables never change, CUDA graphs stay possible
+        if limit == 0 and mode == "fixed":  # every expert resident for good: CUDA graphs stay possible
             provider = StaticExpertProvider(expert_view, experts.tables)
         else:
             store = HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size,
@@ -194,6 +218,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model = build_model(spec, dtype, device, provider, kv_view)
     if isinstance(provider, OffloadExpertProvider):
         provider.predictor = ExpertPredictor(moe_routers(model), spec.num_experts_per_tok)
+    elastic = None
+    if mode == "elastic":
+        assert loader is not None
+        elastic = ElasticController(experts, loader, PaperAdjuster(AdjusterConfig()), OnlinePopularity(popularity),
+                                    offload_limit=limit,
+                                    smalls_per_mid=geometry.smalls_per_mid("kv", EXPERT))
     if load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
         if store is None:
@@ -214,7 +244,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model.eval()
 
     kv = KVCacheManager(pool.allocator, num_attn, config.block_size)
-    kv_tokens = kv.capacity_pages() // max(1, num_attn) * config.block_size
+    max_kv_pages = kv.capacity_pages()
+    if mode == "elastic":  # every layer may give up to `limit` experts (its resident ones beyond E - limit)
+        evictable = sum(max(0, n - (spec.num_experts - limit)) for n in experts.resident_per_layer())
+        max_kv_pages += evictable * 3 * geometry.smalls_per_mid("kv", EXPERT)
+    kv_tokens = max_kv_pages // max(1, num_attn) * config.block_size
     if kv_tokens < config.block_size:
         raise ValueError(f"after the experts, the pool ({format_bytes(pool.pool_bytes)}) has no room for KV cache; "
                          "raise gpu_memory_budget or use an offload mode")
@@ -237,20 +271,30 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(spec=spec, tokenizer=tokenizer, device=device, dtype=dtype, geometry=geometry, pool=pool,
                        experts=experts, kv=kv, model=model, max_model_len=max_model_len,
                        num_attention_layers=num_attn, budget_split=split, provider=provider, host_store=store,
-                       loader=loader)
+                       loader=loader, elastic=elastic, max_kv_pages=max_kv_pages)
 
 
-def _check_fixed_fits(experts: ExpertCache, geometry: PageGeometry, pool: PagePool, resident: int,
-                      limit: int) -> None:
-    """`fixed` mode: `resident` experts per layer and two load buffers of `limit` experts must fit the pool."""
+def _elastic_start(experts: ExpertCache, pool: PagePool, limit: int) -> int:
+    """Experts per layer resident at start-up: as many as fit beside the load buffers while leaving
+    ELASTIC_KV_RESERVE of the pool to KV cache, at most all and at least E - limit."""
+    L, E = experts.num_layers, experts.num_experts
+    have = pool.allocator.mid_capacity(EXPERT) - 2 * 3 * limit
+    have -= int(ELASTIC_KV_RESERVE * pool.pool_bytes) // pool.geometry.size(EXPERT)
+    return max(E - limit, min(E, have // (3 * L)))
+
+
+def _check_offload_fits(mode: str, experts: ExpertCache, geometry: PageGeometry, pool: PagePool, resident: int,
+                        limit: int) -> None:
+    """`resident` experts per layer and two load buffers of `limit` experts must fit the pool."""
     L, E = experts.num_layers, experts.num_experts
     need_resident, need_buffers = 3 * L * resident, 2 * 3 * limit
     have = pool.allocator.mid_capacity(EXPERT)
     if need_resident + need_buffers > have:
         page = geometry.size(EXPERT)
         raise ValueError(
-            f"offload_mode='fixed' with resident_experts={resident} of {E} per layer and expert_offload_limit="
+            f"offload_mode={mode!r} with resident_experts={resident} of {E} per layer and expert_offload_limit="
             f"{limit} needs {need_resident} expert pages for {L} x {resident} resident experts + {need_buffers} "
             f"for 2 load buffers of {limit} experts = {need_resident + need_buffers} pages "
             f"({format_bytes((need_resident + need_buffers) * page)}), but the page pool holds {have} "
-            f"({format_bytes(have * page)}); lower resident_experts or raise gpu_memory_budget")
+            f"({format_bytes(have * page)}); lower resident_experts, raise expert_offload_limit or raise "
+            "gpu_memory_budget")

@@ -72,6 +72,8 @@ class ExpertCache:
         self.host_tables = torch.full((self.num_layers, self.num_experts, 3), -1, dtype=torch.int32)  # mirror
         self._pages: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.ranking = self._check_ranking(ranking)  # per layer: expert ids, most popular first
+        self._evicting: list[tuple[int, int]] = []  # still in the tables until the forward pass ends
+        self._growing: dict[tuple[int, int], tuple[int, int, int]] = {}  # pages reserved, copy in flight
 
     def _check_ranking(self, ranking: Sequence[Sequence[int]] | None) -> list[list[int]]:
         L, E = self.num_layers, self.num_experts
@@ -85,6 +87,7 @@ class ExpertCache:
                 raise ValueError(f"the expert ranking of MoE layer {layer} must order each of the {E} experts "
                                  f"exactly once, got {row}")
         return rows
+
     @property
     def num_resident(self) -> int:
         return len(self._pages)
@@ -151,6 +154,64 @@ class ExpertCache:
             src = store.expert(layer, expert)  # [3, f*d]
             for j, page in enumerate(pages):
                 self.expert_view[page].copy_(src[j], non_blocking=True)
+
+    # ------------------------------------------------------------------ elastic moves (DESIGN.md section 4)
+    #
+    #   step N:  schedule -> adjuster decides --> reserve_grow: pages taken now, copy issued (copy stream)
+    #                                         \-> begin_eviction: pages deferred, row STAYS in the table
+    #            forward pass N (reads the evicted expert if routed; never the grown one: not in the table)
+    #            finish_evictions: rows -> -1; the engine's allocator.complete_forward() frees the pages
+    #   step N+1: commit_grow (after the compute stream waited for the copy): row -> the grown pages
+
+    def begin_eviction(self, layer: int, expert: int) -> None:
+        """The expert leaves after the forward pass now being prepared; its pages are released with it."""
+        pages = self._pages.get((layer, expert))
+        if pages is None:
+            raise KeyError(f"expert {expert} of MoE layer {layer} is not resident: it cannot be evicted")
+        if (layer, expert) in self._evicting:
+            raise ValueError(f"expert {expert} of MoE layer {layer} is already being evicted")
+        self.allocator.defer_free(EXPERT, list(pages))
+        self._evicting.append((layer, expert))
+
+    def finish_evictions(self) -> list[tuple[int, int]]:
+        """After the forward pass has completed: evicted experts leave the tables (pages are deferred-freed)."""
+        done, self._evicting = self._evicting, []
+        if done:
+            idx = torch.tensor(done, dtype=torch.int64)
+            self.tables[idx[:, 0].to(self.tables.device), idx[:, 1].to(self.tables.device)] = -1
+            self.host_tables[idx[:, 0], idx[:, 1]] = -1
+            for key in done:
+                del self._pages[key]
+        return done
+
+    def reserve_grow(self, layer: int, expert: int) -> tuple[int, int, int] | None:
+        """Three expert pages for an expert that will come back; None when the pool has none."""
+        if (layer, expert) in self._pages or (layer, expert) in self._growing:
+            raise ValueError(f"expert {expert} of MoE layer {layer} is already resident or growing")
+        pages = self.allocator.allocate_mid(EXPERT, 3, owner=EXPERT_OWNER)
+        if pages is None:
+            return None
+        self._growing[(layer, expert)] = (pages[0], pages[1], pages[2])
+        return self._growing[(layer, expert)]
+
+    def commit_grow(self, layer: int, expert: int) -> None:
+        """The expert's copy has completed (the caller made sure): it enters the tables."""
+        pages = self._growing.pop((layer, expert))
+        row = torch.tensor(pages, dtype=torch.int32)
+        self.tables[layer, expert] = row.to(self.tables.device, non_blocking=True)
+        self.host_tables[layer, expert] = row
+        self._pages[(layer, expert)] = pages
+
+    def planned_resident(self) -> list[set[int]]:
+        """Per layer, the experts resident after the moves in flight: resident - evicting + growing."""
+        out: list[set[int]] = [set() for _ in range(self.num_layers)]
+        for layer, e in self._pages:
+            out[layer].add(e)
+        for layer, e in self._evicting:
+            out[layer].discard(e)
+        for layer, e in self._growing:
+            out[layer].add(e)
+        return out
 
     def fill_random(self, seed: int, std: float = 0.02) -> None:
         """Dummy weights: normal(0, std) in every resident expert page (load_format="dummy")."""

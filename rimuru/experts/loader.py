@@ -40,6 +40,7 @@ class LoadCounters:
     bytes_loaded: int = 0
     prefetched: int = 0  # of experts_loaded, copied ahead of their layer by the predictor
     on_demand: int = 0  # of experts_loaded, copied when the real routing asked for them
+    grown: int = 0  # of experts_loaded, copied into their own pages to become resident (elastic grows)
     hits: int = 0  # routed non-resident experts found already prefetched
     misses: int = 0  # routed non-resident experts loaded on demand
 
@@ -153,6 +154,24 @@ class ExpertLoader:
             c.prefetched += n
         else:
             c.on_demand += n
+
+    def copy_to_pages(self, layer: int, expert: int, pages: tuple[int, int, int]) -> torch.cuda.Event | None:
+        """Elastic grow: copies an expert's home copy into its newly reserved pages on the copy stream, ahead
+        of any prefetch the coming forward pass queues. Returns the event that marks the copy complete (None
+        on the CPU, where the copy is done on return). The caller must not publish the pages before it."""
+        src = self.store.layers[layer][expert]  # [3, f*d]
+        done = None
+        with self._copy_stream():
+            for j, page in enumerate(pages):
+                self.expert_view[page].copy_(src[j], non_blocking=True)
+            if self.copy_stream is not None:
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+        c = self.counters
+        c.experts_loaded += 1
+        c.bytes_loaded += self.store.expert_bytes
+        c.grown += 1
+        return done
 
     def publish(self, buf: LoadBuffer) -> None:
         """Pushes `buf`'s host table to its device table (after the copy stream's fence wait)."""

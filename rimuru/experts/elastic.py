@@ -1,0 +1,110 @@
+"""Elastic mode: the boundary between expert pages and KV pages moves every step.
+
+The engine calls, in this order (DESIGN.md section 6):
+
+    step N:   commit_grows()          grows decided at step N-1 whose copies completed enter the tables
+              scheduler.schedule()    KV pages for running/waiting requests; shortfall for the next one
+              adjust(shortfall)       the adjuster's plan: evictions begin (pages deferred, experts still
+                                      readable), grows reserve pages and start their copies
+              forward pass N
+              after_forward()         evicted experts leave the tables; then allocator.complete_forward()
+                                      returns their pages, which serve waiting requests from step N+1
+
+Ordering is enforced here, not left to callers: a grown expert enters the table only in commit_grows(),
+after the compute stream has waited on its copy event; an evicted expert's pages are deferred-freed, so
+the allocator cannot hand them out before complete_forward(), which the engine calls after the forward
+pass that may still read them has finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rimuru.experts.adjuster import Adjuster, AdjusterState, AdjustPlan, shortfall_mid_pages
+from rimuru.experts.cache import EXPERT, ExpertCache
+from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.popularity import OnlinePopularity
+
+
+@dataclass
+class PendingGrow:
+    layer: int
+    expert: int
+    done: torch.cuda.Event | None  # None on the CPU: the copy was synchronous
+
+
+@dataclass
+class ElasticCounters:
+    evictions: int = 0
+    grows: int = 0
+    reranks: int = 0
+    last_plan: AdjustPlan = field(default_factory=AdjustPlan)
+
+
+class ElasticController:
+    def __init__(self, cache: ExpertCache, loader: ExpertLoader, adjuster: Adjuster, popularity: OnlinePopularity,
+                 offload_limit: int, smalls_per_mid: int) -> None:
+        self.cache = cache
+        self.loader = loader
+        self.adjuster = adjuster
+        self.popularity = popularity
+        self.offload_limit = offload_limit
+        self.smalls_per_mid = smalls_per_mid
+        self.pending: list[PendingGrow] = []
+        self.counters = ElasticCounters()
+
+    def reclaimable_kv_pages(self) -> int:
+        """KV pages that evicting every expert the limits still allow would free (after the moves in flight)."""
+        E = self.cache.num_experts
+        experts = sum(max(0, self.offload_limit - (E - len(r))) for r in self.cache.planned_resident())
+        return experts * 3 * self.smalls_per_mid
+
+    def commit_grows(self) -> None:
+        """Grows whose copies were issued in an earlier step enter the tables. The compute stream first waits
+        for each copy event, so no kernel queued after this can read a half-copied expert."""
+        for g in self.pending:
+            if g.done is not None:
+                torch.cuda.current_stream().wait_event(g.done)
+            self.cache.commit_grow(g.layer, g.expert)
+        self.pending = []
+
+    def observe(self, routed: np.ndarray) -> None:
+        """Routing counts [L, E] of the last step: the online popularity estimate, re-ranking stale layers."""
+        self.popularity.update(routed)
+        self.counters.reranks += len(self.popularity.maybe_rerank())
+
+    def adjust(self, shortfall_kv_pages: int, num_batched_tokens: int = 0, num_running: int = 0,
+               num_waiting: int = 0) -> AdjustPlan:
+        allocator = self.cache.allocator
+        estimate = self.popularity.estimate()
+        state = AdjusterState(
+            shortfall_mid_pages=shortfall_mid_pages(max(0, shortfall_kv_pages), self.smalls_per_mid),
+            free_mid_pages=allocator.mid_capacity(EXPERT),
+            resident=self.cache.planned_resident(),
+            probabilities=estimate.probabilities,
+            rankings=self.popularity.rankings,
+            offload_limit=self.offload_limit,
+            num_batched_tokens=num_batched_tokens, num_running=num_running, num_waiting=num_waiting,
+        )
+        plan = self.adjuster.plan(state)
+        for layer, expert in plan.evict:
+            self.cache.begin_eviction(layer, expert)
+        grown = []
+        for layer, expert in plan.grow:
+            pages = self.cache.reserve_grow(layer, expert)
+            if pages is None:  # the pool changed under the plan: grow what fits
+                break
+            self.pending.append(PendingGrow(layer, expert, self.loader.copy_to_pages(layer, expert, pages)))
+            grown.append((layer, expert))
+        self.counters.evictions += len(plan.evict)
+        self.counters.grows += len(grown)
+        self.counters.last_plan = AdjustPlan(evict=list(plan.evict), grow=grown)
+        return self.counters.last_plan
+
+    def after_forward(self) -> None:
+        """The forward pass has finished: evicted experts leave the tables (the engine then completes the
+        allocator's forward, which frees their pages)."""
+        self.cache.finish_evictions()

@@ -1,0 +1,139 @@
+"""Elastic mode: experts leave under load and come back when it drains, and nothing changes the tokens.
+
+The budget holds every expert but only a few KV blocks, so a batch of requests forces evictions (the
+scheduler stalls a request instead of preempting it when evicting can free its pages), and a second,
+small batch afterwards finds free pages and grows experts back. Greedy tokens must equal static mode
+and transformers, and every page must be accounted for afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rimuru import LLM, SamplingParams
+from rimuru.experts.cache import EXPERT, ExpertCache
+from rimuru.memory.allocator import PageAllocator
+from rimuru.memory.geometry import PageGeometry
+from rimuru.model_spec import load_model_spec
+from rimuru.testing.tiny_models import make_tiny_checkpoint
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint("qwen2_moe", tmp_path_factory.mktemp("elastic") / "qwen2_moe", seed=4)
+
+
+def prompts(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(3, 300, (int(k),), generator=g).tolist()}
+            for k in torch.randint(8, 40, (n,), generator=g)]
+
+
+def hf_greedy(path: Path, ps: list[dict], steps: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for p in ps:
+        ids = torch.tensor([p["prompt_token_ids"]])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def tight_budget(path: Path, kv_blocks: int, limit: int) -> int:
+    probe = LLM(str(path), gpu_memory_budget="64MiB", device="cpu", max_num_batched_tokens=64)
+    split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
+    per_block = probe.engine.kv.num_layers * geo.size("kv")
+    buffers = 2 * 3 * limit * geo.size("expert")
+    return (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + buffers
+            + kv_blocks * per_block + geo.huge_size)
+
+
+def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
+    limit = 5
+    budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
+              max_num_batched_tokens=64)
+    engine = llm.engine
+    experts = engine.experts
+    start_resident = experts.num_resident
+    assert start_resident >= experts.total_experts - experts.num_layers * limit
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    heavy, light = prompts(6, seed=1), prompts(2, seed=2)
+    got_heavy = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]
+    st = llm.stats()
+    assert st["expert_evictions"] > 0, st
+    assert st["preemptions"] == 0  # stalls for evicted experts' pages instead of recomputing
+    assert st["expert_bytes_loaded"] > 0  # evicted experts that were routed to came from host memory
+    after_heavy = experts.num_resident
+    assert after_heavy < start_resident
+    got_light = [o.outputs[0].token_ids for o in llm.generate(light, params)]
+    st = llm.stats()
+    # the light batch leaves pages free: experts come back
+    assert st["expert_grows"] > 0 and experts.num_resident > after_heavy
+    # the resident set of each layer is a prefix of its ranking, at most `limit` experts offloaded
+    for layer, ranking in enumerate(engine.elastic.popularity.rankings):
+        resident = {e for e in range(experts.num_experts) if experts.is_resident(layer, e)}
+        assert resident == set(ranking[: len(resident)].tolist())
+        assert experts.num_experts - len(resident) <= limit
+    # no page lost: KV empty, expert pages = 3 per resident expert + the two load buffers
+    assert st["kv_pages_used"] == 0 and st["running"] == 0
+    alloc = engine.pool.allocator
+    alloc.check_invariants()
+    assert alloc.num_used(EXPERT) == 3 * experts.num_resident + 2 * 3 * limit
+    assert alloc.pending_deferred == 0
+
+    ref_heavy, ref_light = hf_greedy(ckpt, heavy, STEPS), hf_greedy(ckpt, light, STEPS)
+    assert got_heavy == ref_heavy and got_light == ref_light
+    static = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu")
+    assert [o.outputs[0].token_ids for o in static.generate(heavy, params)] == got_heavy
+
+
+def _tiny_cache() -> tuple[ExpertCache, PageAllocator]:
+    spec = load_model_spec("olmoe-1b-7b")
+    geo = PageGeometry.custom(mid_sizes={EXPERT: 64}, small_sizes={"kv": 16})
+    alloc = PageAllocator(geo, num_huge_pages=3 * 4 + 3)  # room for 4 experts + 1 more
+    view = torch.zeros(alloc_pages := 15, 16)
+    assert alloc_pages == 15
+    cache = ExpertCache(spec, alloc, view, torch.device("cpu"))
+    return cache, alloc
+
+
+def test_evicted_pages_are_not_reused_inside_the_same_forward_pass() -> None:
+    cache, alloc = _tiny_cache()
+    cache.make_resident([(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)])
+    assert alloc.mid_capacity(EXPERT) == 0
+    pages = cache.pages_of(0, 3)
+    cache.begin_eviction(0, 3)
+    # during the forward pass: still in the table, and its pages cannot be handed out
+    assert cache.tables[0, 3].tolist() == list(pages) and cache.is_resident(0, 3)
+    assert alloc.allocate_mid(EXPERT, 1, owner=7) is None and alloc.allocate_small("kv", 1, owner=7) is None
+    with pytest.raises(ValueError, match="already being evicted"):
+        cache.begin_eviction(0, 3)
+    cache.finish_evictions()  # the forward pass ended
+    assert cache.tables[0, 3].tolist() == [-1, -1, -1] and not cache.is_resident(0, 3)
+    assert alloc.allocate_mid(EXPERT, 1, owner=7) is None  # still deferred until complete_forward()
+    alloc.complete_forward()
+    assert sorted(alloc.allocate_mid(EXPERT, 3, owner=7)) == sorted(pages)
+
+
+def test_grown_expert_enters_the_table_only_when_committed() -> None:
+    cache, alloc = _tiny_cache()
+    cache.make_resident([(0, 0), (0, 1)])
+    pages = cache.reserve_grow(0, 5)
+    assert pages is not None and alloc.num_used(EXPERT) == 9
+    # reserved, copy in flight: no kernel can address it
+    assert cache.tables[0, 5].tolist() == [-1, -1, -1] and cache.host_tables[0, 5].tolist() == [-1, -1, -1]
+    assert not cache.is_resident(0, 5) and 5 in cache.planned_resident()[0]
+    with pytest.raises(ValueError, match="already resident or growing"):
+        cache.reserve_grow(0, 5)
+    cache.commit_grow(0, 5)
+    assert cache.tables[0, 5].tolist() == list(pages) and cache.is_resident(0, 5)
