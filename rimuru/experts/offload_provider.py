@@ -23,6 +23,7 @@ from torch import Tensor
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.loader import ExpertLoader, LoadCounters
 from rimuru.experts.predictor import ExpertPredictor
+from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.models.expert_provider import ExpertProvider
 
 
@@ -33,6 +34,7 @@ class OffloadExpertProvider(ExpertProvider):
         self.expert_view = cache.expert_view  # [n_mid, f*d]
         self.predictor = predictor  # set after the model is built (its routers live in the model)
         self._prediction: tuple[int, Tensor] | None = None  # (MoE layer, scores [E] on the device)
+        self.counter: RoutingCounter | None = None  # when set, every routing decision is counted (on the device)
 
     @property
     def counters(self) -> LoadCounters:
@@ -50,6 +52,8 @@ class OffloadExpertProvider(ExpertProvider):
         loader, E = self.loader, self.cache.num_experts
         if not 0 <= moe_layer < self.cache.num_layers:
             raise IndexError(f"MoE layer {moe_layer} is outside [0, {self.cache.num_layers})")
+        if self.counter is not None:
+            self.counter.record(moe_layer, topk_ids)
         loader.fence_consumed()
         flat = topk_ids.reshape(-1).long()
         flat = torch.where((flat >= 0) & (flat < E), flat, E)  # out-of-range ids counted in bin E

@@ -12,9 +12,12 @@ W1/W3 pages hold [f, d] row-major, W2 pages hold [d, f] (docs/architecture.md).
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from rimuru.experts.routing_counter import RoutingCounter
 
 
 @runtime_checkable
@@ -41,6 +44,9 @@ class StaticExpertProvider(ExpertProvider):
             raise ValueError(f"expert tables must be [L_moe, E, 3], got {tuple(tables.shape)}")
         self.expert_view = expert_view  # [n_mid, f*d]
         self.tables = tables  # [L_moe, E, 3] int32
+        self.counter: RoutingCounter | None = None  # when set, every routing decision is counted (on the device)
 
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+        if self.counter is not None:
+            self.counter.record(moe_layer, topk_ids)
         return self.tables[moe_layer]  # [E, 3]

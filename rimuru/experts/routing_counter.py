@@ -1,0 +1,52 @@
+"""Routing counts on the device: how many (token, expert) assignments each MoE layer gave each expert.
+
+    counts [L_moe, E] float32 on the model's device
+    record(l, topk_ids)     counts[l][e] += number of times e appears in topk_ids   (no host sync)
+    snapshot_and_reset()    copies counts to the host and zeroes them                (one sync; rare)
+
+`record` is a single `scatter_add_` of a stride-0 view of one constant `1.0` into a fixed-size row,
+so it allocates nothing, never reads a value back and has no data-dependent shape (`torch.bincount`
+would: its output length depends on the largest id). It can therefore run inside a captured CUDA graph,
+provided the graph was captured with this counter attached (a graph replays the tensors it recorded).
+Caveat for graphs: padded rows of a padded decode batch route too and would be counted.
+
+Counts are exact while every entry stays below 2**24 (float32 integers); callers that count for long
+take `snapshot_and_reset()` at least every `exact_limit // assignments_per_step` steps and sum on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+EXACT_LIMIT = 2**24  # float32 represents every integer up to this exactly
+
+
+class RoutingCounter:
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device | str = "cpu") -> None:
+        if num_layers < 1 or num_experts < 1:
+            raise ValueError(f"a routing counter needs >= 1 layer and >= 1 expert, got {num_layers} x {num_experts}")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)  # [L_moe, E]
+        self._one = torch.ones(1, dtype=torch.float32, device=device)  # expanded, never materialised
+
+    @property
+    def device(self) -> torch.device:
+        return self.counts.device
+
+    def record(self, moe_layer: int, topk_ids: Tensor) -> None:
+        """Adds one count per entry of `topk_ids` [T, k] (expert ids in [0, E)) to row `moe_layer`.
+
+        Ids are not range-checked (that would need a host read); out-of-range ids raise on the CPU and
+        trip a device-side assert on CUDA."""
+        flat = topk_ids.reshape(-1)
+        if flat.dtype != torch.int64:
+            flat = flat.long()
+        self.counts[moe_layer].scatter_add_(0, flat, self._one.expand(flat.numel()))
+
+    def snapshot_and_reset(self) -> Tensor:
+        """The counts so far as a host float32 tensor [L_moe, E]; the device counts restart from zero."""
+        host = self.counts.to("cpu", copy=True)
+        self.counts.zero_()
+        return host
