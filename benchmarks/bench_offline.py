@@ -57,19 +57,19 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
     for i, r in enumerate(requests):
         engine.add_request(f"b{i}", r.prompt_token_ids,
                            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=1.0))
-    series = []
+    engine.step_metrics.clear()
     out_tokens = 0
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         outs = engine.step()
-        # cheap counters only: engine.stats() walks the allocator and would slow the loop being measured
-        series.append([round(time.perf_counter() - t0, 4), len(engine.scheduler.running),
-                       len(engine.scheduler.waiting), engine.kv.pages_in_use, engine.experts.num_resident])
         out_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
     elapsed = time.perf_counter() - t0
     after = engine.stats()
+    timeline = engine.step_metrics.timeline()
+    t_start = timeline["t"][0] - timeline["step_time_s"][0] if timeline["t"] else 0.0
+    timeline["t"] = [round(t - t_start, 4) for t in timeline["t"]]
     row = {
         "mode": mode,
         "engine_start_s": round(start_s, 2),
@@ -80,7 +80,14 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
         "output_tok_per_s": round(out_tokens / elapsed, 1),
         "requests_per_s": round(len(requests) / elapsed, 3),
         "forward_steps": after["forward_steps"] - before["forward_steps"],
-        "peak_running": max(s[1] for s in series),
+        "peak_running": max(timeline["running"]),
+        "peak_waiting": max(timeline["waiting"]),
+        "graph_steps": sum(timeline["cuda_graph"]),
+        "expert_evictions": after["expert_evictions"] - before["expert_evictions"],
+        "expert_grows": after["expert_grows"] - before["expert_grows"],
+        "expert_bytes_loaded": after["expert_bytes_loaded"] - before["expert_bytes_loaded"],
+        "prefetch_hits": after["prefetch_hits"] - before["prefetch_hits"],
+        "prefetch_misses": after["prefetch_misses"] - before["prefetch_misses"],
         "preemptions": after["preemptions"] - before["preemptions"],
         "kv_pages_total": after["kv_pages_free"] + after["kv_pages_used"],
         "kv_tokens": (after["kv_pages_free"] + after["kv_pages_used"]) // max(1, engine.kv.num_layers)
@@ -89,8 +96,7 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
         "total_experts": after["total_experts"],
         "budget_split": engine.parts.budget_split,
         "stats_after": after,
-        "series_columns": ["t_s", "running", "waiting", "kv_pages_used", "resident_experts"],
-        "series": series,
+        "timeline": timeline,
     }
     assert after["kv_pages_used"] == 0, "pages leaked"
     del llm, engine
@@ -118,6 +124,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the Qwen vocabulary)")
     ap.add_argument("--max-total-len", type=int, default=2048, help="drop ShareGPT pairs longer than this")
     ap.add_argument("--output-json", required=True)
+    ap.add_argument("--plot", default=None, help="PNG of the memory split and running/waiting over time")
     args = ap.parse_args()
 
     requests = sample_sharegpt(load_tokenizer(args.tokenizer), args.num_prompts, seed=args.seed,
@@ -129,6 +136,11 @@ def main() -> None:
         # written after every mode, so a run cut short by a time limit keeps what it measured
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    if args.plot:
+        from rimuru.sim.plot import plot_timelines
+
+        plot_timelines({r["mode"]: r for r in rows}, args.plot, f"{args.model}, {args.gpu_memory_budget}, "
+                       f"{args.num_prompts} ShareGPT requests at once ({meta['device']})", xlabel="time (s)")
     print(f"{'mode':8} {'out tok/s':>10} {'req/s':>7} {'steps':>6} {'peak run':>8} {'preempt':>7} "
           f"{'kv tokens':>9} {'experts':>9} {'elapsed s':>9}")
     for r in rows:

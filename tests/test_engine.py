@@ -152,4 +152,10 @@ def test_static_mode_refuses_a_budget_without_room_for_experts(checkpoints) -> N
     split = llm.engine.parts.budget_split
     budget = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] // 2
     with pytest.raises(ValueError, match="offload_mode='fixed' or 'elastic'"):
-        LLM(str(checkpoints["qwen2_moe"]), gpu_memory_budget=budget, device="cpu")
+        LLM(str(checkpoints["qwen2_moe"]), gpu_memory_budget=budget, device="cpu", offload_mode="static")
+    # asking for nothing: elastic when the experts don't all fit with room for KV cache, static when they do
+    page = llm.engine.parts.geometry.size("expert")
+    tight = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 2 * page
+    assert LLM(str(checkpoints["qwen2_moe"]), gpu_memory_budget=tight, device="cpu",
+               expert_offload_limit=2).stats()["offload_mode"] == "elastic"
+    assert llm.stats()["offload_mode"] == "static"

@@ -27,6 +27,9 @@ from rimuru.engine.sampler import Sampler
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerOutput
 from rimuru.engine.setup import build_engine_parts
+from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
+from rimuru.experts.adjuster import AdjustPlan
+from rimuru.experts.cache import EXPERT
 from rimuru.models.expert_provider import StaticExpertProvider
 
 logger = logging.getLogger("rimuru")
@@ -62,6 +65,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.forward_steps = 0
+        self.start_time = time.monotonic()
+        self.step_metrics = StepMetricsRing()
         self.peak_running = 0
 
     # ---- requests in -------------------------------------------------------------------------------
@@ -131,14 +136,18 @@ class LLMEngine:
         return pending or self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic()
+        loaded0 = self.parts.offload_stats()["expert_bytes_loaded"]
+        graph_steps0 = self.runner.graph_steps
         outputs = self._take_inbox()
         if self.elastic is not None:
             self.elastic.commit_grows()
         sched = self.scheduler.schedule()
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
+        plan = None
         if self.elastic is not None:
-            self.elastic.adjust(sched.shortfall_pages, sched.num_tokens, len(self.scheduler.running),
-                                len(self.scheduler.waiting))
+            plan = self.elastic.adjust(sched.shortfall_pages, sched.num_tokens, len(self.scheduler.running),
+                                       len(self.scheduler.waiting))
         if not sched.is_empty:
             now = time.monotonic()
             for s in sched.scheduled:
@@ -150,7 +159,22 @@ class LLMEngine:
         if self.elastic is not None:
             self.elastic.after_forward()
         self.pool.allocator.complete_forward()  # pages the finished forward pass may have read are free now
+        self._record(t0, sched.num_tokens, self.runner.graph_steps > graph_steps0, plan, loaded0)
         return outputs
+
+    def _record(self, t0: float, num_tokens: int, graph: bool, plan: AdjustPlan | None, loaded0: int) -> None:
+        now = time.monotonic()
+        geo, alloc = self.parts.geometry, self.pool.allocator
+        expert_bytes = alloc.num_used(EXPERT) * geo.size(EXPERT)
+        kv_bytes = self.kv.pages_in_use * geo.size("kv")
+        self.step_metrics.append(StepMetrics(
+            t=now - self.start_time, step_time_s=now - t0, num_tokens=num_tokens, cuda_graph=graph,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_pages_used=self.kv.pages_in_use, resident_experts=self.experts.num_resident,
+            evictions=len(plan.evict) if plan else 0, grows=len(plan.grow) if plan else 0,
+            bytes_loaded=self.parts.offload_stats()["expert_bytes_loaded"] - loaded0,
+            expert_bytes=expert_bytes, kv_bytes=kv_bytes,
+            free_bytes=self.pool.pool_bytes - expert_bytes - kv_bytes))
 
     def _take_inbox(self) -> list[RequestOutput]:
         with self._lock:
@@ -227,6 +251,7 @@ class LLMEngine:
         with self._lock:
             queued = len(self._inbox)
         return {
+            "offload_mode": self.parts.mode,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + queued,
             "kv_pages_used": self.kv.pages_in_use,

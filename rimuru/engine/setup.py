@@ -42,6 +42,7 @@ from rimuru.experts.loader import ExpertLoader, LoadCounters
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
 from rimuru.experts.predictor import ExpertPredictor, moe_routers
+from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pool import PagePool
 from rimuru.model_spec import ModelSpec, dtype_bytes, load_model_spec
@@ -82,6 +83,7 @@ class EngineParts:
     loader: ExpertLoader | None = None  # fixed mode with offloaded experts
     elastic: ElasticController | None = None  # elastic mode
     max_kv_pages: int = 0  # KV pages requests could ever get: free now + what evicting allowed experts frees
+    mode: str = "static"  # the offload mode in force
 
     def offload_stats(self) -> dict[str, int]:
         c = self.loader.counters if self.loader is not None else LoadCounters()
@@ -157,15 +159,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, spec, device)
     tokenizer = load_tokenizer(config.tokenizer or (model_path if is_dir else None))
-    mode = config.offload_mode or "static"
-    if mode == "elastic":
-        limit = config.expert_offload_limit
-        limit = default_elastic_limit(spec.num_experts) if limit is None else limit
-        if not 1 <= limit <= spec.num_experts:
-            raise ValueError(f"expert_offload_limit must be in [1, {spec.num_experts}] in elastic mode, got {limit}")
-    if mode == "fixed":
-        resident = resolve_resident_count(config.resident_experts, spec.num_experts)
-        limit = resolve_offload_limit(config.expert_offload_limit, spec.num_experts, resident)
     popularity = (ExpertPopularity.load(config.expert_ranking, spec.num_moe_layers, spec.num_experts)
                   if config.expert_ranking is not None
                   else ExpertPopularity.uniform(model_path, spec.num_moe_layers, spec.num_experts))
@@ -181,6 +174,20 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         raise ValueError(
             f"gpu_memory_budget {format_bytes(budget)} is too small: non-expert weights take "
             f"{format_bytes(non_expert)} and the activation workspace {format_bytes(work)}, leaving no page pool")
+    mode = config.offload_mode
+    if mode is None:  # static when every expert fits with room for KV cache, else elastic
+        whole_pool = pool_bytes // geometry.huge_size * geometry.huge_size
+        mode = "static" if expert_bytes <= (1 - ELASTIC_KV_RESERVE) * whole_pool else "elastic"
+        logger.info("offload_mode not given: %s (routed experts %s, pool %s)", mode, format_bytes(expert_bytes),
+                    format_bytes(whole_pool))
+    if mode == "elastic":
+        limit = config.expert_offload_limit
+        limit = default_elastic_limit(spec.num_experts) if limit is None else limit
+        if not 1 <= limit <= spec.num_experts:
+            raise ValueError(f"expert_offload_limit must be in [1, {spec.num_experts}] in elastic mode, got {limit}")
+    if mode == "fixed":
+        resident = resolve_resident_count(config.resident_experts, spec.num_experts)
+        limit = resolve_offload_limit(config.expert_offload_limit, spec.num_experts, resident)
     pool = PagePool(geometry, pool_bytes, device)
     expert_view = pool.expert_view(dtype)
     experts = ExpertCache(spec, pool.allocator, expert_view, device,
@@ -221,9 +228,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     elastic = None
     if mode == "elastic":
         assert loader is not None
+        counter = RoutingCounter(spec.num_moe_layers, spec.num_experts, device)
+        provider.counter = counter  # type: ignore[attr-defined]
         elastic = ElasticController(experts, loader, PaperAdjuster(AdjusterConfig()), OnlinePopularity(popularity),
-                                    offload_limit=limit,
-                                    smalls_per_mid=geometry.smalls_per_mid("kv", EXPERT))
+                                    offload_limit=limit, smalls_per_mid=geometry.smalls_per_mid("kv", EXPERT),
+                                    counter=counter)
     if load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
         if store is None:
@@ -271,7 +280,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(spec=spec, tokenizer=tokenizer, device=device, dtype=dtype, geometry=geometry, pool=pool,
                        experts=experts, kv=kv, model=model, max_model_len=max_model_len,
                        num_attention_layers=num_attn, budget_split=split, provider=provider, host_store=store,
-                       loader=loader, elastic=elastic, max_kv_pages=max_kv_pages)
+                       loader=loader, elastic=elastic, max_kv_pages=max_kv_pages, mode=mode)
 
 
 def _elastic_start(experts: ExpertCache, pool: PagePool, limit: int) -> int:

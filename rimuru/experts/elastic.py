@@ -27,6 +27,7 @@ from rimuru.experts.adjuster import Adjuster, AdjusterState, AdjustPlan, shortfa
 from rimuru.experts.cache import EXPERT, ExpertCache
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.popularity import OnlinePopularity
+from rimuru.experts.routing_counter import RoutingCounter
 
 
 @dataclass
@@ -46,13 +47,14 @@ class ElasticCounters:
 
 class ElasticController:
     def __init__(self, cache: ExpertCache, loader: ExpertLoader, adjuster: Adjuster, popularity: OnlinePopularity,
-                 offload_limit: int, smalls_per_mid: int) -> None:
+                 offload_limit: int, smalls_per_mid: int, counter: RoutingCounter | None = None) -> None:
         self.cache = cache
         self.loader = loader
         self.adjuster = adjuster
         self.popularity = popularity
         self.offload_limit = offload_limit
         self.smalls_per_mid = smalls_per_mid
+        self.counter = counter  # routing counts of each step feed the online popularity estimate
         self.pending: list[PendingGrow] = []
         self.counters = ElasticCounters()
 
@@ -106,5 +108,7 @@ class ElasticController:
 
     def after_forward(self) -> None:
         """The forward pass has finished: evicted experts leave the tables (the engine then completes the
-        allocator's forward, which frees their pages)."""
+        allocator's forward, which frees their pages), and its routing counts update the popularity."""
         self.cache.finish_evictions()
+        if self.counter is not None:
+            self.observe(self.counter.snapshot_and_reset().numpy())

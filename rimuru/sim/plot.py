@@ -1,4 +1,5 @@
-"""The memory split (expert pages / KV pages / free) and running / waiting requests over simulated time."""
+"""The memory split (expert pages / KV pages / free) and running / waiting requests over time (simulated or
+measured: a section is {"timeline": {"t", "expert_bytes", "kv_bytes", "free_bytes", "running", "waiting"}})."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_timelines(sections: dict[str, dict[str, Any]], path: str | Path, title: str) -> None:
+def plot_timelines(sections: dict[str, dict[str, Any]], path: str | Path, title: str,
+                   xlabel: str = "simulated time (s)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,7 +28,7 @@ def plot_timelines(sections: dict[str, dict[str, Any]], path: str | Path, title:
         top.set_ylabel("pool GiB")
         bottom.plot(t, tl["running"], label="running")
         bottom.plot(t, tl["waiting"], ":", label="waiting")
-        bottom.set_xlabel("simulated time (s)")
+        bottom.set_xlabel(xlabel)
         bottom.set_ylabel("requests")
         if col == 0:
             top.legend(loc="lower left", fontsize=8)
