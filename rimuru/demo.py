@@ -144,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="checkpoint directory (default: build a demo one)")
     ap.add_argument("--modes", default="static,elastic")
     ap.add_argument("--num-prompts", type=int, default=60)
-    ap.add_argument("--request-rate", type=float, default=6.0)
+    ap.add_argument("--request-rate", type=float, default=2.5)
     ap.add_argument("--max-prompt-len", type=int, default=192)
     ap.add_argument("--max-output-len", type=int, default=64)
-    ap.add_argument("--kv-tokens", type=int, default=1024, help="KV room (tokens) left beside all experts")
+    ap.add_argument("--kv-tokens", type=int, default=640, help="KV room (tokens) left beside all experts")
+    ap.add_argument("--expert-offload-limit", type=int, default=8,
+                    help="elastic mode: the most experts a layer may offload (of 16)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="docs", help="writes demo.md and demo_memory.png here")
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = Path(args.model) if args.model else build_checkpoint(work / "demo-moe")
     flags = {"device": "cpu", "max_model_len": args.max_prompt_len + args.max_output_len + 16,
              "max_num_seqs": 64, "max_num_batched_tokens": 1024}
+    mode_flags = {"elastic": {"expert_offload_limit": args.expert_offload_limit}}
     budget, info = pick_budget(ckpt, args.kv_tokens, flags)
     print(f"checkpoint {ckpt}; budget {budget} B: all experts {info['expert_bytes']} B + KV for ~{args.kv_tokens} "
           "tokens", flush=True)
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         log = work / f"serve-{mode}.log"
         print(f"\n=== {mode}: starting rimuru serve (log {log})", flush=True)
-        proc = start_server(ckpt, mode, budget, args.port, flags, log)
+        proc = start_server(ckpt, mode, budget, args.port, {**flags, **mode_flags.get(mode, {})}, log)
         try:
             if not wait_ready(proc, url):
                 reason = log.read_text().strip().splitlines()[-1:] or ["server did not start"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rimuru.testing import make_tiny_checkpoint
+from rimuru.testing.tiny_models import ARCHS
 
 # CPU tests run tiny tensors: intra-op threads only add spin-waiting, which on a shared 2-core machine
 # made the model tests 5x slower.
@@ -30,3 +31,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def parity_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny checkpoint per architecture (seed 3); mixtral and olmoe with fused expert tensors, the others
+    per-expert, so both namings load. Shared by the engine and offload parity tests."""
+    root = tmp_path_factory.mktemp("parity_ckpt")
+    return {arch: make_tiny_checkpoint(arch, root / arch, fused_experts=arch in ("mixtral", "olmoe"), seed=3)
+            for arch in ARCHS}

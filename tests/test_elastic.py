@@ -18,6 +18,7 @@ from rimuru.experts.cache import EXPERT, ExpertCache
 from rimuru.memory.allocator import PageAllocator
 from rimuru.memory.geometry import PageGeometry
 from rimuru.model_spec import load_model_spec
+from rimuru.testing.reference import hf_greedy
 from rimuru.testing.tiny_models import make_tiny_checkpoint
 
 STEPS = 24
@@ -32,20 +33,6 @@ def prompts(n: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     return [{"prompt_token_ids": torch.randint(3, 300, (int(k),), generator=g).tolist()}
             for k in torch.randint(8, 40, (n,), generator=g)]
-
-
-def hf_greedy(path: Path, ps: list[dict], steps: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for p in ps:
-        ids = torch.tensor([p["prompt_token_ids"]])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, ids.shape[1]:].tolist())
-    return out
 
 
 def tight_budget(path: Path, kv_blocks: int, limit: int) -> int:
@@ -91,7 +78,8 @@ def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
     assert alloc.num_used(EXPERT) == 3 * experts.num_resident + 2 * 3 * limit
     assert alloc.pending_deferred == 0
 
-    ref_heavy, ref_light = hf_greedy(ckpt, heavy, STEPS), hf_greedy(ckpt, light, STEPS)
+    ref_heavy = hf_greedy(ckpt, [p["prompt_token_ids"] for p in heavy], STEPS)
+    ref_light = hf_greedy(ckpt, [p["prompt_token_ids"] for p in light], STEPS)
     assert got_heavy == ref_heavy and got_light == ref_light
     static = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu")
     assert [o.outputs[0].token_ids for o in static.generate(heavy, params)] == got_heavy

@@ -13,18 +13,16 @@ import pytest
 import torch
 
 from rimuru import LLM, SamplingParams
-from rimuru.testing.tiny_models import ARCHS, make_tiny_checkpoint
+from rimuru.testing.reference import hf_greedy
+from rimuru.testing.tiny_models import ARCHS
 
 STEPS = 32
 PROMPT_LENS = (5, 17, 33)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("engine_ckpt")
-    # mixtral and olmoe with fused expert tensors, the others per-expert: both namings load
-    return {arch: make_tiny_checkpoint(arch, root / arch, fused_experts=arch in ("mixtral", "olmoe"), seed=3)
-            for arch in ARCHS}
+def checkpoints(parity_checkpoints: dict[str, Path]) -> dict[str, Path]:
+    return parity_checkpoints
 
 
 def prompts(vocab: int = 300) -> list[list[int]]:
@@ -32,16 +30,6 @@ def prompts(vocab: int = 300) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def hf_greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def run(llm: LLM, ps: list[list[int]], steps: int = STEPS, one_by_one: bool = False) -> list[list[int]]:
@@ -59,7 +47,7 @@ def run(llm: LLM, ps: list[list[int]], steps: int = STEPS, one_by_one: bool = Fa
 def references(checkpoints: dict[str, Path]) -> dict[str, list[list[int]]]:
     # generate() stops at EOS when eos_token_id is set in generation_config; ignore_eos on our side needs all
     # STEPS tokens, so compare only as far as transformers went
-    return {arch: [hf_greedy(path, p, STEPS) for p in prompts()] for arch, path in checkpoints.items()}
+    return {arch: hf_greedy(path, prompts(), STEPS) for arch, path in checkpoints.items()}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

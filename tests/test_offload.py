@@ -19,7 +19,8 @@ from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.models.expert_provider import StaticExpertProvider
-from rimuru.testing.tiny_models import ARCHS, make_tiny_checkpoint
+from rimuru.testing.reference import hf_greedy
+from rimuru.testing.tiny_models import ARCHS
 
 STEPS = 24
 PROMPT_LENS = (5, 17, 33)
@@ -27,10 +28,8 @@ BUDGET = "64MiB"
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("offload_ckpt")
-    return {arch: make_tiny_checkpoint(arch, root / arch, fused_experts=arch in ("mixtral", "olmoe"), seed=3)
-            for arch in ARCHS}
+def checkpoints(parity_checkpoints: dict[str, Path]) -> dict[str, Path]:
+    return parity_checkpoints
 
 
 def prompts(vocab: int = 300) -> list[list[int]]:
@@ -38,21 +37,11 @@ def prompts(vocab: int = 300) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def hf_greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
 def references(checkpoints: dict[str, Path]) -> dict[str, list[list[int]]]:
-    return {arch: [hf_greedy(path, p, STEPS) for p in prompts()] for arch, path in checkpoints.items()}
+    return {arch: hf_greedy(path, prompts(), STEPS) for arch, path in checkpoints.items()}
 
 
 class RoutingSpy:
