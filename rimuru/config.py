@@ -18,6 +18,7 @@ _UNITS = {
 }
 
 OFFLOAD_MODES = ("static", "fixed", "elastic")
+ADJUSTERS = ("paper", "cost")  # elastic mode: the paper's threshold rules | the cost-aware adjuster (issue 8)
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -63,6 +64,8 @@ class EngineConfig:
     expert_offload_limit: int | None = None  # the most experts one layer may have offloaded
     expert_ranking: str | None = None  # JSON file from `rimuru profile`
     tensor_parallel_size: int = 1
+    adjuster: str = "paper"  # elastic mode: paper | cost
+    tpot_slo_ms: float | None = None  # cost adjuster: keep the modelled step time within this (default: hide copies)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu") and not self.device.startswith("cuda:"):
@@ -88,6 +91,10 @@ class EngineConfig:
             raise ValueError(f"resident_experts must be positive, got {self.resident_experts}")
         if self.expert_offload_limit is not None and self.expert_offload_limit < 0:
             raise ValueError(f"expert_offload_limit must be >= 0, got {self.expert_offload_limit}")
+        if self.adjuster not in ADJUSTERS:
+            raise ValueError(f"adjuster must be one of {', '.join(ADJUSTERS)}, got {self.adjuster!r}")
+        if self.tpot_slo_ms is not None and not self.tpot_slo_ms > 0:
+            raise ValueError(f"tpot_slo_ms must be positive, got {self.tpot_slo_ms}")
 
     @property
     def budget_bytes(self) -> int | None:
@@ -113,13 +120,15 @@ _FLAG_HELP = {
     "expert_offload_limit": "the most experts one layer may have offloaded",
     "expert_ranking": "expert popularity JSON written by `rimuru profile`",
     "enforce_eager": "never capture CUDA graphs",
+    "adjuster": "elastic mode: paper (threshold rules) | cost (offload only what PCIe can pay for)",
+    "tpot_slo_ms": "cost adjuster: per-step time target in ms (default: offload only copies that hide behind compute)",
 }
 
 _FLAG_TYPES: dict[str, Any] = {
     "tokenizer": str, "device": str, "dtype": str, "gpu_memory_budget": str, "offload_mode": str,
     "max_num_seqs": int, "max_model_len": int, "max_num_batched_tokens": int, "block_size": int,
     "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int,
-    "expert_ranking": str, "tensor_parallel_size": int,
+    "expert_ranking": str, "tensor_parallel_size": int, "adjuster": str, "tpot_slo_ms": float,
 }
 
 

@@ -28,7 +28,7 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.kv_cache_manager import KVCacheManager
-from rimuru.experts.adjuster import AdjusterConfig, PaperAdjuster
+from rimuru.experts.adjuster import Adjuster, AdjusterConfig, PaperAdjuster
 from rimuru.experts.cache import (
     EXPERT,
     ExpertCache,
@@ -36,6 +36,7 @@ from rimuru.experts.cache import (
     resolve_offload_limit,
     resolve_resident_count,
 )
+from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
 from rimuru.experts.elastic import ElasticController, ElasticCounters
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader, LoadCounters
@@ -43,6 +44,7 @@ from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
 from rimuru.experts.predictor import ExpertPredictor, moe_routers
 from rimuru.experts.routing_counter import RoutingCounter
+from rimuru.experts.step_cost import StepCostTracker
 from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pool import PagePool
 from rimuru.model_spec import ModelSpec, dtype_bytes, load_model_spec
@@ -230,9 +232,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         assert loader is not None
         counter = RoutingCounter(spec.num_moe_layers, spec.num_experts, device)
         provider.counter = counter  # type: ignore[attr-defined]
-        elastic = ElasticController(experts, loader, PaperAdjuster(AdjusterConfig()), OnlinePopularity(popularity),
+        adjuster: Adjuster = PaperAdjuster(AdjusterConfig())
+        step_cost = None
+        if config.adjuster == "cost":
+            slo = None if config.tpot_slo_ms is None else config.tpot_slo_ms / 1e3
+            cost_cfg = CostAdjusterConfig(tpot_slo_s=slo)
+            step_cost = StepCostTracker(copy_overlap=cost_cfg.copy_overlap)  # measured forward times
+            adjuster = CostAdjuster(cost_cfg, expert_bytes=3 * geometry.size(EXPERT), top_k=spec.num_experts_per_tok,
+                                    compute_time=step_cost)
+        elastic = ElasticController(experts, loader, adjuster, OnlinePopularity(popularity),
                                     offload_limit=limit, smalls_per_mid=geometry.smalls_per_mid("kv", EXPERT),
-                                    counter=counter)
+                                    counter=counter, step_cost=step_cost,
+                                    pcie_bandwidth=CostAdjusterConfig().pcie_bandwidth)
     if load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
         if store is None:

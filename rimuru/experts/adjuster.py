@@ -19,7 +19,7 @@ equally popular nominees (uniform routing) go to the layer with the most residen
 fewest (grow), then the lowest layer index, so offloading spreads evenly over layers.
 
 `Adjuster` is the interface the engine and simulator call (`plan(state) -> AdjustPlan`); `PaperAdjuster`
-implements the rules above; a cost-aware adjuster (issue 8) reads the batch fields of `AdjusterState`.
+implements the rules above; `CostAdjuster` (cost_adjuster.py, issue 8) also reads the batch fields of `AdjusterState`.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class AdjusterState:
     num_batched_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    kv_mid_pages: float = 0.0  # KV pages in use, in mid-page units (KV pages / smalls per mid)
 
     def limit(self, layer: int) -> int:
         lim = self.offload_limit

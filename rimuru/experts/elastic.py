@@ -18,6 +18,7 @@ pass that may still read them has finished.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,7 @@ from rimuru.experts.cache import EXPERT, ExpertCache
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.popularity import OnlinePopularity
 from rimuru.experts.routing_counter import RoutingCounter
+from rimuru.experts.step_cost import StepCostTracker
 
 
 @dataclass
@@ -47,7 +49,8 @@ class ElasticCounters:
 
 class ElasticController:
     def __init__(self, cache: ExpertCache, loader: ExpertLoader, adjuster: Adjuster, popularity: OnlinePopularity,
-                 offload_limit: int, smalls_per_mid: int, counter: RoutingCounter | None = None) -> None:
+                 offload_limit: int, smalls_per_mid: int, counter: RoutingCounter | None = None,
+                 step_cost: StepCostTracker | None = None, pcie_bandwidth: float = 52e9) -> None:
         self.cache = cache
         self.loader = loader
         self.adjuster = adjuster
@@ -57,6 +60,10 @@ class ElasticController:
         self.counter = counter  # routing counts of each step feed the online popularity estimate
         self.pending: list[PendingGrow] = []
         self.counters = ElasticCounters()
+        # cost-aware adjusters read the measured forward time: adjust() -> after_forward() brackets the pass
+        self.step_cost = step_cost
+        self.pcie_bandwidth = pcie_bandwidth
+        self._forward_start: tuple[float, int] | None = None  # (monotonic time, loader bytes) when tokens ran
 
     def reclaimable_kv_pages(self) -> int:
         """KV pages that evicting every expert the limits still allow would free (after the moves in flight)."""
@@ -90,6 +97,7 @@ class ElasticController:
             rankings=self.popularity.rankings,
             offload_limit=self.offload_limit,
             num_batched_tokens=num_batched_tokens, num_running=num_running, num_waiting=num_waiting,
+            kv_mid_pages=allocator.num_used("kv") / self.smalls_per_mid,
         )
         plan = self.adjuster.plan(state)
         for layer, expert in plan.evict:
@@ -104,11 +112,18 @@ class ElasticController:
         self.counters.evictions += len(plan.evict)
         self.counters.grows += len(grown)
         self.counters.last_plan = AdjustPlan(evict=list(plan.evict), grow=grown)
+        self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded) if num_batched_tokens > 0
+                               else None)
         return self.counters.last_plan
 
     def after_forward(self) -> None:
         """The forward pass has finished: evicted experts leave the tables (the engine then completes the
         allocator's forward, which frees their pages), and its routing counts update the popularity."""
         self.cache.finish_evictions()
+        if self.step_cost is not None and self._forward_start is not None:
+            t0, bytes0 = self._forward_start
+            copy_s = (self.loader.counters.bytes_loaded - bytes0) / self.pcie_bandwidth
+            self.step_cost.observe_forward(time.monotonic() - t0, copy_s)
+        self._forward_start = None
         if self.counter is not None:
             self.observe(self.counter.snapshot_and_reset().numpy())

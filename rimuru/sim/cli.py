@@ -23,10 +23,11 @@ from typing import Any
 
 from rimuru.config import format_bytes, parse_bytes
 from rimuru.experts.adjuster import AdjusterConfig
+from rimuru.experts.cost_adjuster import CostAdjusterConfig
 from rimuru.experts.popularity import ExpertPopularity
 from rimuru.model_spec import load_model_spec
 from rimuru.sim.cost_model import HARDWARE
-from rimuru.sim.simulator import MODES, SimConfig, SimRequest, Simulation, SimulationError
+from rimuru.sim.simulator import ADJUSTERS, MODES, SimConfig, SimRequest, Simulation, SimulationError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,6 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", help="PNG of the memory split and running/waiting over time")
     p.add_argument("--resident-experts", type=int, help="fixed mode: experts per layer (default E - limit)")
     p.add_argument("--expert-offload-limit", type=int, default=10, help="most experts one layer may offload")
+    p.add_argument("--adjuster", default="paper", help="elastic mode's adjuster(s): paper | cost | paper,cost "
+                   "(each one runs; sections 'elastic' for paper, 'elastic-cost' for cost)")
+    p.add_argument("--tpot-slo-ms", type=float, help="cost adjuster: modelled step time target (default: hide copies)")
+    p.add_argument("--adjuster-pcie-bandwidth", type=float, default=52.0,
+                   help="GB/s the cost adjuster assumes (the engine's default, measured on the H200)")
     p.add_argument("--routing", default="uniform", help="uniform | zipf:S (seeded power-law router)")
     p.add_argument("--ranking", help="ranking JSON from `rimuru profile` (overrides --routing)")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
@@ -124,18 +130,25 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+    adjusters = [a.strip() for a in args.adjuster.split(",") if a.strip()]
+    if not adjusters or any(a not in ADJUSTERS for a in adjusters):
+        raise SystemExit(f"bad --adjuster {args.adjuster!r}; choose from {', '.join(ADJUSTERS)} (comma list)")
+    runs = [(m, a) for m in modes for a in (adjusters if m == "elastic" else ["paper"])]
+    cost_cfg = CostAdjusterConfig(pcie_bandwidth=args.adjuster_pcie_bandwidth * 1e9,
+                                  tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1e3)
     hw = hardware_from(args)
     pairs = load_requests(args.dataset, args.num_prompts, args.seed)
     base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,
-                     adjuster=AdjusterConfig(), resident_experts=args.resident_experts,
+                     adjuster=AdjusterConfig(), cost=cost_cfg, resident_experts=args.resident_experts,
                      expert_offload_limit=args.expert_offload_limit, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens)
     rates = [float(r) for r in args.sweep_rates.split(",") if r.strip()]
     sections: dict[str, dict[str, Any]] = {}
     print(f"{args.model}: {len(pairs)} requests at {args.request_rate} req/s, budget "
           f"{format_bytes(base.budget_bytes)}, hardware {hw.name}, routing {routing}")
-    for mode in modes:
-        cfg = replace(base, mode=mode)
+    for mode, kind in runs:
+        cfg = replace(base, mode=mode, adjuster_kind=kind)
+        label = mode if kind == "paper" else f"{mode}-{kind}"
 
         def run_at(rate: float, cfg: SimConfig = cfg):
             return Simulation(spec, pop, cfg).run(with_arrivals(pairs, rate, args.seed))
@@ -144,22 +157,25 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = run_at(args.request_rate)
         except SimulationError as e:
-            print(f"{mode:8s} cannot run: {e}")
-            sections[mode] = {"error": str(e)}
+            print(f"{label:12s} cannot run: {e}")
+            sections[label] = {"error": str(e)}
             continue
         section = result.summary()
+        section["mode"] = label
+        section["adjuster"] = kind if mode == "elastic" else None
         section["timeline"] = result.timeline
         if rates:
             best, points = sustained_rate(run_at, rates, args.slo_ttft_p99)
             section["max_sustained_rate"] = best
             section["sweep"] = points
         section["wall_s"] = time.perf_counter() - t0
-        sections[mode] = section
-        print_section(mode, section)
+        sections[label] = section
+        print_section(label, section)
     report = {
         "config": {"model": args.model, "budget_bytes": base.budget_bytes, "dataset": args.dataset,
                    "num_prompts": len(pairs), "request_rate": args.request_rate, "seed": args.seed,
                    "routing": routing, "hardware": vars(hw), "adjuster": vars(base.adjuster),
+                   "adjusters": adjusters, "cost_adjuster": vars(cost_cfg),
                    "resident_experts": args.resident_experts, "expert_offload_limit": args.expert_offload_limit,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "sweep_rates": rates, "sweep_criterion": f"ttft_p99_s <= {args.slo_ttft_p99}"},
@@ -169,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         "modes": sections,
     }
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=1) + "\n")
+        Path(args.output_json).write_text(compact_json(report) + "\n")
         print(f"json: {args.output_json}")
     if args.plot:
         from rimuru.sim.plot import plot_timelines
@@ -181,9 +197,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def compact_json(report: dict[str, Any]) -> str:
+    """Indented JSON whose per-step timelines sit on one line each (they are long lists of numbers)."""
+    timelines = {}
+    body = json.loads(json.dumps(report))
+    for name, section in body.get("modes", {}).items():
+        if "timeline" in section:
+            timelines[name] = section["timeline"]
+            section["timeline"] = f"@@timeline:{name}@@"
+    text = json.dumps(body, indent=1)
+    for name, timeline in timelines.items():
+        rounded = {k: [float(f"{v:.6g}") for v in vs] for k, vs in timeline.items()}
+        text = text.replace(json.dumps(f"@@timeline:{name}@@"), json.dumps(rounded, separators=(",", ":")))
+    return text
+
+
 def print_section(mode: str, s: dict[str, Any]) -> None:
     rate = s.get("max_sustained_rate", "-")
-    print(f"{mode:8s} peak running {s['peak_running']:4d}  steps {s['forward_steps']:6d}  "
+    print(f"{mode:12s} peak running {s['peak_running']:4d}  steps {s['forward_steps']:6d}  "
           f"{s['output_throughput_tok_s']:8.1f} tok/s  TTFT p50/p99 {s['ttft_p50_s']:.3f}/{s['ttft_p99_s']:.3f} s  "
           f"TPOT p50/p99 {1e3 * s['tpot_p50_s']:.1f}/{1e3 * s['tpot_p99_s']:.1f} ms  evict/grow "
           f"{s['evictions']}/{s['grows']}  PCIe {s['pcie_bytes'] / 1e9:.1f} GB  max rate {rate}")

@@ -32,7 +32,9 @@ from rimuru.experts.adjuster import (
     pick_grows,
     shortfall_mid_pages,
 )
+from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
 from rimuru.experts.popularity import ExpertPopularity
+from rimuru.experts.step_cost import StepCostTracker
 from rimuru.memory.allocator import PageAllocator
 from rimuru.memory.geometry import PageGeometry
 from rimuru.model_spec import ModelSpec
@@ -40,6 +42,7 @@ from rimuru.sim.cost_model import CostModel, HardwareConfig
 from rimuru.sim.residency import EXPERT, PAGES_PER_EXPERT, SimResidency
 
 MODES = ("static", "fixed", "elastic")
+ADJUSTERS = ("paper", "cost")
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -60,6 +63,8 @@ class SimConfig:
     budget_bytes: int
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     adjuster: AdjusterConfig = field(default_factory=AdjusterConfig)
+    adjuster_kind: str = "paper"  # elastic: paper (threshold rules) | cost (CostAdjuster, fed the model's compute)
+    cost: CostAdjusterConfig = field(default_factory=CostAdjusterConfig)
     resident_experts: int | None = None  # fixed: experts per layer (default: num_experts - expert_offload_limit)
     expert_offload_limit: int = 10  # elastic: most experts one layer may have offloaded
     max_num_seqs: int = 256
@@ -72,6 +77,8 @@ class SimConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.expert_offload_limit < 0 or (self.resident_experts is not None and self.resident_experts < 0):
             raise ValueError("expert_offload_limit and resident_experts must be >= 0")
+        if self.adjuster_kind not in ADJUSTERS:
+            raise ValueError(f"adjuster_kind must be one of {', '.join(ADJUSTERS)}, got {self.adjuster_kind!r}")
         if self.dtype not in _TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_TORCH_DTYPES)}, got {self.dtype!r}")
 
@@ -154,6 +161,11 @@ class Simulation:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.residency = SimResidency(self.allocator, spec.num_moe_layers, spec.num_experts)
         self.cost = CostModel(spec, popularity.probabilities, cfg.hardware, cfg.dtype)
+        # the cost adjuster reads the compute time of recent steps; here the cost model's, as an EMA
+        self.step_cost = StepCostTracker(copy_overlap=cfg.cost.copy_overlap)
+        if adjuster is None and cfg.adjuster_kind == "cost":
+            adjuster = CostAdjuster(cfg.cost, expert_bytes=int(self.cost.expert_bytes),
+                                    top_k=spec.num_experts_per_tok, compute_time=self.step_cost)
         self.adjuster = adjuster or PaperAdjuster(cfg.adjuster)
         self.smalls_per_mid = g.smalls_per_mid(KV, EXPERT)
         E = spec.num_experts
@@ -192,11 +204,13 @@ class Simulation:
                     break
                 self.residency.load(grow)
 
-    def _state(self, shortfall: int, free: int) -> AdjusterState:
+    def _state(self, shortfall: int, free: int, num_batched_tokens: int = 0) -> AdjusterState:
         return AdjusterState(shortfall_mid_pages=shortfall, free_mid_pages=free,
                              resident=self.residency.resident_sets(), probabilities=self.popularity.probabilities,
                              rankings=self.popularity.rankings, offload_limit=self.offload_limit,
-                             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting))
+                             num_batched_tokens=num_batched_tokens, num_running=len(self.scheduler.running),
+                             num_waiting=len(self.scheduler.waiting),
+                             kv_mid_pages=self.kv.pages_in_use / self.smalls_per_mid)
 
     # ------------------------------------------------------------------ the loop
 
@@ -220,7 +234,7 @@ class Simulation:
             grown = 0
             if self.cfg.mode == "elastic":
                 R = shortfall_mid_pages(out.shortfall_pages, self.smalls_per_mid)
-                state = self._state(R, self.allocator.mid_capacity(EXPERT))
+                state = self._state(R, self.allocator.mid_capacity(EXPERT), out.num_tokens)
                 plan = self.adjuster.plan(state)
                 self.residency.evict(plan.evict)
                 grown = len(self.residency.grow(plan.grow))
@@ -243,6 +257,7 @@ class Simulation:
             sampled = sum(s.samples for s in out.scheduled)
             cost = self.cost.step(chunks, sampled, self.residency.resident, grown)
             clock += cost.time_s
+            self.step_cost.observe_compute(cost.compute_s)
             result.forward_steps += 1
             result.pcie_bytes += cost.pcie_bytes
             for s in out.scheduled:

@@ -1,0 +1,182 @@
+"""The cost-aware adjuster (issue 8): offload only the experts whose PCIe copies pay for the KV room they free.
+
+Every offloaded expert that a step's batch routes to crosses PCIe in that step (DESIGN.md section 7). For a
+candidate number n of offloaded experts (all layers; the n least popular the limits allow, in the order
+`pick_grows` / `pick_evictions` would move them) the adjuster models one decode step:
+
+    K(n)        = kv + F + P (n - n_now)                 mid pages KV could hold (P = pages per expert)
+    conc(n)     = min(demand, K(n) / footprint)          concurrent requests; footprint = kv / running;
+                                                         demand = running + waiting if the scheduler is short
+                                                         of pages (R > 0), else running
+    compute(n)  = c (fixed + (1 - fixed) conc(n) / running)  c = measured compute EMA (step_cost.py)
+    act(n)      = sum over the n offloaded e of 1 - (1 - p_e)^(top_k conc(n))   expected activated
+    copy(n)     = act(n) expert_bytes / pcie_bandwidth
+    step(n)     = compute(n) + max(0, copy(n) - overlap compute(n))
+    tput(n)     = conc(n) / step(n)                      decode tokens per second
+
+Allowed n: copies hide (copy(n) - overlap compute(n) <= exposed_copy_share compute(n)) or, with a TPOT SLO,
+step(n) <= tpot_slo_s. The best allowed n maximises tput. Hysteresis: any n within `min_gain` of the best
+is good enough; while the scheduler is short of pages the adjuster keeps the current count if it is good
+enough and otherwise aims for the best (stability), and when it is not short it aims for the smallest good n
+(experts come home once it costs no throughput).
+Reversing direction needs `reverse_cooldown_steps` steps since the last move the other way, and each step
+moves at most `max_evict_per_step` / `max_grow_per_step` experts; grows keep `grow_reserve_mid` pages free.
+
+Hard shortfall: when the scheduler is short (R > 0) and nothing could be scheduled (no tokens), no running
+request will free pages, so the adjuster evicts ceil((R + evict_margin) / P) experts whatever the cost,
+bounded only by the limits. A short scheduler with running requests is not stuck: they finish and free pages.
+Until the first compute time is measured, the adjuster only honours hard shortfalls and grows nothing back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rimuru.experts.adjuster import AdjusterState, AdjustPlan, Expert, pick_evictions, pick_grows
+
+
+@dataclass(frozen=True)
+class CostAdjusterConfig:
+    pcie_bandwidth: float = 52e9  # bytes/s, one expert load through the loader on the H200 (52-55 GB/s)
+    copy_overlap: float = 0.8  # share of compute a copy hides behind (H200: 0.70-0.88 measured, 1-256 tokens)
+    compute_fixed_share: float = 0.8  # share of step compute that does not grow with the batch (weight reads)
+    tpot_slo_s: float | None = None  # when set: allowed n keep the modelled step time within it
+    exposed_copy_share: float = 0.0  # without an SLO: copy time may exceed the hideable time by this x compute
+    min_gain: float = 0.05  # a candidate within this share of the best throughput is as good as the best
+    reverse_cooldown_steps: int = 50  # steps after a move before a move the other way (not for hard shortfalls)
+    max_evict_per_step: int = 8
+    max_grow_per_step: int = 5
+    grow_reserve_mid: int = 9  # free mid pages left after grows (running requests grow into them)
+    pages_per_expert: int = 3
+    evict_margin: int = 1  # hard shortfall of R pages -> free R + margin pages
+
+    def __post_init__(self) -> None:
+        if self.pcie_bandwidth <= 0:
+            raise ValueError(f"pcie_bandwidth must be positive, got {self.pcie_bandwidth}")
+        for name in ("copy_overlap", "compute_fixed_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.tpot_slo_s is not None and self.tpot_slo_s <= 0:
+            raise ValueError(f"tpot_slo_s must be positive, got {self.tpot_slo_s}")
+        if self.exposed_copy_share < 0 or self.min_gain < 0 or self.reverse_cooldown_steps < 0:
+            raise ValueError("exposed_copy_share, min_gain and reverse_cooldown_steps must be >= 0")
+        if self.max_evict_per_step < 1 or self.max_grow_per_step < 0 or self.grow_reserve_mid < 0:
+            raise ValueError("max_evict_per_step must be >= 1; max_grow_per_step, grow_reserve_mid >= 0")
+        if self.pages_per_expert < 1 or self.evict_margin < 0:
+            raise ValueError("pages_per_expert must be >= 1 and evict_margin >= 0")
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """The model's view of the last step (for tests, logs and the simulator's report)."""
+
+    offloaded: int  # n now (after moves in flight)
+    target: int  # the n the adjuster moves towards
+    best: int  # the allowed n of highest modelled throughput
+    compute_s: float | None
+    throughput: list[float] = field(default_factory=list, repr=False)  # per n = 0..max, tokens/s (0: not allowed)
+    step_s: list[float] = field(default_factory=list, repr=False)  # per n, modelled step time
+    hard: bool = False
+
+
+def expected_activated(p: np.ndarray, tokens: float, top_k: int) -> np.ndarray:
+    """Per expert: probability that a batch of `tokens` tokens, each picking `top_k` experts, routes to it:
+    1 - (1 - p)^(tokens * top_k) (picks treated as independent draws with the expert's routing share p)."""
+    p = np.clip(np.asarray(p, dtype=np.float64), 0.0, 1.0 - 1e-12)
+    return -np.expm1(tokens * top_k * np.log1p(-p))
+
+
+class CostAdjuster:
+    def __init__(self, config: CostAdjusterConfig, expert_bytes: int, top_k: int,
+                 compute_time: Callable[[], float | None]) -> None:
+        if expert_bytes <= 0 or top_k < 1:
+            raise ValueError(f"need expert_bytes > 0 and top_k >= 1, got {expert_bytes}, {top_k}")
+        self.config = config
+        self.expert_bytes = expert_bytes
+        self.top_k = top_k
+        self.compute_time = compute_time  # the measured step compute time (StepCostTracker), None before any
+        self.step = 0
+        self._last_move_step = -(10**9)
+        self._last_direction = 0  # +1 evicted, -1 grew
+        self.last: CostEstimate | None = None
+
+    def plan(self, state: AdjusterState) -> AdjustPlan:
+        cfg = self.config
+        self.step += 1
+        P = cfg.pages_per_expert
+        E = state.rankings.shape[1]
+        n_now = sum(E - len(r) for r in state.resident)
+        R, F = state.shortfall_mid_pages, state.free_mid_pages
+        if R > 0 and state.num_batched_tokens == 0:  # stuck: only evicting lets anything run
+            evict = pick_evictions(state, -(-(R + cfg.evict_margin) // P))
+            self.last = CostEstimate(offloaded=n_now, target=n_now + len(evict), best=n_now + len(evict),
+                                     compute_s=self.compute_time(), hard=True)
+            return self._moved(AdjustPlan(evict=evict))
+        compute = self.compute_time()
+        if compute is None or compute <= 0:
+            self.last = CostEstimate(offloaded=n_now, target=n_now, best=n_now, compute_s=compute)
+            return AdjustPlan()
+        grows = pick_grows(state, n_now)  # every non-resident expert, most popular first
+        evicts = pick_evictions(state, sum(state.limit(layer) for layer in range(len(state.resident))))
+        order = grows[::-1] + evicts  # offloaded(n) = order[:n]
+        tput, step_s = self._model(state, order, n_now, compute)
+        allowed = tput > 0
+        if not allowed.any():  # nothing allowed (an SLO nothing meets): the fastest step
+            best = int(np.argmin(step_s))
+            good = np.zeros_like(allowed)
+            good[best] = True
+        else:
+            best = int(np.argmax(np.where(allowed, tput, -1.0)))
+            good = allowed & (tput >= (1.0 - cfg.min_gain) * tput[best])
+        if R > 0:  # short of pages: stay while the current split is good enough, else go for the best
+            target = n_now if n_now < len(good) and good[n_now] else best
+        else:  # not short: the fewest offloaded experts that cost no throughput
+            target = int(np.flatnonzero(good).min())
+        self.last = CostEstimate(offloaded=n_now, target=target, best=best, compute_s=compute,
+                                 throughput=tput.tolist(), step_s=step_s.tolist())
+        direction = int(np.sign(target - n_now))
+        if direction == 0:
+            return AdjustPlan()
+        if direction == -self._last_direction and self.step - self._last_move_step < cfg.reverse_cooldown_steps:
+            return AdjustPlan()
+        if direction > 0:
+            return self._moved(AdjustPlan(evict=evicts[:min(target - n_now, cfg.max_evict_per_step)]))
+        room = max(0, (F - cfg.grow_reserve_mid) // P)
+        n = min(n_now - target, cfg.max_grow_per_step, room)
+        return self._moved(AdjustPlan(grow=grows[:n])) if n > 0 else AdjustPlan()
+
+    def _moved(self, plan: AdjustPlan) -> AdjustPlan:
+        if not plan.is_empty:
+            self._last_move_step = self.step
+            self._last_direction = 1 if plan.evict else -1
+        return plan
+
+    def _model(self, state: AdjusterState, order: list[Expert], n_now: int,
+               compute: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per candidate n = 0..len(order): modelled throughput (0 where not allowed) and step time."""
+        cfg = self.config
+        P = cfg.pages_per_expert
+        running = max(1, state.num_running)
+        kv = float(state.kv_mid_pages)
+        footprint = kv / running if state.num_running > 0 and kv > 0 else float(max(1, state.shortfall_mid_pages))
+        demand = state.num_running + (state.num_waiting if state.shortfall_mid_pages > 0 else 0)
+        n = np.arange(len(order) + 1)
+        room = kv + state.free_mid_pages + P * (n - n_now)
+        conc = np.clip(np.minimum(float(demand), room / footprint), 0.0, None)
+        conc = np.maximum(conc, 1.0) if demand > 0 else conc
+        comp = compute * (cfg.compute_fixed_share + (1.0 - cfg.compute_fixed_share) * conc / running)
+        probs = np.array([state.probabilities[layer, e] for layer, e in order], dtype=np.float64)
+        act = expected_activated(probs[None, :], conc[:, None], self.top_k)  # [candidates, order]
+        act = np.cumsum(np.concatenate([np.zeros((len(n), 1)), act], axis=1), axis=1)[n, n]  # first n only
+        copy = act * self.expert_bytes / cfg.pcie_bandwidth
+        exposed = np.maximum(0.0, copy - cfg.copy_overlap * comp)
+        step_s = comp + exposed
+        if cfg.tpot_slo_s is not None:
+            ok = step_s <= cfg.tpot_slo_s
+        else:
+            ok = exposed <= cfg.exposed_copy_share * comp + 1e-12
+        tput = np.where(ok, conc / step_s, 0.0)
+        return tput, step_s

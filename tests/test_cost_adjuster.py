@@ -1,0 +1,239 @@
+"""The cost-aware adjuster: exact decisions on constructed states, hysteresis, the hard shortfall, the
+measured step time, the engine flags, and a simulation that accounts for every page."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from rimuru.config import EngineConfig, add_engine_args
+from rimuru.experts.adjuster import AdjusterState
+from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig, expected_activated
+from rimuru.experts.step_cost import StepCostTracker
+
+# Two layers, 4 experts. Layer 0 ranking [2, 0, 3, 1]; layer 1 ranking [1, 3, 2, 0].
+# With every expert resident and a limit of 2 per layer the eviction order is (1,0) .04, (0,1) .05,
+# (0,3) .15, (1,2) .16; growing back goes the other way.
+P = np.array([[0.30, 0.05, 0.50, 0.15],
+              [0.04, 0.60, 0.16, 0.20]])
+RANKS = np.argsort(-P, axis=1, kind="stable")
+ORDER = [(1, 0), (0, 1), (0, 3), (1, 2)]
+MS = 1e-3
+# 52 MB per expert at 52 GB/s: an activated offloaded expert costs 1 ms of copy per step. Compute does not
+# grow with the batch (fixed share 1) unless a test says so; no hysteresis margin unless a test says so.
+BASE = CostAdjusterConfig(pcie_bandwidth=52e9, copy_overlap=0.8, compute_fixed_share=1.0, min_gain=0.0)
+EXPERT_BYTES = 52_000_000
+
+
+def state(R: int, F: int, running: int, waiting: int, kv: float, resident: list[int] | None = None,
+          tokens: int | None = None, limit: int = 2) -> AdjusterState:
+    """`resident[l]`: size of layer l's resident prefix of its ranking (default: all)."""
+    resident = resident or [4, 4]
+    return AdjusterState(shortfall_mid_pages=R, free_mid_pages=F,
+                         resident=[frozenset(RANKS[layer, :k].tolist()) for layer, k in enumerate(resident)],
+                         probabilities=P, rankings=RANKS, offload_limit=limit,
+                         num_batched_tokens=running if tokens is None else tokens, num_running=running,
+                         num_waiting=waiting, kv_mid_pages=kv)
+
+
+def adjuster(compute_s: float | None, cfg: CostAdjusterConfig = BASE) -> CostAdjuster:
+    return CostAdjuster(cfg, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: compute_s)
+
+
+def test_expected_activated_exact() -> None:
+    act = expected_activated(np.array([0.0, 0.5, 0.04]), tokens=3, top_k=2)
+    assert act.tolist() == pytest.approx([0.0, 1 - 0.5 ** 6, 1 - 0.96 ** 6], rel=1e-12)
+
+
+def test_no_offload_when_memory_does_not_bind() -> None:
+    # 10 ms of compute would hide all four copies, but nobody waits for pages: nothing to gain
+    a = adjuster(10 * MS)
+    assert a.plan(state(R=0, F=20, running=100, waiting=0, kv=100)).is_empty
+    assert a.last is not None and (a.last.offloaded, a.last.target) == (0, 0)
+    # requests wait for the token budget (R = 0), not for pages: evicting would not admit them either
+    assert a.plan(state(R=0, F=20, running=100, waiting=50, kv=100)).is_empty
+
+
+def test_no_offload_when_copies_cannot_hide() -> None:
+    # a long queue short of pages, but 1 ms of compute hides only 0.8 ms: one expert's copy (1 ms) shows
+    a = adjuster(1 * MS)
+    assert a.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).is_empty
+    assert a.last is not None and a.last.best == 0 and a.last.throughput[1:] == [0.0] * 4
+
+
+def test_offloads_when_queue_long_and_compute_long() -> None:
+    # 10 ms of compute hides 8 ms of copies; each evicted expert frees 3 pages = 3 requests (footprint 1 page)
+    a = adjuster(10 * MS)
+    plan = a.plan(state(R=4, F=2, running=100, waiting=50, kv=100))
+    assert plan.evict == ORDER and plan.grow == []
+    assert a.last is not None and a.last.target == 4
+    # concurrency 102 + 3n requests, step time 10 ms: 10,200 .. 11,400 tokens/s
+    assert a.last.throughput == pytest.approx([10_200, 10_500, 10_800, 11_100, 11_400])
+    capped = adjuster(10 * MS, replace(BASE, max_evict_per_step=2))
+    assert capped.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).evict == ORDER[:2]
+
+
+def test_min_gain_keeps_a_good_enough_split() -> None:
+    # footprint 3 pages: each expert frees one request of 101: 4 experts gain 4 % < min_gain 5 %
+    a = adjuster(10 * MS, replace(BASE, min_gain=0.05))
+    assert a.plan(state(R=4, F=3, running=100, waiting=50, kv=300)).is_empty
+    assert a.last is not None and (a.last.best, a.last.target) == (4, 0)
+
+
+def test_respects_tpot_slo() -> None:
+    # compute grows with the batch: 10 ms x (0.5 + 0.5 conc / 100), conc = 102 + 3n -> 10.1 + 0.15 n ms;
+    # all copies hide (<= 4 ms of 8), so without an SLO the best is n = 4 (10.7 ms)
+    cfg = replace(BASE, compute_fixed_share=0.5)
+    free = adjuster(10 * MS, cfg)
+    assert free.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).evict == ORDER
+    assert free.last is not None and free.last.step_s == pytest.approx([10.1 * MS, 10.25 * MS, 10.4 * MS,
+                                                                          10.55 * MS, 10.7 * MS])
+    # TPOT SLO 10.5 ms: n = 3 (10.55 ms) is out, n = 2 is the best allowed
+    slo = adjuster(10 * MS, replace(cfg, tpot_slo_s=10.5 * MS))
+    assert slo.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).evict == ORDER[:2]
+    # an SLO may allow exposed copies: 2 ms of compute hides 1.6 ms; with a 3 ms SLO two experts
+    # (2 + 2.0 - 1.6 = 2.4 ms) are allowed, three (3.4 ms) are not; the throughput decides between 0..2
+    tight = adjuster(2 * MS, replace(BASE, tpot_slo_s=3 * MS))
+    tight.plan(state(R=4, F=2, running=100, waiting=50, kv=100))
+    assert tight.last is not None
+    assert tight.last.step_s[:4] == pytest.approx([2 * MS, 2 * MS, 2.4 * MS, 3.4 * MS], rel=1e-3)
+    assert tight.last.throughput[3:] == [0.0, 0.0]
+    assert tight.last.best == 1  # 105 / 2 ms > 108 / 2.4 ms
+    # an SLO below the compute time: nothing meets it; the fastest step (no offloading) is chosen
+    none = adjuster(10 * MS, replace(BASE, tpot_slo_s=9 * MS))
+    assert none.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).is_empty
+
+
+def _apply(res: list[int], plan) -> list[int]:
+    res = list(res)
+    for layer, _ in plan.evict:
+        res[layer] -= 1
+    for layer, _ in plan.grow:
+        res[layer] += 1
+    return res
+
+
+def test_no_flapping_over_a_scripted_sequence() -> None:
+    # the queue flickers between long (short of pages) and empty every step: the adjuster evicts once,
+    # then holds through the cooldown instead of growing back and evicting again; after the cooldown a
+    # drained queue brings the experts back, at most max_grow_per_step at a time
+    cfg = replace(BASE, min_gain=0.05, reverse_cooldown_steps=50, max_grow_per_step=3)
+    a = adjuster(10 * MS, cfg)
+    res = [4, 4]
+    moves: list[tuple[int, str, int]] = []
+    for step in range(1, 121):
+        short = step <= 60 and step % 2 == 1
+        s = (state(R=4, F=2, running=100, waiting=50, kv=100, resident=res) if short
+             else state(R=0, F=40, running=100, waiting=0, kv=100, resident=res))
+        plan = a.plan(s)
+        if plan.evict:
+            moves.append((step, "evict", len(plan.evict)))
+        if plan.grow:
+            moves.append((step, "grow", len(plan.grow)))
+        res = _apply(res, plan)
+    # step 51 is short and 4 out is still the best: it holds; grows on the empty-queue steps 52 and 54,
+    # and the short step 53 may not evict again (the cooldown runs from the grow at 52)
+    assert moves == [(1, "evict", 4), (52, "grow", 3), (54, "grow", 1)]
+    assert res == [4, 4]
+
+
+def test_hard_shortfall_is_honoured() -> None:
+    # nothing could be scheduled (no tokens) and 8 pages are missing: evict ceil((8 + 1) / 3) = 3 experts
+    # although 1 ms of compute hides no copy, and before any compute time is measured
+    for compute in (1 * MS, None):
+        a = adjuster(compute)
+        plan = a.plan(state(R=8, F=0, running=0, waiting=5, kv=0, tokens=0))
+        assert plan.evict == ORDER[:3]
+        assert a.last is not None and a.last.hard
+    # bounded by the limit: one per layer
+    a = adjuster(1 * MS)
+    assert a.plan(state(R=8, F=0, running=0, waiting=5, kv=0, tokens=0, limit=1)).evict == ORDER[:2]
+    # the hard shortfall ignores the reverse cooldown
+    a = adjuster(10 * MS, replace(BASE, reverse_cooldown_steps=50))
+    assert a.plan(state(R=0, F=40, running=10, waiting=0, kv=10, resident=[3, 3])).grow == [(0, 1), (1, 0)]
+    assert a.plan(state(R=5, F=0, running=0, waiting=3, kv=0, resident=[4, 4], tokens=0)).evict == ORDER[:2]
+
+
+def test_no_compute_measured_yet_means_no_moves() -> None:
+    a = adjuster(None)
+    assert a.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).is_empty
+    assert a.plan(state(R=0, F=40, running=1, waiting=0, kv=1, resident=[3, 3])).is_empty
+
+
+def test_grows_keep_a_reserve_of_free_pages() -> None:
+    # queue empty, (0,1) and (1,0) out: grow back, leaving grow_reserve_mid (9) pages free: F = 14 -> one grow,
+    # the more popular first
+    a = adjuster(10 * MS)
+    assert a.plan(state(R=0, F=14, running=10, waiting=0, kv=10, resident=[3, 3])).grow == [(0, 1)]
+    assert a.plan(state(R=0, F=11, running=10, waiting=0, kv=10, resident=[3, 3])).is_empty
+
+
+def test_config_validation() -> None:
+    for bad in ({"pcie_bandwidth": 0}, {"copy_overlap": 1.5}, {"compute_fixed_share": -0.1}, {"tpot_slo_s": 0},
+                {"min_gain": -1}, {"max_evict_per_step": 0}, {"pages_per_expert": 0}):
+        with pytest.raises(ValueError):
+            CostAdjusterConfig(**bad)
+    with pytest.raises(ValueError):
+        CostAdjuster(BASE, expert_bytes=0, top_k=2, compute_time=lambda: None)
+
+
+def test_step_cost_tracker_exact() -> None:
+    t = StepCostTracker(alpha=0.5, copy_overlap=0.8)
+    assert t() is None
+    t.observe_compute(10 * MS)
+    t.observe_compute(20 * MS)
+    assert t() == pytest.approx(15 * MS)
+    # copies hidden (4 ms <= 0.8 x 15 ms): the forward time is the compute time
+    t.observe_forward(forward_s=16 * MS, copy_s=4 * MS)
+    assert t() == pytest.approx(15.5 * MS)
+    # copy-bound: 30 ms copy, forward 31 ms; exposed = 30 - 0.8 x 15.5 = 17.6 ms -> sample 13.4 ms
+    t.observe_forward(forward_s=31 * MS, copy_s=30 * MS)
+    assert t() == pytest.approx((15.5 + 13.4) / 2 * MS)
+    with pytest.raises(ValueError):
+        StepCostTracker(alpha=0)
+
+
+def test_step_cost_tracker_converges_on_copy_bound_steps() -> None:
+    # true compute 10 ms, copies 40 ms: forward = 10 + 40 - 8 = 42 ms; the estimate converges to 10 ms
+    t = StepCostTracker(alpha=1.0, copy_overlap=0.8)
+    for _ in range(200):
+        c = t() or 0.0
+        assert c <= 42 * MS
+        t.observe_forward(forward_s=42 * MS, copy_s=40 * MS)
+    assert t() == pytest.approx(10 * MS, rel=1e-6)
+
+
+def test_engine_config_fields_and_flags() -> None:
+    assert EngineConfig(model="m").adjuster == "paper" and EngineConfig(model="m").tpot_slo_ms is None
+    with pytest.raises(ValueError, match="adjuster"):
+        EngineConfig(model="m", adjuster="greedy")
+    for bad in (0.0, -5.0, math.nan):
+        with pytest.raises(ValueError, match="tpot_slo_ms"):
+            EngineConfig(model="m", tpot_slo_ms=bad)
+    args = add_engine_args(argparse.ArgumentParser()).parse_args(["m", "--adjuster", "cost", "--tpot-slo-ms", "12.5"])
+    cfg = EngineConfig.from_cli_args(args)
+    assert (cfg.adjuster, cfg.tpot_slo_ms) == ("cost", 12.5)
+
+
+def test_simulation_with_the_cost_adjuster_accounts_for_every_page() -> None:
+    from test_simulator import PAGE, POP, TINY, config, trace  # the tiny model and trace of the simulator tests
+
+    from rimuru.sim.simulator import Simulation
+
+    reqs = trace()
+    # tiny steps are 10 ms of launch overhead with nanoseconds of compute: nothing hides, so the cost
+    # adjuster offloads only on hard shortfalls, never past the limit, and the run still finishes
+    sim = Simulation(TINY, POP, config("elastic", pool_pages=48 + 24, expert_offload_limit=4, adjuster_kind="cost"))
+    res = sim.run(reqs)
+    assert res.output_tokens == sum(r.output_len for r in reqs)
+    assert not sim.scheduler.has_unfinished()
+    pages = res.final_pages
+    assert pages["kv_pages"] == 0 and pages["pending_deferred"] == 0
+    assert pages["expert_pages"] == 3 * int(sim.residency.resident.sum())
+    assert pages["free_bytes"] + pages["used_bytes"] == 72 * PAGE
+    assert sim.residency.resident.sum(axis=1).min() >= 8 - 4
+    assert sim.step_cost.steps == res.forward_steps
