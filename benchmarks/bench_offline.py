@@ -8,6 +8,9 @@ waiting, KV pages) for plots.
 
     PYTHONPATH=. python benchmarks/bench_offline.py --model qwen1.5-moe-a2.7b --load-format dummy \
         --gpu-memory-budget 32GiB --modes static --num-prompts 500 --output-json out.json
+
+`--profile-steps N` adds the step profiler's report (per step kind: host phases, GPU forward time, expert
+waits, kernel counts) to each row as `step_profile` and prints its table; timing marks cost ~1 us each.
 """
 
 from __future__ import annotations
@@ -62,8 +65,12 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
+    steps = 0
     while engine.has_unfinished_requests():
+        if args.profile_steps and steps == args.profile_start:
+            engine.enable_step_profiler(args.profile_steps, trace_steps=args.profile_trace_steps)
         outs = engine.step()
+        steps += 1
         out_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
     elapsed = time.perf_counter() - t0
     after = engine.stats()
@@ -98,6 +105,10 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
         "stats_after": after,
         "timeline": timeline,
     }
+    if engine.step_profiler is not None:
+        row["step_profile"] = engine.step_profiler.report()
+        print(f"step profile, {mode} mode (steps {args.profile_start}..{args.profile_start + args.profile_steps - 1}):")
+        print(engine.step_profiler.table(), flush=True)
     assert after["kv_pages_used"] == 0, "pages leaked"
     del llm, engine
     gc.collect()
@@ -123,6 +134,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the Qwen vocabulary)")
     ap.add_argument("--max-total-len", type=int, default=2048, help="drop ShareGPT pairs longer than this")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile N steps of the measured run (rimuru/engine/step_profiler.py): host phases, GPU "
+                    "forward time, expert waits, kernel counts per step kind; written to each row's step_profile")
+    ap.add_argument("--profile-start", type=int, default=0, help="first profiled step of the measured run")
+    ap.add_argument("--profile-trace-steps", type=int, default=1,
+                    help="steps of each kind whose kernels torch.profiler counts (CUDA; left out of the time means)")
     ap.add_argument("--output-json", required=True)
     ap.add_argument("--plot", default=None, help="PNG of the memory split and running/waiting over time")
     args = ap.parse_args()

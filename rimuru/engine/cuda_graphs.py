@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps: the whole forward pass plus the logits, replayed for a ladder of
 padded batch sizes, so that a decode step costs one launch instead of hundreds.
 
-Every per-step input lives in a static device buffer that the graphs read; a step copies its
-numbers into the first B rows and pads the rest up to the captured size Bp:
+Every per-step input lives in a static device buffer that the graphs read; a step's numbers arrive
+on the device in the runner's one packed host->device copy, already padded up to the captured size Bp,
+and are copied (device to device) into the first Bp rows:
 
     row b < B   : the request's token, position, context length, block-table row, slot
     row b >= B  : token 0, position 0, context 1, block-table row of page 0, slot -1 (no KV write)
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from rimuru.engine.scheduler import SchedulerOutput
@@ -90,26 +90,19 @@ class DecodeGraphs:
     def padded_size(self, bs: int) -> int:
         return next(s for s in self.sizes if s >= bs)
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-            slot_mapping: np.ndarray) -> torch.Tensor:
-        """Copies one decode step into the static buffers, replays, returns logits [B, V]."""
-        B = input_ids.shape[0]
-        bp = self.padded_size(B)
+    def run(self, num_seqs: int, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+            block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """One decode step of `num_seqs` requests, its inputs already on the device and padded to the captured
+        size Bp (ModelRunner.host_arrays(pad_to=Bp)): [Bp], [Bp], [Bp], [L, Bp, nb], [L, Bp]. Copies them into
+        the static buffers (device to device, no host sync), replays, returns logits [num_seqs, V]."""
+        bp = input_ids.shape[0]
+        if bp not in self.graphs:
+            raise ValueError(f"no decode graph captured for {bp} rows (captured: {self.sizes})")
         nb = block_tables.shape[2]
-
-        def put(dst: torch.Tensor, src: np.ndarray) -> None:
-            dst.copy_(torch.from_numpy(src), non_blocking=True)
-
-        put(self.input_ids[:B], input_ids)
-        put(self.positions[:B], positions)
-        put(self.seq_lens[:B], seq_lens)
-        put(self.block_tables[:, :B, :nb], block_tables)
-        put(self.slot_mapping[:, :B], slot_mapping)
-        if bp > B:  # padding rows: a one-token context on page 0 that writes nothing
-            self.input_ids[B:bp].zero_()
-            self.positions[B:bp].zero_()
-            self.seq_lens[B:bp].fill_(1)
-            self.block_tables[:, B:bp, 0].zero_()
-            self.slot_mapping[:, B:bp].fill_(-1)
+        self.input_ids[:bp].copy_(input_ids)
+        self.positions[:bp].copy_(positions)
+        self.seq_lens[:bp].copy_(seq_lens)
+        self.block_tables[:, :bp, :nb].copy_(block_tables)
+        self.slot_mapping[:, :bp].copy_(slot_mapping)
         self.graphs[bp].replay()
-        return self.logits[bp][:B]
+        return self.logits[bp][:num_seqs]

@@ -28,6 +28,7 @@ from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerOutput
 from rimuru.engine.setup import build_engine_parts
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
+from rimuru.engine.step_profiler import StepProfiler
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.cache import EXPERT
 from rimuru.models.expert_provider import StaticExpertProvider
@@ -68,6 +69,9 @@ class LLMEngine:
         self.start_time = time.monotonic()
         self.step_metrics = StepMetricsRing()
         self.peak_running = 0
+        self.step_profiler: StepProfiler | None = None  # enable_step_profiler()
+        self._expert_page_bytes = parts.geometry.size(EXPERT)
+        self._kv_page_bytes = parts.geometry.size("kv")
 
     # ---- requests in -------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -137,18 +141,28 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
-        loaded0 = self.parts.offload_stats()["expert_bytes_loaded"]
+        prof = self.step_profiler if self.step_profiler is not None and self.step_profiler.active else None
+        if prof is not None:
+            prof.begin(t0)
+        loaded0 = self._bytes_loaded()
         graph_steps0 = self.runner.graph_steps
         outputs = self._take_inbox()
         if self.elastic is not None:
             self.elastic.commit_grows()
         sched = self.scheduler.schedule()
-        self.peak_running = max(self.peak_running, len(self.scheduler.running))
+        num_tokens = sched.num_tokens
+        running = len(self.scheduler.running)
+        if running > self.peak_running:
+            self.peak_running = running
+        if prof is not None:
+            prof.mark("schedule")
+            prof.set_kind(self.runner.step_kind(sched), num_tokens, len(sched.scheduled))
         plan = None
         if self.elastic is not None:
-            plan = self.elastic.adjust(sched.shortfall_pages, sched.num_tokens, len(self.scheduler.running),
-                                       len(self.scheduler.waiting))
-        if not sched.is_empty:
+            plan = self.elastic.adjust(sched.shortfall_pages, num_tokens, running, len(self.scheduler.waiting))
+        if prof is not None:
+            prof.mark("adjust")
+        if sched.scheduled:
             now = time.monotonic()
             for s in sched.scheduled:
                 if s.request.metrics.first_scheduled_time is None:
@@ -156,25 +170,47 @@ class LLMEngine:
             tokens = self.runner.execute(sched)  # returns after the forward pass has finished (host read)
             self.forward_steps += 1
             outputs += self._process(sched, tokens)
+            if prof is not None:
+                prof.mark("process")
         if self.elastic is not None:
             self.elastic.after_forward()
         self.pool.allocator.complete_forward()  # pages the finished forward pass may have read are free now
-        self._record(t0, sched.num_tokens, self.runner.graph_steps > graph_steps0, plan, loaded0)
+        t_end = self._record(t0, num_tokens, self.runner.graph_steps > graph_steps0, plan, loaded0)
+        if prof is not None:
+            prof.end(t_end)
+            if not prof.active:
+                self.runner.profiler = None
         return outputs
 
-    def _record(self, t0: float, num_tokens: int, graph: bool, plan: AdjustPlan | None, loaded0: int) -> None:
+    # ---- step profiler -----------------------------------------------------------------------------
+    def enable_step_profiler(self, num_steps: int, trace_steps: int = 1) -> StepProfiler:
+        """Profiles the next `num_steps` steps (engine/step_profiler.py); `trace_steps` steps of each kind
+        also get their kernels counted (CUDA only). Read `engine.step_profiler.report()` afterwards."""
+        providers = [m.provider for m in self.parts.model.modules()
+                     if hasattr(m, "provider") and not isinstance(m.provider, StaticExpertProvider)]
+        unique = list({id(p): p for p in providers}.values())
+        self.step_profiler = StepProfiler(num_steps, self.device, trace_steps=trace_steps, providers=unique)
+        self.runner.profiler = self.step_profiler
+        return self.step_profiler
+
+    def _bytes_loaded(self) -> int:
+        loader = self.parts.loader
+        return loader.counters.bytes_loaded if loader is not None else 0
+
+    def _record(self, t0: float, num_tokens: int, graph: bool, plan: AdjustPlan | None, loaded0: int) -> float:
+        expert_bytes = self.pool.allocator.num_used(EXPERT) * self._expert_page_bytes
+        kv_pages = self.kv.pages_in_use
+        kv_bytes = kv_pages * self._kv_page_bytes
         now = time.monotonic()
-        geo, alloc = self.parts.geometry, self.pool.allocator
-        expert_bytes = alloc.num_used(EXPERT) * geo.size(EXPERT)
-        kv_bytes = self.kv.pages_in_use * geo.size("kv")
         self.step_metrics.append(StepMetrics(
             t=now - self.start_time, step_time_s=now - t0, num_tokens=num_tokens, cuda_graph=graph,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            kv_pages_used=self.kv.pages_in_use, resident_experts=self.experts.num_resident,
+            kv_pages_used=kv_pages, resident_experts=self.experts.num_resident,
             evictions=len(plan.evict) if plan else 0, grows=len(plan.grow) if plan else 0,
-            bytes_loaded=self.parts.offload_stats()["expert_bytes_loaded"] - loaded0,
+            bytes_loaded=self._bytes_loaded() - loaded0,
             expert_bytes=expert_bytes, kv_bytes=kv_bytes,
             free_bytes=self.pool.pool_bytes - expert_bytes - kv_bytes))
+        return now
 
     def _take_inbox(self) -> list[RequestOutput]:
         with self._lock:
@@ -210,7 +246,9 @@ class LLMEngine:
                 self.scheduler.finish(req, status)
                 req.metrics.finished_time = now
                 self._requests.pop(req.request_id, None)
-            outputs.append(self._output(req))
+                outputs.append(self._output(req))
+            else:
+                outputs.append(self._running_output(req))
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -244,6 +282,12 @@ class LLMEngine:
                                 finish_reason=req.finish_reason, stop_reason=req.stop_reason)
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                              outputs=[comp], finished=req.status.finished, metrics=req.metrics)
+
+    @staticmethod
+    def _running_output(req: Request) -> RequestOutput:
+        """`_output` of a request that is still running (no finish reason), without the status lookups."""
+        comp = CompletionOutput(0, req.output_text, req.output_token_ids.copy(), None, req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], False, req.metrics)
 
     # ---- numbers -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -6,11 +6,18 @@ Batch layout (all scheduled requests flattened, prefill chunks and decodes mixed
     tokens     | r0: start0 .. start0+n0-1 | r1: ... | ...        T = sum(n_i) rows
     block_tables[l, b, j] = page of block j of request b in attention layer l (0-padded)
     slot_mapping[l, t]   = page * block_size + position % block_size for token row t in layer l
+
+Host work per step is kept flat: one Python pass over the scheduled requests collects their numbers,
+everything else is a few whole-batch numpy operations. Each request's pages are kept as an int32
+[num_blocks, L] array that grows with `Request.kv_pages` (which only ever grows, or is replaced by a new
+list when the request's pages are freed), so a long context is not re-read from Python lists every step.
+On a GPU all inputs travel in ONE host->device copy (`InputStager`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +27,12 @@ from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.models.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from rimuru.engine.step_profiler import StepProfiler
+
+_ALIGN = 16  # bytes: every packed field starts at a multiple (int64 views need 8)
+_TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 @dataclass
@@ -33,6 +46,54 @@ class HostBatch:
     logits_indices: np.ndarray  # [B'] int64
     max_query_len: int
 
+    def fields(self) -> list[np.ndarray]:
+        return [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.block_tables,
+                self.slot_mapping, self.logits_indices]
+
+
+class InputStager:
+    """Packs host arrays into one (pinned, on a GPU) buffer and sends them with ONE non-blocking copy;
+    returns device tensors viewing the copy. Two host buffers alternate; a buffer is refilled only after
+    the copy that last read it has completed (its event), so the host never overwrites bytes in flight."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def _buffer(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        i = self._turn
+        self._turn ^= 1
+        done = self._done[i]
+        if done is not None:
+            done.synchronize()  # the copy of two steps ago: long finished in a running loop
+        buf = self._host[i]
+        if buf is None or buf.numel() < nbytes:
+            size = max(nbytes, 2 * (buf.numel() if buf is not None else 0), 1 << 16)
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)
+            self._host[i] = buf
+        return i, buf
+
+    def stage(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        i, host = self._buffer(total)
+        raw = host.numpy()
+        for a, off in zip(arrays, offsets, strict=True):
+            raw[off : off + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
+        dev = torch.empty(total, dtype=torch.uint8, device=self.device)
+        dev.copy_(host[:total], non_blocking=True)
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record()
+            self._done[i] = done
+        return [dev[off : off + a.nbytes].view(_TORCH_DTYPE[a.dtype]).view(a.shape)
+                for a, off in zip(arrays, offsets, strict=True)]
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_attention_layers: int,
@@ -44,73 +105,153 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs()
         self.graph_steps = 0
+        self.profiler: StepProfiler | None = None  # set by LLMEngine.enable_step_profiler()
+        self.stager = InputStager(device) if device.type == "cuda" else None
+        # request -> (its kv_pages list, int32 [capacity, L] pages, blocks filled): the pages as an array
+        self._pages: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(self.model, self.device, self.num_layers, max_num_seqs, max_model_len,
                                    self.block_size)
         self.graphs.capture()
 
-    def host_arrays(self, sched: SchedulerOutput) -> HostBatch:
-        """The batch as numpy arrays (shared by the eager path and the CUDA-graph path)."""
+    def step_kind(self, sched: SchedulerOutput) -> str:
+        """decode-graph | decode-eager | prefill | mixed | idle (the step profiler's kinds)."""
+        if sched.is_empty:
+            return "idle"
+        decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1 and s.samples)
+        if decodes == len(sched.scheduled):
+            return "decode-graph" if self.graphs is not None and self.graphs.can_run(sched) else "decode-eager"
+        return "mixed" if decodes else "prefill"
+
+    # ---- host arrays ---------------------------------------------------------------------------------
+    def _page_array(self, req: Request, cache: dict[Request, tuple[list[list[int]], np.ndarray, int]]) -> np.ndarray:
+        """`req.kv_pages` as int32 [num_blocks, L], extended from the previous step's array when possible."""
+        kv = req.kv_pages
+        nb = len(kv)
+        entry = self._pages.get(req)
+        if entry is not None and entry[0] is kv and entry[2] <= nb:
+            _, arr, filled = entry
+            if nb > filled:
+                if nb > arr.shape[0]:
+                    grown = np.empty((max(nb, 2 * arr.shape[0]), self.num_layers), dtype=np.int32)
+                    grown[:filled] = arr[:filled]
+                    arr = grown
+                arr[filled:nb] = kv[filled:nb]
+        else:
+            arr = np.empty((max(nb, 4), self.num_layers), dtype=np.int32)
+            arr[:nb] = kv
+        cache[req] = (kv, arr, nb)
+        return arr[:nb]
+
+    def host_arrays(self, sched: SchedulerOutput, pad_to: int | None = None) -> HostBatch:
+        """The batch as numpy arrays (shared by the eager path and the CUDA-graph path). With `pad_to`
+        (decode graphs), rows B..pad_to-1 are padding: token 0 at position 0, a one-token context on page 0
+        (block-table row 0) and slot -1 (no KV write); logits_indices keeps the B real rows."""
         bs, L = self.block_size, self.num_layers
-        B = len(sched.scheduled)
-        T = sched.num_tokens
-        h = HostBatch(
-            input_ids=np.empty(T, dtype=np.int64),
-            positions=np.empty(T, dtype=np.int64),
-            query_start_loc=np.zeros(B + 1, dtype=np.int32),
-            seq_lens=np.empty(B, dtype=np.int32),
-            block_tables=np.zeros((L, B, max(len(s.request.kv_pages) for s in sched.scheduled)), dtype=np.int32),
-            slot_mapping=np.empty((L, T), dtype=np.int64),
-            logits_indices=np.empty(sum(s.samples for s in sched.scheduled), dtype=np.int64),
-            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
-        )
-        t = 0
-        j = 0
-        for b, s in enumerate(sched.scheduled):
-            req, n = s.request, s.num_new_tokens
-            h.input_ids[t : t + n] = _token_slice(req, s.start, s.start + n)
-            pos = np.arange(s.start, s.start + n, dtype=np.int64)
-            h.positions[t : t + n] = pos
-            pages = np.asarray(req.kv_pages, dtype=np.int64)  # [num_blocks, L]
-            h.block_tables[:, b, : len(pages)] = pages.T
-            h.slot_mapping[:, t : t + n] = (pages[pos // bs] * bs + (pos % bs)[:, None]).T
-            h.seq_lens[b] = s.start + n
-            t += n
-            h.query_start_loc[b + 1] = t
-            if s.samples:
-                h.logits_indices[j] = t - 1
-                j += 1
-        return h
+        scheduled = sched.scheduled
+        B = len(scheduled)
+        starts_l, ns_l, samples_l, tokens = [], [], [], []
+        cache: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
+        pages = []
+        for s in scheduled:
+            req, start, n = s.request, s.start, s.num_new_tokens
+            starts_l.append(start)
+            ns_l.append(n)
+            samples_l.append(s.samples)
+            p = len(req.prompt_token_ids)
+            if start >= p:
+                tokens += req.output_token_ids[start - p : start - p + n]
+            else:
+                tokens += _token_slice(req, start, start + n)
+            pages.append(self._page_array(req, cache))
+        self._pages = cache  # requests not scheduled this step are dropped (rebuilt if they come back)
+
+        Bp = B if pad_to is None else pad_to
+        starts = np.array(starts_l, dtype=np.int64)
+        ns = np.array(ns_l, dtype=np.int64)
+        T = len(tokens)
+        Tp = T + (Bp - B)  # padding rows are one token each
+        input_ids = np.zeros(Tp, dtype=np.int64)
+        input_ids[:T] = tokens
+        qsl = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(ns, out=qsl[1:])
+        tok_row = np.repeat(np.arange(B), ns)  # [T] request of each token
+        positions = np.zeros(Tp, dtype=np.int64)
+        positions[:T] = np.arange(T, dtype=np.int64) - (qsl[:-1] - starts)[tok_row]
+        seq_lens = np.ones(Bp, dtype=np.int32)
+        seq_lens[:B] = starts + ns
+
+        nbs = np.fromiter((len(p) for p in pages), dtype=np.int64, count=B)
+        flat = np.concatenate(pages) if B > 1 else pages[0]  # [sum nb, L] int32
+        blk0 = np.zeros(B, dtype=np.int64)
+        np.cumsum(nbs[:-1], out=blk0[1:])
+        block_tables = np.zeros((L, Bp, int(nbs.max())), dtype=np.int32)
+        blk_row = np.repeat(np.arange(B), nbs)
+        block_tables[:, blk_row, np.arange(len(flat)) - blk0[blk_row]] = flat.T
+        slot_mapping = np.full((L, Tp), -1, dtype=np.int64)
+        slot_mapping[:, :T] = (flat[blk0[tok_row] + positions[:T] // bs].T.astype(np.int64) * bs
+                               + positions[:T] % bs)
+        query_start_loc = qsl.astype(np.int32)
+        if Bp > B:  # padding rows: one token each
+            query_start_loc = np.concatenate([query_start_loc, T + np.arange(1, Bp - B + 1, dtype=np.int32)])
+        logits_indices = qsl[1:][np.array(samples_l, dtype=bool)] - 1
+        return HostBatch(input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
+                         seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
+                         logits_indices=logits_indices, max_query_len=max(ns_l))
+
+    def to_device(self, h: HostBatch) -> list[torch.Tensor]:
+        """The HostBatch fields (in `HostBatch.fields()` order) as device tensors: zero-copy views on the CPU,
+        one packed copy on a GPU."""
+        if self.stager is None:
+            return [torch.from_numpy(a) for a in h.fields()]
+        return self.stager.stage(h.fields())
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         h = self.host_arrays(sched)
+        ids, pos, qsl, seq_lens, bt, slots, li = self.to_device(h)
+        return ForwardBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
+                            slot_mapping=slots, logits_indices=li, max_query_len=h.max_query_len,
+                            max_seq_len=int(h.seq_lens.max()))
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        return ForwardBatch(
-            input_ids=dev(h.input_ids), positions=dev(h.positions), query_start_loc=dev(h.query_start_loc),
-            seq_lens=dev(h.seq_lens), block_tables=dev(h.block_tables), slot_mapping=dev(h.slot_mapping),
-            logits_indices=dev(h.logits_indices), max_query_len=h.max_query_len, max_seq_len=int(h.seq_lens.max()),
-        )
-
+    # ---- the step --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[int]:
         """Runs one step; returns the sampled token of each scheduled request that samples, in order."""
+        prof = self.profiler
         sampling = [s.request for s in sched.scheduled if s.samples]
         if self.graphs is not None and self.graphs.can_run(sched):
-            h = self.host_arrays(sched)
-            logits = self.graphs.run(h.input_ids, h.positions, h.seq_lens, h.block_tables, h.slot_mapping)
+            B = len(sched.scheduled)
+            bp = self.graphs.padded_size(B)
+            h = self.host_arrays(sched, pad_to=bp)
+            ids, pos, _, seq_lens, bt, slots, _ = self.to_device(h)
+            if prof is not None:
+                prof.mark("prepare")
+                prof.forward_begin()
+            logits = self.graphs.run(B, ids, pos, seq_lens, bt, slots)
             self.graph_steps += 1
         else:
             batch = self.prepare(sched)
+            if prof is not None:
+                prof.mark("prepare")
+                prof.forward_begin()
             hidden = self.model(batch)  # [T, d]
             if not sampling:
+                if prof is not None:
+                    prof.forward_end()
+                    prof.mark("forward")
                 return []
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B', V] float32
+        if prof is not None:
+            prof.forward_end()
+            prof.mark("forward")
         tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
-        return tokens.tolist()
+        if prof is not None:
+            prof.mark("sample")
+        out = tokens.tolist()  # the one device->host read of the step
+        if prof is not None:
+            prof.mark("readback")
+        return out
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -22,15 +22,23 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
-        """logits [B, V] float32 -> token ids [B] int64 (on the logits' device)."""
+        """logits [B, V] float32 -> token ids [B] int64 (on the logits' device), without any host sync.
+
+        A greedy-only batch is one argmax. Otherwise the per-request numbers travel in ONE packed
+        host->device copy: rows temperature, top-k, top-p, greedy of a float32 [4, B] tensor.
+        """
         greedy = [p.greedy for p in params]
-        argmax = logits.argmax(dim=-1)  # [B]
         if all(greedy):
-            return argmax
-        temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-                             device=logits.device, dtype=torch.float32)
-        scaled = logits / temps[:, None]  # [B, V]
-        scaled = _apply_top_k_top_p(scaled, params)
+            return logits.argmax(dim=-1)  # [B]
+        V = logits.shape[-1]
+        top_k = [p.top_k if p.top_k > 0 else V for p in params]
+        top_p = [p.top_p for p in params]
+        cut = any(k < V for k in top_k) or any(p < 1.0 for p in top_p)
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        packed = self._to_device(torch.tensor([temps, top_k, top_p, greedy], dtype=torch.float32), logits.device)
+        scaled = logits / packed[0][:, None]  # [B, V]
+        if cut:  # top-k as float32 is exact: k <= V < 2**24
+            scaled = _apply_top_k_top_p(scaled, packed[1].long()[:, None], packed[2][:, None])
         probs = torch.softmax(scaled, dim=-1)  # [B, V]
         race = torch.empty_like(probs)
         race.exponential_(generator=self.generator)
@@ -38,21 +46,24 @@ class Sampler:
             if gen is not None and not greedy[i]:
                 race[i].exponential_(generator=gen)
         sampled = (probs / race).argmax(dim=-1)  # [B]
-        greedy_mask = torch.tensor(greedy, device=logits.device)
-        return torch.where(greedy_mask, argmax, sampled)
+        if not any(greedy):
+            return sampled
+        return torch.where(packed[3] > 0.5, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return host
+        # pinned staging from the caching host allocator, which keeps it until the copy has completed
+        return host.pin_memory().to(device, non_blocking=True)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V]; k [B, 1] int64 (V: off); p [B, 1] float32 (1.0: off)."""
     V = logits.shape[-1]
-    top_k = [p.top_k if p.top_k > 0 else V for p in params]
-    top_p = [p.top_p for p in params]
-    if all(k >= V for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
     ranks = torch.arange(V, device=logits.device)[None, :]
-    k = torch.tensor(top_k, device=logits.device)[:, None]
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-    p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)[:, None]
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of strictly better tokens
     sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))  # the best token always stays

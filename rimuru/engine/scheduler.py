@@ -28,11 +28,13 @@ class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
+    # True when this step's chunk reaches the request's last known token, so a new token is sampled
+    # (fixed when scheduled: read several times per step, before the step's token is appended)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step's chunk reaches the request's last known token, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        req = self.request
+        self.samples = self.start + self.num_new_tokens == len(req.prompt_token_ids) + len(req.output_token_ids)
 
 
 @dataclass
@@ -73,10 +75,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
+        block_size = self.kv.block_size
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            got = self.kv.allocate(req, n)
+            computed = req.num_computed_tokens
+            n = min(len(req.prompt_token_ids) + len(req.output_token_ids) - computed, budget)
+            # the common decode case needs no new block: skip the allocator (same answer, no calls)
+            got = computed + n <= len(req.kv_pages) * block_size or self.kv.allocate(req, n)
             while not got:
                 missing = self.kv.pages_needed(req, n) - self.kv.capacity_pages()
                 if self.reclaimable is not None and out.shortfall_pages + missing <= self.reclaimable():

@@ -1,0 +1,282 @@
+"""Where the time of an engine step goes: host phases, GPU forward time, expert waits, kernel counts.
+
+`LLMEngine.enable_step_profiler(n)` profiles the next n steps. Each step is cut into contiguous host
+phases, so that the phases sum to the step's wall time (the same two clock readings as
+`StepMetrics.step_time_s`):
+
+    schedule   inbox, aborts, elastic grows entering the tables, the scheduler
+    adjust     the elastic adjuster's plan (evictions begin, grow copies are queued)
+    prepare    batch arrays on the host + the host->device copy of the inputs
+    forward    launching the model (a graph replay, or every kernel eagerly; on the CPU: the compute)
+    sample     launching the sampler
+    readback   the one device->host read of the sampled tokens: on a GPU, waiting for the GPU
+    process    appending tokens, detokenising, stop checks, outputs
+    finish     evictions leave the tables, deferred pages return, per-step metrics
+
+Besides the host phases, per step:
+  * gpu_forward: GPU time of the forward pass (+ logits) between two CUDA events recorded around it;
+    the events are read only in `report()`, so profiling adds no synchronisation to the loop;
+  * expert_wait: host time inside offloading expert providers' `table()` (fixed / elastic modes): the one
+    routing read per MoE layer waits there for the GPU, on-demand expert copies included, and the
+    loads are issued there. None when every provider is static (nothing can block on experts);
+  * kernels: for the first `trace_steps` steps of each kind, torch.profiler counts the GPU kernels,
+    memory copies and host launch calls (CUDA only; on the CPU "unavailable"); traced steps are left out
+    of the time means, as the tracer slows the host.
+
+Step kinds: decode-graph (a CUDA-graph replay), decode-eager (one token for every request, eager),
+prefill (no decode row), mixed (prefill chunks and decodes), idle (nothing scheduled).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PHASES = ("schedule", "adjust", "prepare", "forward", "sample", "readback", "process", "finish")
+KINDS = ("decode-graph", "decode-eager", "prefill", "mixed", "idle")
+KERNELS_UNAVAILABLE = "unavailable (CPU: torch.profiler counts CUDA kernels only)"
+
+
+@dataclass
+class StepRecord:
+    kind: str = "idle"
+    num_tokens: int = 0
+    num_seqs: int = 0
+    wall_s: float = 0.0
+    host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    expert_wait_s: float | None = None
+    traced: bool = False  # torch.profiler ran during this step: not in the time means
+    kernels: dict[str, int] | None = None
+    gpu_events: tuple[Any, Any] | None = None  # (start, end) torch.cuda.Event, read in report()
+    gpu_forward_s: float | None = None
+
+
+class StepProfiler:
+    def __init__(self, num_steps: int, device: torch.device, trace_steps: int = 1,
+                 providers: Iterable[Any] = ()) -> None:
+        if num_steps < 1:
+            raise ValueError(f"the step profiler needs at least one step, got {num_steps}")
+        self.num_steps = num_steps
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.trace_steps = trace_steps if self.cuda else 0
+        self.records: list[StepRecord] = []
+        self._cur: StepRecord | None = None
+        self._last = 0.0
+        self._tracer: Any = None
+        self._traced_kinds: dict[str, int] = {}
+        # offloading providers: their table() is timed while profiling (restored when done)
+        self._patched: list[tuple[Any, Callable[..., Any]]] = []
+        for p in providers:
+            self._wrap_table(p)
+
+    # ---- recording (called by the engine and the runner) ---------------------------------------
+    @property
+    def active(self) -> bool:
+        return len(self.records) < self.num_steps
+
+    def begin(self, t0: float) -> None:
+        self._cur = StepRecord(expert_wait_s=0.0 if self._patched else None)
+        self._last = t0
+
+    def mark(self, phase: str) -> None:
+        """The host time since the previous mark belongs to `phase`."""
+        now = time.monotonic()
+        cur = self._cur
+        if cur is not None:
+            cur.host_s[phase] += now - self._last
+        self._last = now
+
+    def set_kind(self, kind: str, num_tokens: int, num_seqs: int) -> None:
+        cur = self._cur
+        if cur is None:
+            return
+        cur.kind, cur.num_tokens, cur.num_seqs = kind, num_tokens, num_seqs
+        if self.trace_steps and self._traced_kinds.get(kind, 0) < self.trace_steps:
+            self._traced_kinds[kind] = self._traced_kinds.get(kind, 0) + 1
+            self._start_trace()
+
+    def forward_begin(self) -> None:
+        if self.cuda and self._cur is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._cur.gpu_events = (start, None)
+
+    def forward_end(self) -> None:
+        cur = self._cur
+        if self.cuda and cur is not None and cur.gpu_events is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            cur.gpu_events = (cur.gpu_events[0], end)
+
+    def end(self, t_end: float) -> None:
+        """Closes the step at `t_end` (the rest since the last mark is `finish`)."""
+        cur = self._cur
+        if cur is None:
+            return
+        cur.host_s["finish"] += t_end - self._last
+        if self._tracer is not None:
+            cur.traced = True
+            cur.kernels = self._stop_trace()
+        cur.wall_s = sum(cur.host_s.values())
+        self.records.append(cur)
+        self._cur = None
+        if not self.active:
+            self._unwrap_tables()
+
+    # ---- expert waits ---------------------------------------------------------------------------
+    def _wrap_table(self, provider: Any) -> None:
+        original = provider.table
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.monotonic()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                cur = self._cur
+                if cur is not None and cur.expert_wait_s is not None:
+                    cur.expert_wait_s += time.monotonic() - t
+
+        provider.table = timed
+        self._patched.append((provider, original))
+
+    def _unwrap_tables(self) -> None:
+        for provider, _original in self._patched:
+            if "table" in vars(provider):
+                del provider.table  # back to the class's method
+        self._patched = []
+
+    # ---- kernel counts --------------------------------------------------------------------------
+    def _start_trace(self) -> None:
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._tracer = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self._tracer.__enter__()
+        except Exception as e:  # a profiler that cannot start must not stop the engine
+            self._tracer = None
+            if self._cur is not None:
+                self._cur.kernels = {"error": repr(e)}  # type: ignore[dict-item]
+
+    def _stop_trace(self) -> dict[str, int] | None:
+        tracer, self._tracer = self._tracer, None
+        try:
+            torch.cuda.synchronize(self.device)
+            tracer.__exit__(None, None, None)
+            return count_kernels(tracer.events())
+        except Exception as e:
+            return {"error": repr(e)}  # type: ignore[dict-item]
+
+    # ---- results --------------------------------------------------------------------------------
+    def _read_gpu_times(self) -> None:
+        for r in self.records:
+            if r.gpu_events is not None and r.gpu_events[1] is not None and r.gpu_forward_s is None:
+                start, end = r.gpu_events
+                end.synchronize()
+                r.gpu_forward_s = start.elapsed_time(end) / 1e3
+                r.gpu_events = None
+
+    def report(self) -> dict[str, Any]:
+        """JSON-ready: per step kind the means of the host phases, wall, GPU forward, expert waits, kernels;
+        and every step as a row."""
+        self._read_gpu_times()
+        kinds: dict[str, Any] = {}
+        for kind in KINDS:
+            rows = [r for r in self.records if r.kind == kind]
+            if rows:
+                kinds[kind] = _summary(rows, self.cuda)
+        timed = [r for r in self.records if not r.traced]
+        return {
+            "steps_profiled": len(self.records),
+            "device": str(self.device),
+            "phases": list(PHASES),
+            "note": ("host phases are contiguous and sum to wall_ms (means over untraced steps); gpu_forward_ms: "
+                     "CUDA events around the forward pass + logits; expert_wait_ms: host time inside offloading "
+                     "providers' table() (routing read + on-demand copies); kernels: torch.profiler on the first "
+                     "traced step(s) of each kind"),
+            "all": _summary(self.records, self.cuda) if self.records else {},
+            "kinds": kinds,
+            "host_ms_total": round(sum(r.wall_s for r in timed) * 1e3, 3),
+            "steps": [_row(r) for r in self.records],
+        }
+
+    def table(self) -> str:
+        return format_table(self.report())
+
+
+def count_kernels(events: Iterable[Any]) -> dict[str, int]:
+    """GPU kernels, GPU memory copies/sets, host kernel launches and graph launches in a torch.profiler trace."""
+    out = {"gpu_kernels": 0, "gpu_memcpy": 0, "host_kernel_launches": 0, "graph_launches": 0, "host_memcpy_calls": 0}
+    for e in events:
+        name = e.name
+        on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
+        if on_gpu:
+            if name.startswith(("Memcpy", "Memset")):
+                out["gpu_memcpy"] += 1
+            else:
+                out["gpu_kernels"] += 1
+        elif "LaunchKernel" in name:
+            out["host_kernel_launches"] += 1
+        elif name.startswith(("cudaGraphLaunch", "cuGraphLaunch")):
+            out["graph_launches"] += 1
+        elif name.startswith(("cudaMemcpy", "cuMemcpy")):
+            out["host_memcpy_calls"] += 1
+    return out
+
+
+def _ms(xs: list[float]) -> float:
+    return round(statistics.fmean(xs) * 1e3, 4) if xs else 0.0
+
+
+def _summary(rows: list[StepRecord], cuda: bool) -> dict[str, Any]:
+    timed = [r for r in rows if not r.traced] or rows
+    gpu = [r.gpu_forward_s for r in timed if r.gpu_forward_s is not None]
+    waits = [r.expert_wait_s for r in timed if r.expert_wait_s is not None]
+    traced = [r.kernels for r in rows if r.kernels is not None]
+    wall = _ms([r.wall_s for r in timed])
+    out: dict[str, Any] = {
+        "steps": len(rows),
+        "timed_steps": len(timed),
+        "tokens_mean": round(statistics.fmean(r.num_tokens for r in timed), 2),
+        "seqs_mean": round(statistics.fmean(r.num_seqs for r in timed), 2),
+        "wall_ms": wall,
+        "wall_ms_p50": round(statistics.median(r.wall_s for r in timed) * 1e3, 4),
+        "host_ms": {p: _ms([r.host_s[p] for r in timed]) for p in PHASES},
+        "gpu_forward_ms": _ms(gpu) if gpu else None,
+        "gpu_busy_share": round(_ms(gpu) / wall, 3) if gpu and wall > 0 else None,
+        "expert_wait_ms": _ms(waits) if waits else None,
+        "kernels": traced[0] if traced else (None if cuda else KERNELS_UNAVAILABLE),
+    }
+    return out
+
+
+def _row(r: StepRecord) -> dict[str, Any]:
+    return {"kind": r.kind, "tokens": r.num_tokens, "seqs": r.num_seqs, "wall_ms": round(r.wall_s * 1e3, 4),
+            **{p: round(r.host_s[p] * 1e3, 4) for p in PHASES},
+            "gpu_forward_ms": None if r.gpu_forward_s is None else round(r.gpu_forward_s * 1e3, 4),
+            "expert_wait_ms": None if r.expert_wait_s is None else round(r.expert_wait_s * 1e3, 4),
+            "traced": r.traced}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """One line per step kind: steps, tokens, host phases (ms), wall, GPU forward, expert wait, kernels."""
+    heads = ["kind", "steps", "tok", *PHASES, "wall", "gpu fwd", "exp wait", "kernels"]
+    lines = [" ".join(f"{h:>12}" if i else f"{h:<12}" for i, h in enumerate(heads))]
+    for kind, s in [*report["kinds"].items(), ("all", report["all"])]:
+        if not s:
+            continue
+        k = s["kernels"]
+        kern = (f"{k.get('gpu_kernels')}k/{k.get('host_kernel_launches')}l" if isinstance(k, dict) and "error" not in k
+                else "n/a")
+        cells = [kind, s["steps"], s["tokens_mean"], *(s["host_ms"][p] for p in PHASES), s["wall_ms"],
+                 "-" if s["gpu_forward_ms"] is None else s["gpu_forward_ms"],
+                 "-" if s["expert_wait_ms"] is None else s["expert_wait_ms"], kern]
+        lines.append(" ".join(f"{c:>12}" if i else f"{c:<12}" for i, c in enumerate(cells)))
+    lines.append("host phases, wall, gpu fwd and expert wait: mean ms per step over untraced steps; "
+                 "kernels: GPU kernels (k) / host launches (l) in one traced step")
+    return "\n".join(lines)
