@@ -158,6 +158,17 @@ def test_hard_shortfall_is_honoured() -> None:
     assert a.plan(state(R=5, F=0, running=0, waiting=3, kv=0, resident=[4, 4], tokens=0)).evict == ORDER[:2]
 
 
+def test_stalled_running_requests_are_a_hard_shortfall() -> None:
+    # tokens ran this step, but a running request sits out waiting for 5 pages: evict ceil((5 + 1) / 3) = 2
+    # whatever the cost; the same shortfall from a waiting request alone (no stall) is a cost decision
+    a = adjuster(1 * MS)
+    stalled = replace(state(R=5, F=0, running=10, waiting=0, kv=10), num_stalled=1)
+    assert a.plan(stalled).evict == ORDER[:2] and a.last is not None and a.last.hard
+    b = adjuster(1 * MS)
+    b.plan(state(R=5, F=0, running=10, waiting=3, kv=10))
+    assert b.last is not None and not b.last.hard
+
+
 def test_no_compute_measured_yet_means_no_moves() -> None:
     a = adjuster(None)
     assert a.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).is_empty

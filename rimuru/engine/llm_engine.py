@@ -159,7 +159,8 @@ class LLMEngine:
             prof.set_kind(self.runner.step_kind(sched), num_tokens, len(sched.scheduled))
         plan = None
         if self.elastic is not None:
-            plan = self.elastic.adjust(sched.shortfall_pages, num_tokens, running, len(self.scheduler.waiting))
+            plan = self.elastic.adjust(sched.shortfall_pages, num_tokens, running, len(self.scheduler.waiting),
+                                       num_stalled=len(sched.stalled))
         if prof is not None:
             prof.mark("adjust")
         if sched.scheduled:

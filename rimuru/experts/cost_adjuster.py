@@ -110,7 +110,8 @@ class CostAdjuster:
         E = state.rankings.shape[1]
         n_now = sum(E - len(r) for r in state.resident)
         R, F = state.shortfall_mid_pages, state.free_mid_pages
-        if R > 0 and state.num_batched_tokens == 0:  # stuck: only evicting lets anything run
+        # stuck (nothing ran), or running requests stalled for pages: only evicting lets them go on
+        if R > 0 and (state.num_batched_tokens == 0 or state.num_stalled > 0):
             evict = pick_evictions(state, -(-(R + cfg.evict_margin) // P))
             self.last = CostEstimate(offloaded=n_now, target=n_now + len(evict), best=n_now + len(evict),
                                      compute_s=self.compute_time(), hard=True)

@@ -86,7 +86,7 @@ class ElasticController:
         self.counters.reranks += len(self.popularity.maybe_rerank())
 
     def adjust(self, shortfall_kv_pages: int, num_batched_tokens: int = 0, num_running: int = 0,
-               num_waiting: int = 0) -> AdjustPlan:
+               num_waiting: int = 0, num_stalled: int = 0) -> AdjustPlan:
         allocator = self.cache.allocator
         estimate = self.popularity.estimate()
         state = AdjusterState(
@@ -97,6 +97,7 @@ class ElasticController:
             rankings=self.popularity.rankings,
             offload_limit=self.offload_limit,
             num_batched_tokens=num_batched_tokens, num_running=num_running, num_waiting=num_waiting,
+            num_stalled=num_stalled,
             kv_mid_pages=allocator.num_used("kv") / self.smalls_per_mid,
         )
         plan = self.adjuster.plan(state)
