@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rimuru import LLM, SamplingParams
-from rimuru.testing.reference import hf_greedy
+from rimuru.testing.reference import hf_greedy, run_greedy
 from rimuru.testing.tiny_models import ARCHS
 
 STEPS = 32
@@ -33,14 +33,7 @@ def prompts(vocab: int = 300) -> list[list[int]]:
 
 
 def run(llm: LLM, ps: list[list[int]], steps: int = STEPS, one_by_one: bool = False) -> list[list[int]]:
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    if one_by_one:
-        outs = [llm.generate({"prompt_token_ids": p}, params)[0] for p in ps]
-    else:
-        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
-    assert llm.stats()["kv_pages_used"] == 0
-    llm.engine.pool.allocator.check_invariants()
-    return [o.outputs[0].token_ids for o in outs]
+    return run_greedy(llm, ps, steps, one_by_one)
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rimuru import LLM, SamplingParams
+from rimuru import LLM
 from rimuru.engine.setup import BUFFER_OWNER
 from rimuru.experts.cache import EXPERT, resolve_offload_limit, resolve_resident_count
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.models.expert_provider import StaticExpertProvider
-from rimuru.testing.reference import hf_greedy
+from rimuru.testing.reference import hf_greedy, run_greedy
 from rimuru.testing.tiny_models import ARCHS
 
 STEPS = 24
@@ -66,14 +66,7 @@ class RoutingSpy:
 
 
 def run(llm: LLM, ps: list[list[int]], steps: int = STEPS, one_by_one: bool = False) -> list[list[int]]:
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    if one_by_one:
-        outs = [llm.generate({"prompt_token_ids": p}, params)[0] for p in ps]
-    else:
-        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
-    assert llm.stats()["kv_pages_used"] == 0
-    llm.engine.pool.allocator.check_invariants()
-    return [o.outputs[0].token_ids for o in outs]
+    return run_greedy(llm, ps, steps, one_by_one)
 
 
 def fixed(path: Path, resident: float, **kwargs: object) -> LLM:

@@ -85,16 +85,15 @@ class MoECausalLM(nn.Module):
             qkv_bias=bias, o_bias=bias,
         )
 
+    @staticmethod
+    def moe_kwargs(spec: ModelSpec, moe_idx: int, experts: ExpertProvider) -> dict:
+        """The routed-expert arguments every MoE block takes (SparseMoE and its subclasses)."""
+        return dict(hidden_size=spec.hidden_size, num_experts=spec.num_experts, top_k=spec.num_experts_per_tok,
+                    intermediate_size=spec.moe_intermediate_size, renormalize=spec.norm_topk_prob,
+                    moe_idx=moe_idx, experts=experts)
+
     def make_moe(self, spec: ModelSpec, moe_idx: int, experts: ExpertProvider) -> nn.Module:
-        return SparseMoE(
-            hidden_size=spec.hidden_size,
-            num_experts=spec.num_experts,
-            top_k=spec.num_experts_per_tok,
-            intermediate_size=spec.moe_intermediate_size,
-            renormalize=spec.norm_topk_prob,
-            moe_idx=moe_idx,
-            experts=experts,
-        )
+        return SparseMoE(**self.moe_kwargs(spec, moe_idx, experts))
 
     def make_mlp(self, spec: ModelSpec) -> nn.Module:
         if spec.intermediate_size <= 0:

@@ -22,13 +22,5 @@ class Qwen2MoeForCausalLM(MoECausalLM):
     def make_moe(self, spec: ModelSpec, moe_idx: int, experts: ExpertProvider) -> nn.Module:
         if spec.shared_expert_intermediate_size <= 0:
             return super().make_moe(spec, moe_idx, experts)
-        return SharedExpertMoE(
-            shared_intermediate_size=spec.shared_expert_intermediate_size,
-            hidden_size=spec.hidden_size,
-            num_experts=spec.num_experts,
-            top_k=spec.num_experts_per_tok,
-            intermediate_size=spec.moe_intermediate_size,
-            renormalize=spec.norm_topk_prob,
-            moe_idx=moe_idx,
-            experts=experts,
-        )
+        return SharedExpertMoE(shared_intermediate_size=spec.shared_expert_intermediate_size,
+                               **self.moe_kwargs(spec, moe_idx, experts))

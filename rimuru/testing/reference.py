@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,3 +22,18 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], steps: int) -> list[li
                                  eos_token_id=None, pad_token_id=0)
         out.append(gen[0, len(prompt):].tolist())
     return out
+
+
+def run_greedy(llm: Any, prompts: list[list[int]], steps: int, one_by_one: bool = False) -> list[list[int]]:
+    """`steps` greedy tokens (EOS ignored) per prompt from a Rimuru `LLM`, all at once or one at a time; then
+    checks that the run left nothing behind: no KV page in use and the allocator's invariants intact."""
+    from rimuru.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    if one_by_one:
+        outs = [llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts]
+    else:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert llm.stats()["kv_pages_used"] == 0, "KV pages leaked"
+    llm.engine.pool.allocator.check_invariants()
+    return [o.outputs[0].token_ids for o in outs]
