@@ -1,0 +1,743 @@
+"""Serving rate sweep: for each server configuration, start it once, replay ShareGPT at each request rate.
+
+One process drives the whole sweep (issues 7 and 8): for every configuration (`--configs`) it starts a
+server (Rimuru `static` / `fixed` / `elastic-paper` / `elastic-cost`, or vLLM at 32 GiB / unlimited),
+waits for `/health`, and for every rate (`--rates`) runs a benchmark client on identical ShareGPT
+requests (same dataset, `--num-prompts`, `--seed`, EOS ignored): ours (`rimuru bench serve`) by
+default, or vLLM's own (`vllm bench serve --backend vllm`) with `--client vllm`. While a point runs,
+a poller samples the server's Prometheus `/metrics` (both `rimuru:` and `vllm:` names) for the peak
+running / waiting requests and a memory timeline; `/metrics` counters read before and after each point
+give the expert bytes copied over PCIe and the prefetch hit rate of that point alone.
+
+The result is ONE JSON (run metadata from benchmarks/common.metadata: device, date, commit -- RIMURU_COMMIT
+on a machine without git history -- exact command; plus one row per (config, rate)), rewritten after
+every point so a run cut short keeps what it measured. A server that fails to start, a client that
+fails and a point skipped for lack of time each leave a row with `status` != "ok" and the reason; the
+sweep goes on. Every server and client this script starts is stopped on exit, on errors, on timeouts
+and on SIGTERM / SIGINT / SIGHUP; servers listen on 127.0.0.1 only.
+
+    PYTHONPATH=. python benchmarks/serve_sweep.py --configs static,vllm --rates 10,20 --num-prompts 500 \\
+        --client vllm --output-json $OUT/sweep.json --time-budget-s 560
+
+Configurations (add more with `--define NAME=rimuru:FLAGS` or `NAME=vllm:FLAGS`):
+    static, fixed, elastic-paper, elastic-cost   rimuru serve --offload-mode ... [--adjuster paper|cost]
+    vllm, vllm-unlimited                         vLLM's OpenAI server, --gpu-memory-utilization 0.229 | 0.9
+`--plot-from A.json [B.json ...] --plot out.png` only draws (throughput and TTFT p50 against rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+ANCHOR_MODEL = Path("/tmp/anchor/qwen15moe")  # vllm-anchor's model folder (config.json + tokenizer)
+ANCHOR_DATA = Path("/tmp/anchor/sharegpt.json")
+VLLM_SITE = Path("/tmp/site")  # where gpu-install.sh puts vLLM's wheels
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+BUILTIN_CONFIGS: dict[str, tuple[str, list[str]]] = {
+    "static": ("rimuru", ["--offload-mode", "static"]),
+    "fixed": ("rimuru", ["--offload-mode", "fixed", "--resident-experts", "0.85"]),  # 51 of 60 (Qwen1.5-MoE)
+    "elastic-paper": ("rimuru", ["--offload-mode", "elastic", "--adjuster", "paper"]),
+    "elastic-cost": ("rimuru", ["--offload-mode", "elastic", "--adjuster", "cost"]),
+    "vllm": ("vllm", ["--gpu-memory-utilization", "0.229"]),  # 0.229 x 139.8 GiB = 32 GiB
+    "vllm-unlimited": ("vllm", ["--gpu-memory-utilization", "0.9"]),
+}
+
+# Every row carries these keys (None where not measured), whatever its status.
+ROW_FIELDS = (
+    "config", "server", "rate", "num_prompts", "client", "status", "error",
+    "completed", "failed", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
+    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+    "median_itl_ms", "p99_itl_ms", "peak_running", "peak_waiting", "expert_bytes_pcie", "prefetch_hits",
+    "prefetch_misses", "prefetch_hit_rate", "preemptions", "forward_steps", "point_wall_s", "timeline",
+)
+_SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
+                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+                 "median_itl_ms", "p99_itl_ms")
+
+
+class SweepError(RuntimeError):
+    """A configuration or point that cannot run; recorded as an error row."""
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]?Inf)(\s+\d+)?$")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value}, label sets of one name summed (per-layer series, vLLM's engine labels)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m is None:
+            continue
+        value = float(m.group(3))
+        if math.isnan(value):
+            continue
+        out[m.group(1)] = out.get(m.group(1), 0.0) + value
+    return out
+
+
+def metric(values: dict[str, float], *names: str) -> float | None:
+    """The first of `names` present (each also tried with the `_total` suffix prometheus_client adds to counters)."""
+    for name in names:
+        for key in (name, name + "_total"):
+            if key in values:
+                return values[key]
+    return None
+
+
+def running_waiting(values: dict[str, float]) -> tuple[float | None, float | None]:
+    return (metric(values, "rimuru:num_requests_running", "vllm:num_requests_running"),
+            metric(values, "rimuru:num_requests_waiting", "vllm:num_requests_waiting"))
+
+
+def scrape(base_url: str, timeout: float = 3.0) -> dict[str, float]:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as resp:  # noqa: S310 - 127.0.0.1 only
+        return parse_prometheus(resp.read().decode("utf-8", errors="replace"))
+
+
+_TIMELINE = {  # timeline key -> metric names (first present wins)
+    "running": ("rimuru:num_requests_running", "vllm:num_requests_running"),
+    "waiting": ("rimuru:num_requests_waiting", "vllm:num_requests_waiting"),
+    "kv_pages_used": ("rimuru:kv_pages_used",),
+    "pool_free_bytes": ("rimuru:pool_free_bytes",),
+    "resident_experts": ("rimuru:resident_experts_total",),
+    "expert_bytes_loaded": ("rimuru:expert_bytes_loaded",),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
+
+
+class MetricsPoller:
+    """Samples /metrics every `interval` s in a thread: peaks of running / waiting and a compact timeline."""
+
+    def __init__(self, base_url: str, interval: float) -> None:
+        self.base_url = base_url
+        self.interval = interval
+        self.peak_running: float | None = None
+        self.peak_waiting: float | None = None
+        self.timeline: dict[str, list[float | None]] = {"t": [], **{k: [] for k in _TIMELINE}}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="metrics-poller", daemon=True)
+
+    def _loop(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                values = scrape(self.base_url, timeout=min(3.0, self.interval * 4))
+            except (OSError, urllib.error.URLError, ValueError):
+                values = None
+            if values is not None:
+                run, wait = running_waiting(values)
+                if run is not None:
+                    self.peak_running = max(self.peak_running or 0.0, run)
+                if wait is not None:
+                    self.peak_waiting = max(self.peak_waiting or 0.0, wait)
+                self.timeline["t"].append(round(time.monotonic() - t0, 3))
+                for key, names in _TIMELINE.items():
+                    self.timeline[key].append(metric(values, *names))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> MetricsPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def compact_timeline(self) -> dict[str, list[float | None]]:
+        return {k: v for k, v in self.timeline.items() if any(x is not None for x in v)}
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    def delta(*names: str) -> float | None:
+        a, b = metric(after, *names), metric(before, *names)
+        return None if a is None or b is None else a - b
+
+    hits, misses = delta("rimuru:prefetch_hits"), delta("rimuru:prefetch_misses")
+    rate = hits / (hits + misses) if hits is not None and misses is not None and hits + misses > 0 else None
+    return {
+        "expert_bytes_pcie": delta("rimuru:expert_bytes_loaded"),
+        "prefetch_hits": hits,
+        "prefetch_misses": misses,
+        "prefetch_hit_rate": rate,
+        "preemptions": delta("rimuru:num_preemptions", "vllm:num_preemptions"),
+        "forward_steps": delta("rimuru:forward_steps"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL if the sweep dies, so no server outlives a killed sweep."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """A child in its own process group (same session), output to log_path, killed if we die."""
+    log = open(log_path, "wb")  # noqa: SIM115 - closed by stop_process
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=REPO, process_group=0,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    except BaseException:
+        log.close()
+        raise
+    proc._sweep_log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def stop_process(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
+    """SIGTERM to the whole process group (vLLM's engine core too), SIGKILL after grace_s."""
+    if proc is None:
+        return
+    try:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, even when the leader exited
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    finally:
+        log = getattr(proc, "_sweep_log", None)
+        if log is not None:
+            log.close()
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:port (SO_REUSEADDR: closed connections in TIME_WAIT do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SweepError(f"server exited with code {proc.returncode} before /health answered")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:  # noqa: S310 - 127.0.0.1 only
+                if resp.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.5)
+    raise SweepError(f"/health did not answer 200 within {timeout_s:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------- sweep
+
+
+@dataclass
+class Config:
+    name: str
+    server: str  # rimuru | vllm
+    flags: list[str]
+
+
+@dataclass
+class Sweep:
+    args: argparse.Namespace
+    meta: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    servers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    start_s_seen: list[float] = field(default_factory=list)
+    tail_s_seen: list[float] = field(default_factory=list)
+
+    # -- output
+
+    def write(self) -> None:
+        path = Path(self.args.output_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {**self.meta, "elapsed_s": round(time.monotonic() - self.started, 1), "servers": self.servers,
+               "rows": self.rows}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+        os.replace(tmp, path)
+
+    def add_row(self, cfg: Config, rate: float, status: str, error: str | None = None, **values: Any) -> None:
+        row: dict[str, Any] = dict.fromkeys(ROW_FIELDS)
+        row.update(config=cfg.name, server=cfg.server, rate=rate, num_prompts=self.args.num_prompts,
+                   client=self.args.client, status=status, error=error, label=self.args.label)
+        row.update(values)
+        self.rows.append(row)
+        self.write()
+        if status == "ok":
+            print(f"[sweep] {cfg.name} @ {rate:g} req/s: " + ", ".join(
+                f"{k} {_fmt(row[k])}" for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                                                "p99_tpot_ms", "peak_running", "peak_waiting", "expert_bytes_pcie",
+                                                "prefetch_hit_rate")), flush=True)
+        else:
+            print(f"[sweep] {cfg.name} @ {rate:g} req/s: {status}: {(error or '').splitlines()[0][:300]}", flush=True)
+
+    # -- time budget
+
+    def remaining_s(self) -> float:
+        if self.args.time_budget_s is None:
+            return math.inf
+        return self.args.time_budget_s - (time.monotonic() - self.started)
+
+    def point_estimate_s(self, rate: float) -> float:
+        arrivals = self.args.num_prompts / rate if rate > 0 and math.isfinite(rate) else 0.0
+        return arrivals + max(self.tail_s_seen, default=self.args.tail_estimate_s)
+
+    def start_estimate_s(self) -> float:
+        return max(self.start_s_seen, default=self.args.start_estimate_s)
+
+    # -- commands
+
+    def env_for(self, server: str) -> dict[str, str]:
+        env = dict(os.environ)
+        paths = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if server == "vllm":
+            env.update(VLLM_ENV)
+            if self.args.vllm_site:
+                paths.append(self.args.vllm_site)
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def server_command(self, cfg: Config, port: int) -> list[str]:
+        a = self.args
+        if cfg.server == "rimuru":
+            return [sys.executable, "-m", "rimuru.cli", "serve", a.model, "--load-format", a.load_format,
+                    "--gpu-memory-budget", a.gpu_memory_budget, "--device", a.device, *cfg.flags,
+                    *shlex.split(a.rimuru_args), "--host", "127.0.0.1", "--port", str(port),
+                    "--served-model-name", a.served_model_name, "--log-level", "warning"]
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model, "--load-format",
+                a.load_format, *cfg.flags, "--max-model-len", str(a.vllm_max_model_len), *shlex.split(a.vllm_args),
+                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", a.served_model_name]
+
+    def client_command(self, base_url: str, rate: float, num_prompts: int, seed: int, out_dir: Path) -> list[str]:
+        a = self.args
+        if a.client == "vllm":
+            cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+                   "--base-url", base_url, "--endpoint", "/v1/completions", "--model", a.served_model_name,
+                   "--tokenizer", a.tokenizer or a.model, "--dataset-name", "sharegpt", "--dataset-path",
+                   str(a.dataset_path), "--num-prompts", str(num_prompts), "--request-rate", f"{rate:g}",
+                   "--seed", str(seed), "--ignore-eos", "--save-result", "--result-dir", str(out_dir),
+                   "--result-filename", "result.json", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                   "--metric-percentiles", "50,99"]
+        else:
+            cmd = [sys.executable, "-m", "rimuru.cli", "bench", "serve", "--base-url", base_url, "--model",
+                   a.served_model_name, "--num-prompts", str(num_prompts), "--request-rate", f"{rate:g}",
+                   "--seed", str(seed), "--output-json", str(out_dir / "result.json"), "--no-progress"]
+            if a.dataset_path:
+                cmd += ["--dataset-path", str(a.dataset_path)]
+            if a.tokenizer:
+                cmd += ["--tokenizer", a.tokenizer]
+        return cmd + shlex.split(a.client_args)
+
+    # -- one point
+
+    def run_client(self, cfg: Config, base_url: str, rate: float, num_prompts: int, seed: int,
+                   timeout_s: float, server: subprocess.Popen) -> dict[str, Any]:
+        """Runs one client pass; returns its normalised summary. Raises SweepError on failure."""
+        with tempfile.TemporaryDirectory(prefix="sweep-client-") as tmp:
+            out_dir = Path(tmp)
+            log_path = out_dir / "client.log"
+            cmd = self.client_command(base_url, rate, num_prompts, seed, out_dir)
+            proc = start_process(cmd, self.env_for("vllm" if self.args.client == "vllm" else "rimuru"), log_path)
+            try:
+                deadline = time.monotonic() + timeout_s
+                while proc.poll() is None:
+                    if server.poll() is not None:
+                        raise SweepError(f"server exited with code {server.returncode} during the point")
+                    if time.monotonic() > deadline:
+                        raise SweepError(f"client ran past {timeout_s:.0f} s (killed)\n{log_tail(log_path)}")
+                    time.sleep(0.2)
+            finally:
+                stop_process(proc, grace_s=5)
+            result_path = out_dir / "result.json"
+            if not result_path.exists():
+                raise SweepError(f"client exited with code {proc.returncode} and wrote no result\n"
+                                 f"{log_tail(log_path)}")
+            return normalise_result(json.loads(result_path.read_text()), num_prompts)
+
+    def run_config(self, cfg: Config, rates: list[float]) -> None:
+        a = self.args
+        if cfg.server == "vllm" and not self.vllm_ok:
+            for rate in rates:
+                self.add_row(cfg, rate, "error", f"vLLM is not importable (PYTHONPATH + --vllm-site {a.vllm_site})")
+            return
+        if cfg.server == "vllm" and not Path(a.model).is_dir():
+            for rate in rates:
+                self.add_row(cfg, rate, "error", f"vLLM needs a model directory, got {a.model!r}")
+            return
+        need = self.start_estimate_s() + self.point_estimate_s(rates[0])
+        if self.remaining_s() < need:
+            for rate in rates:
+                self.add_row(cfg, rate, "skipped", f"time budget: {self.remaining_s():.0f} s left, "
+                                                   f"~{need:.0f} s needed to start the server and run a point")
+            return
+        port = a.port or free_port()
+        if not port_is_free(port):
+            for rate in rates:
+                self.add_row(cfg, rate, "error", f"port {port} on 127.0.0.1 is already in use")
+            return
+        base_url = f"http://127.0.0.1:{port}"
+        log_path = Path(a.log_dir) / f"server-{cfg.name}.log"
+        cmd = self.server_command(cfg, port)
+        info: dict[str, Any] = {"command": shlex.join(cmd), "port": port, "log": str(log_path)}
+        self.servers[cfg.name] = info
+        print(f"[sweep] {time.monotonic() - self.started:.1f} s: starting {cfg.name}: {shlex.join(cmd)}", flush=True)
+        t0 = time.monotonic()
+        server = start_process(cmd, self.env_for(cfg.server), log_path)
+        try:
+            try:
+                wait_healthy(base_url, server, min(a.server_timeout_s, max(self.remaining_s() - 5, 1)), log_path)
+            except SweepError as err:
+                tail = log_tail(log_path)
+                info["error"], info["log_tail"] = str(err), tail
+                for rate in rates:
+                    self.add_row(cfg, rate, "error", f"server failed to start: {err}\n{tail}")
+                return
+            info["start_s"] = round(time.monotonic() - t0, 1)
+            self.start_s_seen.append(info["start_s"])
+            print(f"[sweep] {cfg.name} healthy after {info['start_s']} s", flush=True)
+            if a.warmup_prompts > 0:
+                try:
+                    tw = time.monotonic()
+                    self.run_client(cfg, base_url, math.inf, a.warmup_prompts, a.seed + 1,
+                                    min(a.point_timeout_s, max(self.remaining_s() - 5, 1)), server)
+                    info["warmup_s"] = round(time.monotonic() - tw, 1)
+                except SweepError as err:
+                    info["warmup_error"] = str(err)[:2000]
+            for i, rate in enumerate(rates):
+                if server.poll() is not None:
+                    for r in rates[i:]:
+                        self.add_row(cfg, r, "error", f"server exited with code {server.returncode}\n"
+                                                      f"{log_tail(log_path)}")
+                    return
+                need = self.point_estimate_s(rate)
+                if self.remaining_s() < need:
+                    for r in rates[i:]:
+                        self.add_row(cfg, r, "skipped", f"time budget: {self.remaining_s():.0f} s left, "
+                                                        f"~{self.point_estimate_s(r):.0f} s needed")
+                    return
+                self.run_point(cfg, base_url, rate, server, log_path)
+        finally:
+            print(f"[sweep] stopping {cfg.name}", flush=True)
+            stop_process(server)
+            deadline = time.monotonic() + 15
+            while not port_is_free(port) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            info["stopped"] = port_is_free(port) and server.poll() is not None
+            info["log_tail"] = info.get("log_tail") or log_tail(log_path, 15)
+            self.write()
+
+    def run_point(self, cfg: Config, base_url: str, rate: float, server: subprocess.Popen, log_path: Path) -> None:
+        a = self.args
+        t0 = time.monotonic()
+        try:
+            before = scrape(base_url)
+        except (OSError, urllib.error.URLError, ValueError):
+            before = {}
+        timeout = min(a.point_timeout_s, max(self.remaining_s() - 5, 1))
+        poller = MetricsPoller(base_url, a.poll_interval_s)
+        try:
+            with poller:
+                summary = self.run_client(cfg, base_url, rate, a.num_prompts, a.seed, timeout, server)
+        except SweepError as err:
+            tail = log_tail(log_path, 15) if server.poll() is not None else ""
+            self.add_row(cfg, rate, "error", f"{err}\n{tail}".strip(), point_wall_s=round(time.monotonic() - t0, 1),
+                         peak_running=poller.peak_running, peak_waiting=poller.peak_waiting,
+                         timeline=poller.compact_timeline())
+            return
+        try:
+            after = scrape(base_url)
+        except (OSError, urllib.error.URLError, ValueError):
+            after = {}
+        wall = time.monotonic() - t0
+        arrivals = a.num_prompts / rate if math.isfinite(rate) and rate > 0 else 0.0
+        self.tail_s_seen.append(max(0.0, wall - arrivals))
+        status = "ok" if summary.get("completed") else "error"
+        error = None if status == "ok" else "no request completed"
+        self.add_row(cfg, rate, status, error, **summary, **counter_deltas(before, after),
+                     peak_running=poller.peak_running, peak_waiting=poller.peak_waiting,
+                     point_wall_s=round(wall, 1), timeline=poller.compact_timeline())
+
+    def run(self, configs: list[Config], rates: list[float]) -> None:
+        self.vllm_ok = vllm_importable(self.env_for("vllm")) if any(c.server == "vllm" for c in configs) else False
+        self.write()
+        for cfg in configs:
+            self.run_config(cfg, rates)
+        self.write()
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def normalise_result(raw: dict[str, Any], num_prompts: int) -> dict[str, Any]:
+    """Our client's report or vLLM's --save-result JSON -> the row's summary fields."""
+    out = {k: raw.get(k) for k in _SUMMARY_KEYS}
+    out["duration_s"] = raw.get("duration_s", raw.get("duration"))
+    for name in ("ttft", "tpot", "itl"):  # vLLM with --metric-percentiles 50 also writes p50_*
+        if out.get(f"median_{name}_ms") is None:
+            out[f"median_{name}_ms"] = raw.get(f"p50_{name}_ms")
+    if out["failed"] is None and out["completed"] is not None:
+        out["failed"] = num_prompts - int(out["completed"])
+    return out
+
+
+def vllm_importable(env: dict[str, str]) -> bool:
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return subprocess.run([sys.executable, "-c", probe], env=env, timeout=60, capture_output=True).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def check_rimuru_flags(flags: list[str], env: dict[str, str]) -> None:
+    """Fails fast when --rimuru-args names a flag `rimuru serve` does not have (e.g. a router not built yet)."""
+    wanted = [f.split("=")[0] for f in flags if f.startswith("--")]
+    if not wanted:
+        return
+    out = subprocess.run([sys.executable, "-m", "rimuru.cli", "serve", "--help"], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    missing = [f for f in wanted if not re.search(rf"(^|\s){re.escape(f)}\b", out.stdout)]
+    if missing:
+        raise SystemExit(f"rimuru serve has no flag {', '.join(missing)} (see `rimuru serve --help`)")
+
+
+def sweep_metadata(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """benchmarks.common.metadata, computed in a child process so this one never holds a CUDA context."""
+    extra = {"command": command, "client": args.client, "model": args.model, "num_prompts": args.num_prompts,
+             "seed": args.seed, "gpu_memory_budget": args.gpu_memory_budget, "label": args.label,
+             "dataset_path": str(args.dataset_path) if args.dataset_path else "packaged ShareGPT",
+             "ignore_eos": True, "rimuru_args": args.rimuru_args, "vllm_args": args.vllm_args,
+             "client_args": args.client_args}
+    code = ("import json, sys; from benchmarks.common import metadata; "
+            "print(json.dumps(metadata('serve_sweep', **json.loads(sys.argv[1]))))")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    try:
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(extra)], env=env, capture_output=True,
+                             text=True, timeout=180, cwd=REPO, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as err:
+        return {"benchmark": "serve_sweep", "metadata_error": str(err)[:500],
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "git_commit": os.environ.get("RIMURU_COMMIT", "unknown"), **extra}
+
+
+# ---------------------------------------------------------------------------------------------- plot
+
+
+def plot(json_paths: list[Path], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[float, float, float]]] = {}
+    for path in json_paths:
+        doc = json.loads(Path(path).read_text())
+        for row in doc["rows"]:
+            if row.get("status") != "ok":
+                continue
+            key = row["config"] + (f" ({row['label']})" if row.get("label") else "")
+            series.setdefault(key, []).append((row["rate"], row["output_throughput"], row["median_ttft_ms"]))
+    if not series:
+        raise SystemExit("no ok rows to plot")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, pts in sorted(series.items()):
+        pts.sort()
+        rates = [p[0] for p in pts]
+        ax1.plot(rates, [p[1] for p in pts], marker="o", label=key)
+        ax2.plot(rates, [p[2] / 1e3 for p in pts], marker="o", label=key)
+    ax1.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="Output throughput")
+    ax2.set(xlabel="request rate (req/s)", ylabel="TTFT p50 (s)", title="TTFT p50", yscale="log")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def parse_configs(names: str, defines: list[str]) -> list[Config]:
+    table = dict(BUILTIN_CONFIGS)
+    for d in defines:
+        name, sep, spec = d.partition("=")
+        server, sep2, flags = spec.partition(":")
+        if not sep or not sep2 or server not in ("rimuru", "vllm") or not name:
+            raise SystemExit(f"bad --define {d!r}: use NAME=rimuru:FLAGS or NAME=vllm:FLAGS")
+        table[name] = (server, shlex.split(flags))
+    configs = []
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if name not in table:
+            raise SystemExit(f"unknown config {name!r}; known: {', '.join(table)} (or --define NAME=rimuru:FLAGS)")
+        configs.append(Config(name, *table[name]))
+    if not configs:
+        raise SystemExit("--configs names no configuration")
+    return configs
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"bad --rates {text!r}: use e.g. 10,20,30") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise SystemExit(f"bad --rates {text!r}: positive numbers (inf = all at once)")
+    return rates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="static,fixed,elastic-paper,elastic-cost")
+    p.add_argument("--define", action="append", default=[], metavar="NAME=SERVER:FLAGS",
+                   help="an extra configuration, e.g. 'fixed45=rimuru:--offload-mode fixed --resident-experts 45'")
+    p.add_argument("--rates", default="10,20,30,40,60", help="request rates in req/s, comma separated")
+    p.add_argument("--num-prompts", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client", choices=["rimuru", "vllm"], default="rimuru",
+                   help="benchmark client: ours (rimuru bench serve) or vLLM's (vllm bench serve --backend vllm)")
+    p.add_argument("--model", default=str(ANCHOR_MODEL) if ANCHOR_MODEL.is_dir() else "qwen1.5-moe-a2.7b",
+                   help="model directory or Rimuru preset (default: the vllm-anchor folder if present)")
+    p.add_argument("--served-model-name", default="qwen15moe")
+    p.add_argument("--tokenizer", default=None, help="client tokenizer (default: --model if it is a directory)")
+    p.add_argument("--dataset-path", default=str(ANCHOR_DATA) if ANCHOR_DATA.exists() else None,
+                   help="ShareGPT JSON (default: the vllm-anchor one if present, else our packaged dataset)")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--gpu-memory-budget", default="32GiB", help="Rimuru servers' budget")
+    p.add_argument("--device", default="auto", help="Rimuru servers' device (auto | cuda | cpu)")
+    p.add_argument("--rimuru-args", default="", help="more flags for every Rimuru server (one string)")
+    p.add_argument("--vllm-args", default="", help="more flags for every vLLM server, e.g. --enforce-eager")
+    p.add_argument("--vllm-max-model-len", type=int, default=4096)
+    p.add_argument("--vllm-site", default=str(VLLM_SITE) if VLLM_SITE.is_dir() else None,
+                   help="extra PYTHONPATH for vLLM's server and client (gpu-install.sh's /tmp/site)")
+    p.add_argument("--client-args", default="", help="more flags for the client (one string)")
+    p.add_argument("--label", default=None, help="a tag stored in the metadata and every row (e.g. uniform, zipf1.0)")
+    p.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (0: a free one per server)")
+    p.add_argument("--server-timeout-s", type=float, default=420.0, help="longest wait for /health")
+    p.add_argument("--point-timeout-s", type=float, default=540.0, help="longest client run per point")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no server or point that would not finish within this many seconds from the start")
+    p.add_argument("--start-estimate-s", type=float, default=90.0, help="server start time assumed until one is seen")
+    p.add_argument("--tail-estimate-s", type=float, default=30.0,
+                   help="seconds a point takes beyond its arrivals (client start, drain), until one is seen")
+    p.add_argument("--warmup-prompts", type=int, default=0, help="unrecorded requests (all at once) after each start")
+    p.add_argument("--poll-interval-s", type=float, default=0.5)
+    p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG: throughput and TTFT p50 against rate, one line per config")
+    p.add_argument("--plot-from", nargs="+", default=None, help="only draw --plot from these sweep JSONs")
+    return p
+
+
+def _raise_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def exit_on_signals() -> Iterator[None]:
+    """SIGTERM / SIGHUP become SystemExit so `finally` blocks stop the servers (SIGINT already does)."""
+    old = {s: signal.signal(s, _raise_exit) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.plot_from:
+        if not args.plot:
+            raise SystemExit("--plot-from needs --plot OUT.png")
+        plot([Path(p) for p in args.plot_from], Path(args.plot))
+        return 0
+    if not args.output_json:
+        raise SystemExit("--output-json is required")
+    configs = parse_configs(args.configs, args.define)
+    rates = parse_rates(args.rates)
+    if args.num_prompts < 1:
+        raise SystemExit("--num-prompts must be at least 1")
+    if args.tokenizer is None and Path(args.model).is_dir():
+        args.tokenizer = args.model
+    if args.client == "vllm" and not args.dataset_path:
+        raise SystemExit("--client vllm needs --dataset-path (a ShareGPT JSON, e.g. /tmp/anchor/sharegpt.json)")
+    if args.client == "vllm" and not args.tokenizer:
+        raise SystemExit("--client vllm needs a tokenizer directory (--tokenizer or a --model directory)")
+    command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["serve_sweep.py", *argv])
+    with contextlib.ExitStack() as stack:
+        if args.log_dir is None:
+            args.log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="sweep-logs-"))
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        stack.enter_context(exit_on_signals())
+        sweep = Sweep(args, {})
+        if any(c.server == "rimuru" for c in configs):
+            check_rimuru_flags(shlex.split(args.rimuru_args), sweep.env_for("rimuru"))
+        if args.client == "vllm" and not vllm_importable(sweep.env_for("vllm")):
+            raise SystemExit(f"--client vllm: vLLM is not importable (PYTHONPATH + --vllm-site {args.vllm_site})")
+        sweep.meta = sweep_metadata(args, command)
+        sweep.meta.update(configs={c.name: {"server": c.server, "flags": c.flags} for c in configs}, rates=rates)
+        sweep.run(configs, rates)
+    ok = sum(r["status"] == "ok" for r in sweep.rows)
+    print(f"[sweep] {ok} of {len(sweep.rows)} points measured; wrote {args.output_json}", flush=True)
+    if args.plot and ok:
+        plot([Path(args.output_json)], Path(args.plot))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""benchmarks/serve_sweep.py on a tiny model on the CPU: rows for every (config, rate), servers stopped,
+a server that cannot start recorded as an error row while the sweep goes on (fixed then broken: the
+sweep reaches and records the second configuration after the first one's server was stopped)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.serve_sweep import (  # noqa: E402
+    ROW_FIELDS,
+    counter_deltas,
+    normalise_result,
+    parse_configs,
+    parse_prometheus,
+    running_waiting,
+)
+
+
+def _port_free(port: int) -> bool:
+    """Nothing listens there (connections of the run left in TIME_WAIT do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _tiny_sharegpt(path: Path, n: int = 12) -> Path:
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
+    recs = []
+    for i in range(n):
+        q = " ".join(words[(i + j) % len(words)] for j in range(8 + i % 5))
+        a = " ".join(words[(2 * i + j) % len(words)] for j in range(6 + i % 3))
+        recs.append({"id": f"c{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+    path.write_text(json.dumps(recs))
+    return path
+
+
+def test_prometheus_parsing_and_deltas() -> None:
+    text = "\n".join([
+        "# HELP rimuru:num_requests_running x", "rimuru:num_requests_running 3.0",
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0', 'vllm:num_requests_waiting{engine="1"} 1.0',
+        "rimuru:expert_bytes_loaded_total 100.0", "rimuru:prefetch_hits_total 3.0",
+        "rimuru:prefetch_misses_total 1.0", 'rimuru:resident_experts{layer="0"} 4.0', "garbage line",
+    ])
+    m = parse_prometheus(text)
+    assert running_waiting(m) == (3.0, 3.0)
+    after = dict(m, **{"rimuru:expert_bytes_loaded_total": 300.0, "rimuru:prefetch_hits_total": 9.0,
+                       "rimuru:prefetch_misses_total": 3.0})
+    d = counter_deltas(m, after)
+    assert d["expert_bytes_pcie"] == 200.0 and d["prefetch_hits"] == 6.0 and d["prefetch_hit_rate"] == 0.75
+    assert counter_deltas({}, {})["prefetch_hit_rate"] is None
+    vllm = normalise_result({"completed": 9, "duration": 2.0, "p50_ttft_ms": 5.0, "p99_ttft_ms": 9.0}, 10)
+    assert vllm["failed"] == 1 and vllm["duration_s"] == 2.0 and vllm["median_ttft_ms"] == 5.0
+    with pytest.raises(SystemExit):
+        parse_configs("static,nope", [])
+    assert parse_configs("x", ["x=rimuru:--offload-mode fixed"])[0].flags == ["--offload-mode", "fixed"]
+
+
+def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
+    ckpt = tiny_checkpoint("qwen2_moe")
+    data = _tiny_sharegpt(tmp_path / "sharegpt.json")
+    out = tmp_path / "sweep.json"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "serve_sweep.py"), "--model", str(ckpt), "--device", "cpu",
+        "--load-format", "auto", "--gpu-memory-budget", "64MiB", "--configs", "fixed,broken",
+        "--define", "broken=rimuru:--dtype nonsense", "--rates", "20,40", "--num-prompts", "3",
+        "--dataset-path", str(data), "--client-args", "--max-prompt-len 60 --max-total-len 80 --max-output-len 5",
+        "--poll-interval-s", "0.1", "--server-timeout-s", "60", "--point-timeout-s", "60",
+        "--label", "cpu-test", "--output-json", str(out),
+    ]
+    env = {"PYTHONPATH": str(REPO), "RIMURU_COMMIT": "test-commit", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    for key in ("device", "date", "git_commit", "command", "rows", "servers", "configs", "rates"):
+        assert key in doc
+    assert "--configs fixed,broken" in doc["command"]
+    rows = doc["rows"]
+    assert [(r["config"], r["rate"]) for r in rows] == [
+        ("fixed", 20.0), ("fixed", 40.0), ("broken", 20.0), ("broken", 40.0)]
+    for r in rows:
+        assert set(ROW_FIELDS) <= set(r), set(ROW_FIELDS) - set(r)
+        assert r["label"] == "cpu-test" and r["num_prompts"] == 3 and r["client"] == "rimuru"
+    for r in rows:
+        if r["config"] == "broken":
+            assert r["status"] == "error" and "server failed to start" in r["error"]
+            assert "nonsense" in r["error"]  # the server log's tail says why
+            continue
+        assert r["status"] == "ok", r["error"]
+        assert r["completed"] == 3 and r["failed"] == 0
+        assert r["output_throughput"] > 0 and r["median_ttft_ms"] > 0 and r["p99_tpot_ms"] is not None
+        assert r["peak_running"] is not None and r["peak_waiting"] is not None
+        assert r["forward_steps"] and r["forward_steps"] > 0  # /metrics deltas of this point alone
+        assert r["timeline"]["t"] and "running" in r["timeline"]
+    fixed = [r for r in rows if r["config"] == "fixed"]  # offloads: expert copies and prefetches are counted
+    assert all(r["expert_bytes_pcie"] is not None and r["prefetch_hits"] is not None for r in fixed)
+    assert doc["servers"]["fixed"]["start_s"] is not None  # one start serves both rates
+    for name in ("fixed", "broken"):
+        srv = doc["servers"][name]
+        assert _port_free(srv["port"]), f"{name}'s port {srv['port']} still taken"
+        assert srv["stopped"], name
