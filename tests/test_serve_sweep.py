@@ -1,6 +1,6 @@
 """benchmarks/serve_sweep.py on a tiny model on the CPU: rows for every (config, rate), servers stopped,
-a server that cannot start recorded as an error row while the sweep goes on (fixed then broken: the
-sweep reaches and records the second configuration after the first one's server was stopped)."""
+a server that cannot start recorded as an error row while the sweep goes on (broken first: the
+sweep goes on to start and measure the next configuration)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "serve_sweep.py"), "--model", str(ckpt), "--device", "cpu",
-        "--load-format", "auto", "--gpu-memory-budget", "64MiB", "--configs", "fixed,broken",
+        "--load-format", "auto", "--gpu-memory-budget", "64MiB", "--configs", "broken,fixed",
         "--define", "broken=rimuru:--dtype nonsense", "--rates", "20,40", "--num-prompts", "3",
         "--dataset-path", str(data), "--client-args", "--max-prompt-len 60 --max-total-len 80 --max-output-len 5",
         "--poll-interval-s", "0.1", "--server-timeout-s", "60", "--point-timeout-s", "60",
@@ -87,10 +87,10 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     for key in ("device", "date", "git_commit", "command", "rows", "servers", "configs", "rates"):
         assert key in doc
-    assert "--configs fixed,broken" in doc["command"]
+    assert "--configs broken,fixed" in doc["command"]
     rows = doc["rows"]
     assert [(r["config"], r["rate"]) for r in rows] == [
-        ("fixed", 20.0), ("fixed", 40.0), ("broken", 20.0), ("broken", 40.0)]
+        ("broken", 20.0), ("broken", 40.0), ("fixed", 20.0), ("fixed", 40.0)]
     for r in rows:
         assert set(ROW_FIELDS) <= set(r), set(ROW_FIELDS) - set(r)
         assert r["label"] == "cpu-test" and r["num_prompts"] == 3 and r["client"] == "rimuru"
