@@ -38,6 +38,13 @@ def parse_bytes(value: int | float | str) -> int:
     return n
 
 
+def _is_float(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
+
+
 def format_bytes(n: int | float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
@@ -64,6 +71,9 @@ class EngineConfig:
     expert_offload_limit: int | None = None  # the most experts one layer may have offloaded
     expert_ranking: str | None = None  # JSON file from `rimuru profile`
     tensor_parallel_size: int = 1
+    # load_format="dummy" only: "uniform" (random routers) or "zipf:S" — a seeded power-law expert popularity
+    # (exponent S, a random expert order per layer) added to the routers as log-probability biases
+    dummy_routing: str | None = None
     adjuster: str = "paper"  # elastic mode: paper | cost
     tpot_slo_ms: float | None = None  # cost adjuster: keep the modelled step time within this (default: hide copies)
 
@@ -83,6 +93,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.dummy_routing is not None:
+            kind, _, exponent = self.dummy_routing.partition(":")
+            if kind not in ("uniform", "zipf") or (kind == "zipf" and not _is_float(exponent)):
+                raise ValueError(f"dummy_routing must be 'uniform' or 'zipf:S' (S a number >= 0), "
+                                 f"got {self.dummy_routing!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (page geometry already carries it)")
         if self.gpu_memory_budget is not None:
@@ -120,6 +135,7 @@ _FLAG_HELP = {
     "expert_offload_limit": "the most experts one layer may have offloaded",
     "expert_ranking": "expert popularity JSON written by `rimuru profile`",
     "enforce_eager": "never capture CUDA graphs",
+    "dummy_routing": "dummy weights only: uniform | zipf:S (a seeded power-law expert popularity)",
     "adjuster": "elastic mode: paper (threshold rules) | cost (offload only what PCIe can pay for)",
     "tpot_slo_ms": "cost adjuster: per-step time target in ms (default: offload only copies that hide behind compute)",
 }
@@ -128,7 +144,7 @@ _FLAG_TYPES: dict[str, Any] = {
     "tokenizer": str, "device": str, "dtype": str, "gpu_memory_budget": str, "offload_mode": str,
     "max_num_seqs": int, "max_model_len": int, "max_num_batched_tokens": int, "block_size": int,
     "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int,
-    "expert_ranking": str, "tensor_parallel_size": int, "adjuster": str, "tpot_slo_ms": float,
+    "expert_ranking": str, "tensor_parallel_size": int, "dummy_routing": str, "adjuster": str, "tpot_slo_ms": float,
 }
 
 

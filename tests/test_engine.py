@@ -140,3 +140,28 @@ def test_static_mode_refuses_a_budget_without_room_for_experts(checkpoints) -> N
     assert LLM(str(checkpoints["qwen2_moe"]), gpu_memory_budget=tight, device="cpu",
                expert_offload_limit=2).stats()["offload_mode"] == "elastic"
     assert llm.stats()["offload_mode"] == "static"
+
+
+def test_dummy_routing_skews_expert_popularity(tiny_checkpoint) -> None:
+    import numpy as np
+
+    from rimuru.experts.popularity import ExpertPopularity
+    from rimuru.experts.profile import count_routing
+
+    path = str(tiny_checkpoint("olmoe", num_experts=32))
+    llm = LLM(path, load_format="dummy", device="cpu", gpu_memory_budget="64MiB", dummy_routing="zipf:1.2",
+              enforce_eager=True, seed=5)
+    zipf = ExpertPopularity.zipf(path, 2, 32, 1.2, seed=5).probabilities  # [L, E], what the flag promises
+    biases = [m.router_bias for m in llm.engine.parts.model.modules() if hasattr(m, "router_bias")]
+    assert torch.allclose(torch.stack(biases), torch.log(torch.tensor(zipf, dtype=torch.float32)))
+    g = torch.Generator().manual_seed(0)
+    reqs = [type("R", (), {"prompt_token_ids": torch.randint(3, 300, (48,), generator=g).tolist(),
+                           "output_len": 2})() for _ in range(4)]
+    counts = count_routing(llm, reqs).astype(float)  # [L, E]
+    top8 = np.argsort(-zipf, axis=1)[:, :8]
+    share = np.take_along_axis(counts, top8, axis=1).sum(axis=1) / counts.sum(axis=1)
+    assert (share > 0.6).all(), share  # 8 of 32 experts would get 25 % under uniform popularity
+    with pytest.raises(ValueError, match="zipf:S"):
+        LLM(path, load_format="dummy", device="cpu", dummy_routing="pareto")
+    with pytest.raises(ValueError, match="random weights only"):
+        LLM(path, dummy_routing="zipf:1.0", load_format="safetensors", device="cpu")

@@ -158,6 +158,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         load_format = "safetensors" if is_dir and any(Path(model_path).glob("*.safetensors")) else "dummy"
         if load_format == "dummy":
             logger.warning("no safetensors in %s: using random weights (load_format='dummy')", model_path)
+    if config.dummy_routing is not None and load_format != "dummy":
+        raise ValueError("dummy_routing applies to random weights only (load_format='dummy')")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, spec, device)
     tokenizer = load_tokenizer(config.tokenizer or (model_path if is_dir else None))
@@ -246,6 +248,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                                     pcie_bandwidth=CostAdjusterConfig().pcie_bandwidth)
     if load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
+        if config.dummy_routing is not None and config.dummy_routing.startswith("zipf:"):
+            skew = ExpertPopularity.zipf(model_path, spec.num_moe_layers, spec.num_experts,
+                                         float(config.dummy_routing.split(":")[1]), seed=config.seed)
+            set_router_bias(model, torch.log(torch.tensor(skew.probabilities, dtype=torch.float32)))
         if store is None:
             experts.fill_random(seed=config.seed + 1)
         else:  # the same draws as static mode's pages, so every mode serves the same random model
@@ -292,6 +298,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        experts=experts, kv=kv, model=model, max_model_len=max_model_len,
                        num_attention_layers=num_attn, budget_split=split, provider=provider, host_store=store,
                        loader=loader, elastic=elastic, max_kv_pages=max_kv_pages, mode=mode)
+
+
+def set_router_bias(model: torch.nn.Module, bias: torch.Tensor) -> None:
+    """bias [L_moe, E]: added to each MoE layer's router logits (a skewed routing for dummy weights)."""
+    layers = [m for m in model.modules() if hasattr(m, "router_bias")]
+    if bias.shape != (len(layers), layers[0].router_bias.shape[0] if layers else 0):
+        raise ValueError(f"router bias {tuple(bias.shape)} does not match {len(layers)} MoE layers")
+    for layer, m in enumerate(sorted(layers, key=lambda m: m.moe_idx)):
+        m.router_bias.copy_(bias[layer])
 
 
 def _elastic_start(experts: ExpertCache, pool: PagePool, limit: int) -> int:

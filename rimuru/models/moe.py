@@ -35,10 +35,13 @@ class SparseMoE(nn.Module):
         self.renormalize = renormalize
         self.moe_idx = moe_idx  # ordinal among MoE layers: which expert table
         self.provider = experts  # a plain attribute: the provider's pages are not model state
+        # Added to the router logits; zeros unless a dummy model is given a skewed routing on purpose
+        # (EngineConfig.dummy_routing). Not checkpoint state.
+        self.register_buffer("router_bias", torch.zeros(num_experts), persistent=False)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Top-k routing weights [T, k] fp32 and expert ids [T, k]."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        probs = torch.softmax(self.gate(x).float() + self.router_bias, dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
