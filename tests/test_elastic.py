@@ -19,14 +19,14 @@ from rimuru.memory.allocator import PageAllocator
 from rimuru.memory.geometry import PageGeometry
 from rimuru.model_spec import load_model_spec
 from rimuru.testing.reference import hf_greedy
-from rimuru.testing.tiny_models import make_tiny_checkpoint
+from rimuru.testing.tiny_models import ARCHS
 
 STEPS = 24
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint("qwen2_moe", tmp_path_factory.mktemp("elastic") / "qwen2_moe", seed=4)
+@pytest.fixture(scope="module", params=ARCHS)
+def ckpt(request: pytest.FixtureRequest, parity_checkpoints: dict[str, Path]) -> Path:
+    return parity_checkpoints[request.param]
 
 
 def prompts(n: int, seed: int) -> list[dict]:

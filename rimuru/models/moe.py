@@ -35,9 +35,14 @@ class SparseMoE(nn.Module):
         self.renormalize = renormalize
         self.moe_idx = moe_idx  # ordinal among MoE layers: which expert table
         self.provider = experts  # a plain attribute: the provider's pages are not model state
-        # Added to the router logits; zeros unless a dummy model is given a skewed routing on purpose
-        # (EngineConfig.dummy_routing). Not checkpoint state.
+        # Added to the router logits (fp32); zeros unless a dummy model is given a skewed routing on purpose
+        # (EngineConfig.dummy_routing). Not checkpoint state; reset_buffers() sets it after meta-device builds.
         self.register_buffer("router_bias", torch.zeros(num_experts), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """State that is not a weight: a model built on the meta device and moved with to_empty() holds
+        garbage here until this runs (registry.build_model calls it)."""
+        self.router_bias = torch.zeros(self.gate.out_features, dtype=torch.float32, device=self.gate.weight.device)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Top-k routing weights [T, k] fp32 and expert ids [T, k]."""

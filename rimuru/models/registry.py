@@ -38,5 +38,8 @@ def build_model(
     with torch.device("meta"):
         model = cls(spec, experts, kv_cache)
     model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():  # buffers are not weights: no checkpoint fills them, so set them here
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
     model.requires_grad_(False)
     return model.eval()
