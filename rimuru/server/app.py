@@ -179,16 +179,20 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
 
     async def collect(request: Request, stream: RequestStream) -> dict[int, RequestOutput]:
         final: dict[int, RequestOutput] = {}
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
             while not stream.done():
                 try:
                     index, out = await stream.next(timeout=DISCONNECT_POLL_S)
+                    if out.finished:
+                        final[index] = out
                 except TimeoutError:
+                    pass
+                # checked by the clock, not only when outputs pause: a busy engine streams one per step
+                if time.monotonic() >= next_check:
                     if await request.is_disconnected():
                         return final
-                    continue
-                if out.finished:
-                    final[index] = out
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from exc
         except Exception as exc:
@@ -209,8 +213,16 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
     def sse(payload: dict | str) -> str:
         return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
+    def stop_holdback(req: CompletionRequest | ChatCompletionRequest) -> int:
+        """Characters a running stream keeps back: a possible start of a stop string, which the engine
+        cuts from the text once the rest arrives (as vLLM's detokenizer does)."""
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if not stops or req.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in stops) - 1
+
     async def stream_events(
-        stream: RequestStream, prompts: list[list[int]], chat: bool, rid: str, include_usage: bool
+        stream: RequestStream, prompts: list[list[int]], chat: bool, rid: str, include_usage: bool, hold: int = 0
     ) -> AsyncIterator[str]:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -223,7 +235,9 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
                 c = out.outputs[0]
                 if len(c.token_ids) == sent_tokens.get(index, 0) and c.finish_reason is None:
                     continue
-                delta = c.text[sent_text.get(index, 0) :]
+                start = sent_text.get(index, 0)
+                end = len(c.text) if c.finish_reason is not None else max(start, len(c.text) - hold)
+                delta = c.text[start:end]
                 if chat:
                     d: dict = {"content": delta}
                     if index not in sent_tokens:
@@ -237,7 +251,7 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }
-                sent_text[index] = len(c.text)
+                sent_text[index] = end
                 sent_tokens[index] = len(c.token_ids)
                 yield sse(
                     {
@@ -302,7 +316,7 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
         rid = stream.request_ids[0].rsplit("-", 2)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return streaming_response(stream_events(stream, prompts, False, rid, include_usage))
+            return streaming_response(stream_events(stream, prompts, False, rid, include_usage, stop_holdback(req)))
         outs = await collect(request, stream)
         choices = [
             {
@@ -333,7 +347,7 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
         rid = stream.request_ids[0].rsplit("-", 2)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return streaming_response(stream_events(stream, prompts, True, rid, include_usage))
+            return streaming_response(stream_events(stream, prompts, True, rid, include_usage, stop_holdback(req)))
         outs = await collect(request, stream)
         choices = [
             {
