@@ -286,8 +286,18 @@ class LLMEngine:
 
     @staticmethod
     def _running_output(req: Request) -> RequestOutput:
-        """`_output` of a request that is still running (no finish reason), without the status lookups."""
-        comp = CompletionOutput(0, req.output_text, req.output_token_ids.copy(), None, req.stop_reason)
+        """`_output` of a request that is still running (no finish reason), without the status lookups.
+
+        With stop strings cut from the output, the last `longest stop - 1` characters are held back (vLLM's
+        stop buffer): they may be the start of a stop string that the next token completes, and the final
+        text then drops them, so a streamed text that had sent them could not be taken back."""
+        text = req.output_text
+        p = req.params
+        if p.stop_strings and not p.include_stop_str_in_output:
+            hold = max(len(s) for s in p.stop_strings) - 1
+            if hold:
+                text = text[:-hold]
+        comp = CompletionOutput(0, text, req.output_token_ids.copy(), None, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], False, req.metrics)
 
     # ---- numbers -----------------------------------------------------------------------------------

@@ -66,5 +66,6 @@ def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of strictly better tokens
-    sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))  # the best token always stays
+    # the best token always stays; p = 1.0 cuts nothing (float32 cumsums reach 1.0 before the tail)
+    sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
