@@ -213,17 +213,11 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
     def sse(payload: dict | str) -> str:
         return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
-    def stop_holdback(req: CompletionRequest | ChatCompletionRequest) -> int:
-        """Characters a running stream keeps back: a possible start of a stop string, which the engine
-        cuts from the text once the rest arrives (as vLLM's detokenizer does)."""
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if not stops or req.include_stop_str_in_output:
-            return 0
-        return max(len(s) for s in stops) - 1
-
     async def stream_events(
-        stream: RequestStream, prompts: list[list[int]], chat: bool, rid: str, include_usage: bool, hold: int = 0
+        stream: RequestStream, prompts: list[list[int]], chat: bool, rid: str, include_usage: bool
     ) -> AsyncIterator[str]:
+        # Running outputs never carry a possible start of a stop string (the engine holds it back, as vLLM's
+        # detokenizer does), so text only ever grows and each delta is what the client has not seen.
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent_text: dict[int, int] = {}
@@ -236,7 +230,7 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
                 if len(c.token_ids) == sent_tokens.get(index, 0) and c.finish_reason is None:
                     continue
                 start = sent_text.get(index, 0)
-                end = len(c.text) if c.finish_reason is not None else max(start, len(c.text) - hold)
+                end = len(c.text)
                 delta = c.text[start:end]
                 if chat:
                     d: dict = {"content": delta}
@@ -316,7 +310,7 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
         rid = stream.request_ids[0].rsplit("-", 2)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return streaming_response(stream_events(stream, prompts, False, rid, include_usage, stop_holdback(req)))
+            return streaming_response(stream_events(stream, prompts, False, rid, include_usage))
         outs = await collect(request, stream)
         choices = [
             {
@@ -347,7 +341,7 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
         rid = stream.request_ids[0].rsplit("-", 2)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return streaming_response(stream_events(stream, prompts, True, rid, include_usage, stop_holdback(req)))
+            return streaming_response(stream_events(stream, prompts, True, rid, include_usage))
         outs = await collect(request, stream)
         choices = [
             {
