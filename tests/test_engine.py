@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rimuru import LLM, SamplingParams
-from rimuru.testing.reference import hf_greedy, run_greedy
+from rimuru.testing.reference import hf_greedy, random_prompts, run_greedy
 from rimuru.testing.tiny_models import ARCHS
 
 STEPS = 32
@@ -25,9 +25,8 @@ def checkpoints(parity_checkpoints: dict[str, Path]) -> dict[str, Path]:
     return parity_checkpoints
 
 
-def prompts(vocab: int = 300) -> list[list[int]]:
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+def prompts() -> list[list[int]]:
+    return random_prompts(PROMPT_LENS)
 
 
 

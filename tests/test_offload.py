@@ -19,7 +19,7 @@ from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.models.expert_provider import StaticExpertProvider
-from rimuru.testing.reference import hf_greedy, run_greedy
+from rimuru.testing.reference import hf_greedy, random_prompts, run_greedy
 from rimuru.testing.tiny_models import ARCHS
 
 STEPS = 24
@@ -32,9 +32,8 @@ def checkpoints(parity_checkpoints: dict[str, Path]) -> dict[str, Path]:
     return parity_checkpoints
 
 
-def prompts(vocab: int = 300) -> list[list[int]]:
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+def prompts() -> list[list[int]]:
+    return random_prompts(PROMPT_LENS)
 
 
 

@@ -5,7 +5,6 @@ sweep goes on to start and measure the next configuration)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,19 +20,9 @@ from benchmarks.serve_sweep import (  # noqa: E402
     normalise_result,
     parse_configs,
     parse_prometheus,
+    port_is_free,
     running_waiting,
 )
-
-
-def _port_free(port: int) -> bool:
-    """Nothing listens there (connections of the run left in TIME_WAIT do not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _tiny_sharegpt(path: Path, n: int = 12) -> Path:
@@ -110,5 +99,5 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
     assert doc["servers"]["fixed"]["start_s"] is not None  # one start serves both rates
     for name in ("fixed", "broken"):
         srv = doc["servers"][name]
-        assert _port_free(srv["port"]), f"{name}'s port {srv['port']} still taken"
+        assert port_is_free(srv["port"]), f"{name}'s port {srv['port']} still taken"
         assert srv["stopped"], name

@@ -37,3 +37,9 @@ def run_greedy(llm: Any, prompts: list[list[int]], steps: int, one_by_one: bool 
     assert llm.stats()["kv_pages_used"] == 0, "KV pages leaked"
     llm.engine.pool.allocator.check_invariants()
     return [o.outputs[0].token_ids for o in outs]
+
+
+def random_prompts(lengths: tuple[int, ...], seed: int = 11, vocab: int = 300) -> list[list[int]]:
+    """Seeded random prompt token ids (ids 0-2 are the tiny tokenizer's specials, so they are avoided)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
