@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from rimuru import LLM, SamplingParams
-from rimuru.engine.cuda_graphs import capture_sizes
+from rimuru.engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, capture_sizes, token_buckets
 from rimuru.testing.tiny_models import ARCHS, make_tiny_checkpoint
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -22,6 +23,43 @@ def test_capture_ladder() -> None:
     assert capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and capture_sizes(256)[-1] == 256
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(3) == [1, 2, 3]
+
+
+def test_token_buckets() -> None:
+    assert token_buckets(4096) == [32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    assert token_buckets(100) == [32, 64, 100]
+    assert token_buckets(10**6)[-1] == MAX_MIXED_GRAPH_TOKENS
+
+
+def test_mixed_graph_host_arrays_pad_tokens_and_sequences(tmp_path: Path) -> None:
+    """The padded arrays a mixed graph reads: the real prefix equals the eager batch; padding tokens write no KV
+    and belong to no sequence; padded sequences are empty; q_tile_start counts each sequence's q tiles."""
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=1)
+    llm = LLM(str(path), device="cpu", gpu_memory_budget="256MiB", max_num_batched_tokens=48)
+    engine = llm.engine
+    for i, n in enumerate((30, 5, 9)):
+        engine.add_request(f"r{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # the three prompts (44 tokens) fit the 48-token step
+    engine.add_request("r3", list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine._take_inbox()
+    sched = engine.scheduler.schedule()  # r0's rest and the decodes of r1, r2 + a chunk of r3: a mixed step
+    runner = engine.runner
+    runner.q_block = 16
+    plain = runner.host_arrays(sched)
+    T, B = len(plain.input_ids), len(plain.seq_lens)
+    assert B == 4 and T > B  # a mixed step
+    h = runner.host_arrays(sched, pad_tokens=64, pad_seqs=6)
+    assert h.input_ids.shape == (64,) and (h.input_ids[T:] == 0).all() and (h.input_ids[:T] == plain.input_ids).all()
+    assert (h.positions[:T] == plain.positions).all() and (h.positions[T:] == 0).all()
+    assert (h.slot_mapping[:, :T] == plain.slot_mapping).all() and (h.slot_mapping[:, T:] == -1).all()
+    assert (h.query_start_loc[: B + 1] == plain.query_start_loc).all() and (h.query_start_loc[B:] == T).all()
+    assert (h.seq_lens[:B] == plain.seq_lens).all() and (h.seq_lens[B:] == 0).all()
+    assert (h.block_tables == plain.block_tables).all()
+    assert h.num_sampled == plain.num_sampled == len(plain.logits_indices)
+    assert (h.logits_indices[: h.num_sampled] == plain.logits_indices).all() and h.logits_indices.shape == (6,)
+    q_lens = np.diff(plain.query_start_loc)
+    assert h.q_tile_start.tolist() == [0, *np.cumsum(-(-q_lens // 16)).tolist(), *[h.q_tile_start[B]] * 2]
+    assert len(h.fields()) == 8 and len(plain.fields()) == 7
 
 
 def _prompts() -> list[dict]:
@@ -48,4 +86,28 @@ def test_graph_and_eager_decode_agree(arch: str, tmp_path: Path) -> None:
             assert llm.engine.runner.graph_steps > 20
         else:
             assert llm.engine.runner.graphs is None
+    assert results[0] == results[1]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_graphs_agree_with_eager(arch: str, tmp_path: Path) -> None:
+    """Chunked prefills mixed with decodes (a 96-token step budget): every step of the graph run replays a
+    decode or a mixed graph, and the greedy tokens equal the eager run's."""
+    path = make_tiny_checkpoint(arch, tmp_path / arch, seed=2)
+    g = torch.Generator().manual_seed(9)
+    prompts = [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=g).tolist()}
+               for n in (150, 7, 61, 230, 33, 96, 12)]
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
+    results, runners = [], []
+    for eager in (True, False):
+        llm = LLM(str(path), device="cuda", dtype="float32", gpu_memory_budget="1GiB", enforce_eager=eager,
+                  max_num_seqs=16, max_num_batched_tokens=96)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert llm.stats()["kv_pages_used"] == 0
+        runners.append(llm.engine.runner)
+    eager_runner, graph_runner = runners
+    assert eager_runner.graph_steps == 0
+    assert graph_runner.mixed_graph_steps >= 6 and graph_runner.graph_steps > graph_runner.mixed_graph_steps
     assert results[0] == results[1]

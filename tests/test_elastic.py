@@ -125,3 +125,32 @@ def test_grown_expert_enters_the_table_only_when_committed() -> None:
         cache.reserve_grow(0, 5)
     cache.commit_grow(0, 5)
     assert cache.tables[0, 5].tolist() == list(pages) and cache.is_resident(0, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
+    """Elastic mode on the GPU with CUDA graphs: steps replay graphs while every expert is resident, run eagerly
+    while some are offloaded, and replay the same graphs again after experts were evicted and grown back (the
+    tables change in place). Greedy tokens equal static mode run eagerly, in float32."""
+    limit = 5
+    budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
+              expert_offload_limit=limit, max_num_batched_tokens=64)
+    engine, runner = llm.engine, llm.engine.runner
+    assert runner.graphs is not None and runner.graph_guard is not None
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    batches = [prompts(6, seed=1), prompts(2, seed=2), prompts(1, seed=3)]
+    got, graph_steps = [], []
+    for batch in batches:
+        before = runner.graph_steps
+        got.append([o.outputs[0].token_ids for o in llm.generate(batch, params)])
+        graph_steps.append(runner.graph_steps - before)
+    st = llm.stats()
+    assert st["expert_evictions"] > 0 and st["expert_grows"] > 0, st
+    assert graph_steps[0] > 0  # before the first eviction every expert is resident
+    assert sum(graph_steps[1:]) > 0, graph_steps  # graphs replayed again once the experts grew back
+    assert st["kv_pages_used"] == 0 and engine.pool.allocator.pending_deferred == 0
+    static = LLM(str(ckpt), gpu_memory_budget="256MiB", device="cuda", dtype="float32", enforce_eager=True,
+                 max_num_batched_tokens=64)
+    assert [[o.outputs[0].token_ids for o in static.generate(b, params)] for b in batches] == got

@@ -233,6 +233,37 @@ INTERPRET_CASES = [
 ]
 
 
+TILE_MAP_CASES = [
+    # q_lens, seq_lens, Hq, Hkv: one prefill chunk longer than a q tile among decodes; GQA; all decode
+    ([1, 300, 1, 5], [40, 310, 1, 5], 2, 2),
+    ([3, 1, 140], [70, 17, 150], 8, 2),
+    ([1, 1, 1], [33, 2, 64], 4, 4),
+]
+
+
+def check_tile_map_case(case: Case, pad_tokens: int, pad_seqs: int, tol: float) -> None:
+    """The tile-mapped launch on `case` grown by `pad_tokens` query rows and `pad_seqs` empty sequences (as a
+    mixed-step CUDA graph pads a batch): real rows equal the reference, padding rows come out 0."""
+    from rimuru.kernels.paged_attention import paged_attention_triton, q_tile_starts, tile_map_block_q
+
+    T, hq, d = case.q.shape
+    B = case.seq_lens.shape[0]
+    hkv = case.kv_cache.shape[3]
+    dev = case.q.device
+    q = torch.cat([case.q, torch.randn(pad_tokens, hq, d, device=dev).to(case.q.dtype)])
+    qsl = torch.cat([case.query_start_loc, case.query_start_loc[-1:].repeat(pad_seqs)])
+    seq_lens = torch.cat([case.seq_lens, torch.zeros(pad_seqs, dtype=torch.int32, device=dev)])
+    bt = torch.cat([case.block_table, case.block_table[:1].repeat(pad_seqs, 1)])
+    q_lens = (case.query_start_loc[1:] - case.query_start_loc[:-1]).tolist()
+    tiles = torch.from_numpy(q_tile_starts(q_lens, tile_map_block_q(hq, hkv, q.element_size()), B + pad_seqs))
+    out = paged_attention_triton(q, case.kv_cache, bt, qsl, seq_lens, case.scale, T + pad_tokens,
+                                 case.max_seq_len, q_tile_start=tiles.to(dev))
+    ref = paged_attention_reference(*case.args())
+    err = (out[:T].float() - ref.float()).abs().max().item()
+    assert err < tol, f"tile map: max abs err {err} (q_lens {q_lens})"
+    assert torch.equal(out[T:], torch.zeros_like(out[T:])), "padding rows must come out 0"
+
+
 def _patch_interpreter_for_numpy_2_4() -> None:
     """Triton 3.6's interpreter turns a scalar into an int with int(array of shape (1,)), which
     NumPy >= 2.4 refuses; `range(lo, hi)` over runtime bounds then fails. Use .item() instead."""
@@ -267,6 +298,10 @@ def run_interpreter_cases() -> None:
             paged_attention_triton(*case.args(), num_splits=splits, out=out)
             err = (out - paged_attention_reference(*case.args())).abs().max().item()
             assert err < 1e-4, f"random case {i} (group {group}, splits {splits}): max abs err {err}"
+    # The tile-mapped launch (CUDA graphs of mixed steps): padded tokens and empty padded sequences.
+    for i, (q_lens, seq_lens, hq, hkv) in enumerate(TILE_MAP_CASES):
+        check_tile_map_case(make_case(q_lens, seq_lens, hq, hkv, 16, seed=200 + i), pad_tokens=7, pad_seqs=3,
+                            tol=1e-4)
     # write_kv through the kernel, with padding slots and a strided k (a slice of a wider tensor).
     kv_a = torch.randn(4, 2, 16, 3, 24)
     kv_b = kv_a.clone()
@@ -387,6 +422,23 @@ def test_gpu_write_kv_matches_reference() -> None:
     write_kv_reference(kv[:, 0], kv[:, 1], kv_a, slots)
     write_kv(kv[:, 0], kv[:, 1], kv_b, slots)
     assert torch.equal(kv_a, kv_b)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case_idx", range(len(TILE_MAP_CASES)))
+def test_gpu_tile_map(dtype: torch.dtype, case_idx: int) -> None:
+    q_lens, seq_lens, hq, hkv = TILE_MAP_CASES[case_idx]
+    check_tile_map_case(make_case(q_lens, seq_lens, hq, hkv, 128, dtype=dtype, device="cuda", seed=case_idx),
+                        pad_tokens=37, pad_seqs=5, tol=2e-2)
+
+
+def test_q_tile_starts() -> None:
+    from rimuru.kernels.paged_attention import q_tile_starts
+
+    assert q_tile_starts([1, 300, 128, 129], 128, 6).tolist() == [0, 1, 4, 5, 7, 7, 7]
+    assert q_tile_starts([], 16, 2).tolist() == [0, 0, 0]
 
 
 @gpu

@@ -1,32 +1,46 @@
-"""CUDA graphs for decode steps: the whole forward pass plus the logits, replayed for a ladder of
-padded batch sizes, so that a decode step costs one launch instead of hundreds.
+"""CUDA graphs for every step kind: the whole forward pass plus the logits, replayed, so that a step costs
+one launch instead of ~60 per layer (eager launches cost ~40 µs each on the H200 host, more than the
+kernels of a small step).
 
-Every per-step input lives in a static device buffer that the graphs read; a step's numbers arrive
-on the device in the runner's one packed host->device copy, already padded up to the captured size Bp,
-and are copied (device to device) into the first Bp rows:
+Two ladders of graphs share one memory pool and one set of static input buffers:
 
-    row b < B   : the request's token, position, context length, block-table row, slot
-    row b >= B  : token 0, position 0, context 1, block-table row of page 0, slot -1 (no KV write)
+  * decode graphs, one per padded batch size Bp in `capture_sizes` (1, 2, 4, 8, 16, 32, ...): every
+    sequence has one new token. Rows b >= B are padding: token 0, position 0, context 1 on block-table
+    row of page 0, slot -1 (no KV write). Attention uses its split-K decode launch.
+  * mixed graphs, one per padded token count Tp in `token_buckets` (32, 64, ..., max_num_batched_tokens):
+    any mix of prefill chunks and decodes with T <= Tp tokens and B <= max_num_seqs sequences. Rows
+    t >= T are padding tokens (token 0, position 0, slot -1) that belong to no sequence; sequences
+    b >= B are empty (q_len 0). Attention uses the tile-mapped launch (`q_tile_start`), whose grid
+    depends on (Tp, max_num_seqs) alone; padding rows come out 0 and are never sampled.
 
-Padded rows compute garbage that nobody reads (their logits are dropped). Page tables are read
-through these buffers and expert tables through the provider's own [L_moe, E, 3] tensor, both
-updated in place, so pages and experts may move between steps without invalidating any graph.
+A step's numbers arrive on the device in the runner's one packed host->device copy, already padded
+(ModelRunner.host_arrays), and are copied device to device into the static buffers. Page tables are
+read through these buffers and expert tables through the provider's own [L_moe, E, 3] tensor, both
+updated in place, so pages and experts may move between steps without invalidating any graph. The
+logits of every graph land in one static fp32 buffer [max rows, V] (rows past the sampled ones are
+garbage); a step reads its rows before the next replay overwrites them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from rimuru.engine.scheduler import SchedulerOutput
+from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger("rimuru")
 
+# Mixed-step token buckets: fine steps where prefill chunks are short, coarser (x1.5) above 1024.
+_TOKEN_LADDER = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+MAX_MIXED_GRAPH_TOKENS = _TOKEN_LADDER[-1]  # larger steps run eagerly (activation memory of the graph pool)
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to max_num_seqs (vLLM's ladder, shortened)."""
+    """Decode ladder: 1, 2, 4, 8, then every 16 up to max_num_seqs (vLLM's ladder, shortened)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
     sizes += list(range(16, max_num_seqs + 1, 16))
     if sizes[-1] != max_num_seqs:
@@ -34,28 +48,54 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Mixed ladder: the token counts up to min(max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS), that one last."""
+    top = min(max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS)
+    return [t for t in _TOKEN_LADDER if t < top] + [top]
+
+
+class StepGraphs:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_layers: int, max_num_seqs: int,
-                 max_model_len: int, block_size: int) -> None:
+                 max_model_len: int, block_size: int, max_num_batched_tokens: int | None = None,
+                 counter: RoutingCounter | None = None) -> None:
         self.model = model
+        self.counter = counter  # the providers' routing counter: graphs count real rows only (row_mask)
         self.device = device
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = capture_sizes(max_num_seqs)  # decode ladder
+        self.token_sizes = token_buckets(max_num_batched_tokens) if max_num_batched_tokens else []
         self.max_bs = self.sizes[-1]
+        self.max_seqs = max_num_seqs  # sequences of every mixed graph (and its sampled rows)
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks = -(-max_model_len // block_size)
-        n, L = self.max_bs, num_layers
+        n = max([self.max_bs, *self.token_sizes])  # token rows of the largest graph
+        L, S = num_layers, max_num_seqs
+
+        def i32(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+        # shared by both ladders: each step rewrites the rows its graph reads
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # decode: one row each
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(L, n, max_blocks, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((L, n), -1, dtype=torch.int64, device=device)
-        self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
+        self.block_tables = i32(L, max(S, self.max_bs), max_blocks)
+        self.logits_out: torch.Tensor | None = None  # [max(S, max_bs), V] fp32, made at capture
+        # decode ladder: one token per row, so query_start_loc and logits_indices never change
+        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(self.max_bs, dtype=torch.int64, device=device)
+        # mixed ladder
+        self.mix_query_start_loc = i32(S + 1)
+        self.mix_seq_lens = i32(S)
+        self.mix_q_tile_start = i32(S + 1)
+        self.mix_logits_indices = torch.zeros(S, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.capture_s = 0.0
 
+    # ---- the static batches the graphs read ---------------------------------------------------------
     def batch(self, bs: int) -> ForwardBatch:
+        """Decode graph of bs rows."""
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs],
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
@@ -63,33 +103,75 @@ class DecodeGraphs:
             logits_indices=self.logits_indices[:bs], max_query_len=1, max_seq_len=self.max_model_len,
         )
 
+    def mixed_batch(self, tokens: int) -> ForwardBatch:
+        """Mixed graph of `tokens` rows and max_seqs sequences."""
+        S = self.max_seqs
+        return ForwardBatch(
+            input_ids=self.input_ids[:tokens], positions=self.positions[:tokens],
+            query_start_loc=self.mix_query_start_loc, seq_lens=self.mix_seq_lens,
+            block_tables=self.block_tables[:, :S], slot_mapping=self.slot_mapping[:, :tokens],
+            logits_indices=self.mix_logits_indices, max_query_len=tokens, max_seq_len=self.max_model_len,
+            q_tile_start=self.mix_q_tile_start,
+        )
+
+    def _forward_into_logits(self, batch: ForwardBatch) -> None:
+        if self.counter is not None:  # padding rows have slot -1 in every layer, real rows never
+            self.counter.row_mask = batch.slot_mapping[0] >= 0
+        try:
+            hidden = self.model(batch)  # [T, d]
+        finally:
+            if self.counter is not None:
+                self.counter.row_mask = None
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [rows, V] fp32
+        if self.logits_out is None:
+            rows = max(self.max_seqs, self.max_bs)
+            self.logits_out = torch.empty(rows, logits.shape[1], dtype=torch.float32, device=self.device)
+        self.logits_out[: logits.shape[0]].copy_(logits)
+
     @torch.inference_mode()
     def capture(self) -> None:
+        t0 = time.monotonic()
+        self._forward_into_logits(self.batch(1))  # makes logits_out outside any graph
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        todo = [(True, t) for t in reversed(self.token_sizes)] + [(False, b) for b in reversed(self.sizes)]
         with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-                batch = self.batch(bs)
+            # largest first: smaller graphs reuse its memory pool
+            for mixed, size in sorted(todo, key=lambda x: -x[1]):
+                batch = self.mixed_batch(size) if mixed else self.batch(size)
                 for _ in range(2):  # warm-up outside the graph: compiles kernels, settles allocations
-                    self.model.compute_logits(self.model(batch))
+                    self._forward_into_logits(batch)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.logits[bs] = self.model.compute_logits(self.model(batch))
+                    self._forward_into_logits(batch)
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[bs] = graph
+                (self.mixed_graphs if mixed else self.graphs)[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        self.capture_s = time.monotonic() - t0
+        logger.info("captured CUDA graphs in %.1f s: decode batch sizes %s; mixed token counts %s",
+                    self.capture_s, self.sizes, self.token_sizes)
 
+    # ---- which graph a step can use ------------------------------------------------------------------
     def can_run(self, sched: SchedulerOutput) -> bool:
+        """A decode graph: every scheduled request decodes one token."""
         return (len(sched.scheduled) <= self.max_bs
                 and all(s.num_new_tokens == 1 and s.samples for s in sched.scheduled)
+                and max(len(s.request.kv_pages) for s in sched.scheduled) <= self.max_blocks)
+
+    def can_run_mixed(self, sched: SchedulerOutput) -> bool:
+        return (bool(self.token_sizes) and sched.num_tokens <= self.token_sizes[-1]
+                and len(sched.scheduled) <= self.max_seqs
                 and max(len(s.request.kv_pages) for s in sched.scheduled) <= self.max_blocks)
 
     def padded_size(self, bs: int) -> int:
         return next(s for s in self.sizes if s >= bs)
 
+    def padded_tokens(self, tokens: int) -> int:
+        return next(t for t in self.token_sizes if t >= tokens)
+
+    # ---- replay ------------------------------------------------------------------------------------------
     def run(self, num_seqs: int, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
             block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         """One decode step of `num_seqs` requests, its inputs already on the device and padded to the captured
@@ -105,4 +187,26 @@ class DecodeGraphs:
         self.block_tables[:, :bp, :nb].copy_(block_tables)
         self.slot_mapping[:, :bp].copy_(slot_mapping)
         self.graphs[bp].replay()
-        return self.logits[bp][:num_seqs]
+        assert self.logits_out is not None
+        return self.logits_out[:num_seqs]
+
+    def run_mixed(self, num_sampled: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  slot_mapping: torch.Tensor, logits_indices: torch.Tensor, q_tile_start: torch.Tensor) -> torch.Tensor:
+        """One mixed step, inputs padded by ModelRunner.host_arrays(pad_tokens=Tp, pad_seqs=max_seqs): [Tp],
+        [Tp], [S+1], [S], [L, B, nb] (real sequences only), [L, Tp], [S], [S+1]. Returns logits [num_sampled, V]."""
+        tp = input_ids.shape[0]
+        if tp not in self.mixed_graphs:
+            raise ValueError(f"no mixed graph captured for {tp} tokens (captured: {self.token_sizes})")
+        _, b, nb = block_tables.shape
+        self.input_ids[:tp].copy_(input_ids)
+        self.positions[:tp].copy_(positions)
+        self.slot_mapping[:, :tp].copy_(slot_mapping)
+        self.block_tables[:, :b, :nb].copy_(block_tables)
+        self.mix_query_start_loc.copy_(query_start_loc)
+        self.mix_seq_lens.copy_(seq_lens)
+        self.mix_logits_indices.copy_(logits_indices)
+        self.mix_q_tile_start.copy_(q_tile_start)
+        self.mixed_graphs[tp].replay()
+        assert self.logits_out is not None
+        return self.logits_out[:num_sampled]

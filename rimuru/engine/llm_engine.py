@@ -31,14 +31,19 @@ from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import StepProfiler
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.cache import EXPERT
+from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.models.expert_provider import StaticExpertProvider
 
 logger = logging.getLogger("rimuru")
 
 
+def _moe_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "provider")]
+
+
 def _graph_capturable(model: torch.nn.Module) -> bool:
-    """Decode graphs need expert tables that never require a host decision mid-forward (static experts)."""
-    return all(isinstance(m.provider, StaticExpertProvider) for m in model.modules() if hasattr(m, "provider"))
+    """Graphs need expert tables that never require a host decision mid-forward (static experts)."""
+    return all(isinstance(m.provider, StaticExpertProvider) for m in _moe_modules(model))
 
 
 class LLMEngine:
@@ -58,8 +63,8 @@ class LLMEngine:
                                    reclaimable=self.elastic.reclaimable_kv_pages if self.elastic else None)
         self.runner = ModelRunner(parts.model, parts.device, parts.num_attention_layers, config.block_size,
                                   Sampler(parts.device, config.seed))
-        if self.device.type == "cuda" and not config.enforce_eager and _graph_capturable(parts.model):
-            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._lock = threading.Lock()
@@ -73,7 +78,31 @@ class LLMEngine:
         self._expert_page_bytes = parts.geometry.size(EXPERT)
         self._kv_page_bytes = parts.geometry.size("kv")
 
-    # ---- requests in -------------------------------------------------------------------------------
+    def _capture_graphs(self) -> None:
+        """CUDA graphs (engine/cuda_graphs.py). Static experts: every step that fits a graph replays one.
+        Elastic: graphs are captured through a static view of the same expert tables and replayed on steps
+        where every expert is resident (tables change in place, so evictions and grows never invalidate a
+        graph); steps with offloaded experts run eagerly, their routing read deciding the copies.
+        Fixed mode with offloaded experts never has them all resident: no graphs."""
+        cfg, model = self.config, self.parts.model
+        args = (cfg.max_num_seqs, self.max_model_len, cfg.max_num_batched_tokens)
+        if _graph_capturable(model):
+            provider = self.parts.provider
+            self.runner.enable_cuda_graphs(*args, counter=getattr(provider, "counter", None))
+            return
+        provider = self.parts.provider
+        if self.elastic is None or not isinstance(provider, OffloadExpertProvider):
+            return
+        modules = _moe_modules(model)
+        view = provider.graph_view()
+        for m in modules:
+            m.provider = view
+        try:
+            self.runner.enable_cuda_graphs(*args, counter=provider.counter, guard=provider.all_resident)
+        finally:
+            for m in modules:
+                m.provider = provider
+
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send prompt token ids instead of text")

@@ -16,16 +16,19 @@ On a GPU all inputs travel in ONE host->device copy (`InputStager`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from rimuru.engine.cuda_graphs import DecodeGraphs
+from rimuru.engine.cuda_graphs import StepGraphs
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.scheduler import SchedulerOutput
+from rimuru.experts.routing_counter import RoutingCounter
+from rimuru.kernels.paged_attention import q_tile_starts, tile_map_block_q
 from rimuru.models.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -45,10 +48,13 @@ class HostBatch:
     slot_mapping: np.ndarray  # [L, T] int64
     logits_indices: np.ndarray  # [B'] int64
     max_query_len: int
+    num_sampled: int = 0  # real sampled rows (logits_indices may be padded past them)
+    q_tile_start: np.ndarray | None = None  # [B+1] int32, mixed graphs only
 
     def fields(self) -> list[np.ndarray]:
-        return [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.block_tables,
-                self.slot_mapping, self.logits_indices]
+        out = [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.block_tables,
+               self.slot_mapping, self.logits_indices]
+        return out if self.q_tile_start is None else [*out, self.q_tile_start]
 
 
 class InputStager:
@@ -103,26 +109,44 @@ class ModelRunner:
         self.num_layers = num_attention_layers
         self.block_size = block_size
         self.sampler = sampler
-        self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs()
-        self.graph_steps = 0
+        self.graphs: StepGraphs | None = None  # set by enable_cuda_graphs()
+        self.q_block = 0  # query tokens per q tile of the mixed graphs' attention launch
+        self.graph_steps = 0  # steps replayed from a CUDA graph (decode or mixed)
+        self.mixed_graph_steps = 0
+        self.graph_guard: Callable[[], bool] | None = None  # set by enable_cuda_graphs()
         self.profiler: StepProfiler | None = None  # set by LLMEngine.enable_step_profiler()
         self.stager = InputStager(device) if device.type == "cuda" else None
         # request -> (its kv_pages list, int32 [capacity, L] pages, blocks filled): the pages as an array
         self._pages: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
 
-    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        self.graphs = DecodeGraphs(self.model, self.device, self.num_layers, max_num_seqs, max_model_len,
-                                   self.block_size)
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None,
+                           counter: RoutingCounter | None = None, guard: Callable[[], bool] | None = None) -> None:
+        """Captures decode graphs and, with max_num_batched_tokens, mixed-step graphs (engine/cuda_graphs.py).
+        With `guard`, a step replays a graph only while guard() is true (elastic mode: every expert resident)."""
+        spec = self.model.spec
+        elem = next(self.model.parameters()).element_size()
+        self.q_block = tile_map_block_q(spec.num_attention_heads, spec.num_key_value_heads, elem)
+        self.graphs = StepGraphs(self.model, self.device, self.num_layers, max_num_seqs, max_model_len,
+                                 self.block_size, max_num_batched_tokens, counter=counter)
         self.graphs.capture()
+        self.graph_guard = guard
+
+    def _usable_graphs(self) -> StepGraphs | None:
+        if self.graphs is None or (self.graph_guard is not None and not self.graph_guard()):
+            return None
+        return self.graphs
 
     def step_kind(self, sched: SchedulerOutput) -> str:
-        """decode-graph | decode-eager | prefill | mixed | idle (the step profiler's kinds)."""
+        """decode-graph | decode-eager | mixed-graph | prefill-graph | prefill | mixed | idle (the step profiler's
+        kinds)."""
         if sched.is_empty:
             return "idle"
+        graphs = self._usable_graphs()
         decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1 and s.samples)
         if decodes == len(sched.scheduled):
-            return "decode-graph" if self.graphs is not None and self.graphs.can_run(sched) else "decode-eager"
-        return "mixed" if decodes else "prefill"
+            return "decode-graph" if graphs is not None and graphs.can_run(sched) else "decode-eager"
+        kind = "mixed" if decodes else "prefill"
+        return f"{kind}-graph" if graphs is not None and graphs.can_run_mixed(sched) else kind
 
     # ---- host arrays ---------------------------------------------------------------------------------
     def _page_array(self, req: Request, cache: dict[Request, tuple[list[list[int]], np.ndarray, int]]) -> np.ndarray:
@@ -144,10 +168,15 @@ class ModelRunner:
         cache[req] = (kv, arr, nb)
         return arr[:nb]
 
-    def host_arrays(self, sched: SchedulerOutput, pad_to: int | None = None) -> HostBatch:
-        """The batch as numpy arrays (shared by the eager path and the CUDA-graph path). With `pad_to`
-        (decode graphs), rows B..pad_to-1 are padding: token 0 at position 0, a one-token context on page 0
-        (block-table row 0) and slot -1 (no KV write); logits_indices keeps the B real rows."""
+    def host_arrays(self, sched: SchedulerOutput, pad_to: int | None = None, pad_tokens: int | None = None,
+                    pad_seqs: int | None = None) -> HostBatch:
+        """The batch as numpy arrays (shared by the eager path and the CUDA-graph paths).
+
+        `pad_to` (decode graphs): rows B..pad_to-1 are padding: token 0 at position 0, a one-token context on
+        page 0 (block-table row 0) and slot -1 (no KV write); logits_indices keeps the B real rows.
+        `pad_tokens` + `pad_seqs` (mixed graphs): token rows T..pad_tokens-1 are padding (token 0, position 0,
+        slot -1) owned by no sequence; sequences B..pad_seqs-1 are empty (q_len 0, context 0); logits_indices
+        is padded with row 0 to pad_seqs entries; q_tile_start is set. Block tables keep the B real rows."""
         bs, L = self.block_size, self.num_layers
         scheduled = sched.scheduled
         B = len(scheduled)
@@ -167,11 +196,12 @@ class ModelRunner:
             pages.append(self._page_array(req, cache))
         self._pages = cache  # requests not scheduled this step are dropped (rebuilt if they come back)
 
-        Bp = B if pad_to is None else pad_to
+        mixed = pad_tokens is not None
+        Bp = pad_to if pad_to is not None else B
         starts = np.array(starts_l, dtype=np.int64)
         ns = np.array(ns_l, dtype=np.int64)
         T = len(tokens)
-        Tp = T + (Bp - B)  # padding rows are one token each
+        Tp = pad_tokens if mixed else T + (Bp - B)  # decode padding rows are one token each
         input_ids = np.zeros(Tp, dtype=np.int64)
         input_ids[:T] = tokens
         qsl = np.zeros(B + 1, dtype=np.int64)
@@ -196,9 +226,18 @@ class ModelRunner:
         if Bp > B:  # padding rows: one token each
             query_start_loc = np.concatenate([query_start_loc, T + np.arange(1, Bp - B + 1, dtype=np.int32)])
         logits_indices = qsl[1:][np.array(samples_l, dtype=bool)] - 1
+        num_sampled = len(logits_indices)
+        q_tile_start = None
+        if mixed:
+            S = pad_seqs if pad_seqs is not None else B
+            seq_lens = np.concatenate([seq_lens, np.zeros(S - B, dtype=np.int32)])
+            query_start_loc = np.concatenate([query_start_loc, np.full(S - B, T, dtype=np.int32)])
+            logits_indices = np.concatenate([logits_indices, np.zeros(S - num_sampled, dtype=np.int64)])
+            q_tile_start = q_tile_starts(ns, self.q_block, S)
         return HostBatch(input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
                          seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
-                         logits_indices=logits_indices, max_query_len=max(ns_l))
+                         logits_indices=logits_indices, max_query_len=max(ns_l), num_sampled=num_sampled,
+                         q_tile_start=q_tile_start)
 
     def to_device(self, h: HostBatch) -> list[torch.Tensor]:
         """The HostBatch fields (in `HostBatch.fields()` order) as device tensors: zero-copy views on the CPU,
@@ -220,16 +259,31 @@ class ModelRunner:
         """Runs one step; returns the sampled token of each scheduled request that samples, in order."""
         prof = self.profiler
         sampling = [s.request for s in sched.scheduled if s.samples]
-        if self.graphs is not None and self.graphs.can_run(sched):
+        graphs = self._usable_graphs()
+        if graphs is not None and graphs.can_run(sched):
             B = len(sched.scheduled)
-            bp = self.graphs.padded_size(B)
+            bp = graphs.padded_size(B)
             h = self.host_arrays(sched, pad_to=bp)
             ids, pos, _, seq_lens, bt, slots, _ = self.to_device(h)
             if prof is not None:
                 prof.mark("prepare")
                 prof.forward_begin()
-            logits = self.graphs.run(B, ids, pos, seq_lens, bt, slots)
+            logits = graphs.run(B, ids, pos, seq_lens, bt, slots)
             self.graph_steps += 1
+        elif graphs is not None and graphs.can_run_mixed(sched):
+            h = self.host_arrays(sched, pad_tokens=graphs.padded_tokens(sched.num_tokens), pad_seqs=graphs.max_seqs)
+            ids, pos, qsl, seq_lens, bt, slots, li, qts = self.to_device(h)
+            if prof is not None:
+                prof.mark("prepare")
+                prof.forward_begin()
+            logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts)
+            self.graph_steps += 1
+            self.mixed_graph_steps += 1
+            if not sampling:
+                if prof is not None:
+                    prof.forward_end()
+                    prof.mark("forward")
+                return []
         else:
             batch = self.prepare(sched)
             if prof is not None:

@@ -23,8 +23,9 @@ Besides the host phases, per step:
     memory copies and host launch calls (CUDA only; on the CPU "unavailable"); traced steps are left out
     of the time means, as the tracer slows the host.
 
-Step kinds: decode-graph (a CUDA-graph replay), decode-eager (one token for every request, eager),
-prefill (no decode row), mixed (prefill chunks and decodes), idle (nothing scheduled).
+Step kinds: decode-graph (a decode CUDA-graph replay), decode-eager (one token for every request, eager),
+mixed-graph / prefill-graph (a mixed-step CUDA-graph replay), prefill (no decode row, eager), mixed (prefill
+chunks and decodes, eager), idle (nothing scheduled).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 
 PHASES = ("schedule", "adjust", "prepare", "forward", "sample", "readback", "process", "finish")
-KINDS = ("decode-graph", "decode-eager", "prefill", "mixed", "idle")
+KINDS = ("decode-graph", "decode-eager", "mixed-graph", "prefill-graph", "prefill", "mixed", "idle")
 KERNELS_UNAVAILABLE = "unavailable (CPU: torch.profiler counts CUDA kernels only)"
 
 

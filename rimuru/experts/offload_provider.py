@@ -12,7 +12,8 @@ Per MoE layer l of a forward pass:
 The prefetch copies are issued at step 4 rather than in before_layer because the host only learns the
 predicted ids at the one read of step 1 (a second sync per layer would stall the launch pipeline);
 they still overlap layer l's MoE kernel and layer l+1's attention. That read makes this provider
-unusable inside a CUDA graph (the engine captures graphs only for StaticExpertProvider).
+unusable inside a CUDA graph. In elastic mode the engine captures its graphs through `graph_view()` (a static
+provider over the same tables) and replays them only on steps where every expert is resident.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rimuru.experts.cache import ExpertCache
 from rimuru.experts.loader import ExpertLoader, LoadCounters
 from rimuru.experts.predictor import ExpertPredictor
 from rimuru.experts.routing_counter import RoutingCounter
-from rimuru.models.expert_provider import ExpertProvider
+from rimuru.models.expert_provider import ExpertProvider, StaticExpertProvider
 
 
 class OffloadExpertProvider(ExpertProvider):
@@ -39,6 +40,17 @@ class OffloadExpertProvider(ExpertProvider):
     @property
     def counters(self) -> LoadCounters:
         return self.loader.counters
+
+    def all_resident(self) -> bool:
+        """Every expert of every layer has a row in the tables: a forward pass needs no host decision."""
+        return self.cache.num_resident == self.cache.total_experts
+
+    def graph_view(self) -> StaticExpertProvider:
+        """A static provider over the same (in-place updated) tables and counter, to capture CUDA graphs with.
+        A graph captured through it is valid for any step taken while `all_resident()` holds."""
+        view = StaticExpertProvider(self.expert_view, self.cache.tables)
+        view.counter = self.counter
+        return view
 
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         self.loader.fence_consumed()

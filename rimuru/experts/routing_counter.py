@@ -8,7 +8,8 @@
 so it allocates nothing, never reads a value back and has no data-dependent shape (`torch.bincount`
 would: its output length depends on the largest id). It can therefore run inside a captured CUDA graph,
 provided the graph was captured with this counter attached (a graph replays the tensors it recorded).
-Caveat for graphs: padded rows of a padded decode batch route too and would be counted.
+Padded rows of a CUDA graph's batch route too: the graph sets `row_mask` ([T] bool, True = a real token) for
+the duration of its forward pass, and `record` then counts real rows only.
 
 Counts are exact while every entry stays below 2**24 (float32 integers); callers that count for long
 take `snapshot_and_reset()` at least every `exact_limit // assignments_per_step` steps and sum on the host.
@@ -30,6 +31,7 @@ class RoutingCounter:
         self.num_experts = num_experts
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)  # [L_moe, E]
         self._one = torch.ones(1, dtype=torch.float32, device=device)  # expanded, never materialised
+        self.row_mask: Tensor | None = None  # [T] bool while a padded (CUDA-graph) batch runs, else None
 
     @property
     def device(self) -> torch.device:
@@ -43,7 +45,11 @@ class RoutingCounter:
         flat = topk_ids.reshape(-1)
         if flat.dtype != torch.int64:
             flat = flat.long()
-        self.counts[moe_layer].scatter_add_(0, flat, self._one.expand(flat.numel()))
+        if self.row_mask is None:
+            src = self._one.expand(flat.numel())
+        else:  # padding rows add 0
+            src = self.row_mask[:, None].expand(topk_ids.shape).reshape(-1).to(torch.float32)
+        self.counts[moe_layer].scatter_add_(0, flat, src)
 
     def snapshot_and_reset(self) -> Tensor:
         """The counts so far as a host float32 tensor [L_moe, E]; the device counts restart from zero."""

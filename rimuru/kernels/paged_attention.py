@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,6 +42,8 @@ __all__ = [
     "paged_attention_reference",
     "paged_attention_triton",
     "plan_launch",
+    "q_tile_starts",
+    "tile_map_block_q",
     "write_kv",
     "write_kv_reference",
     "write_kv_triton",
@@ -138,7 +142,9 @@ def paged_attention_reference(
 
 if triton is not None:
 
-    @triton.jit
+    # Per-step integers are not specialised on (==1, divisible by 16): every new batch shape would
+    # otherwise compile another variant in the middle of serving.
+    @triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
     def _paged_attention_kernel(
         q_ptr,  # [T, Hq, D]
         kv_ptr,  # [P, 2, BLOCK_SIZE, Hkv, D]
@@ -148,8 +154,10 @@ if triton is not None:
         out_ptr,  # [T, Hq, D] (NUM_SPLITS == 1)
         part_out_ptr,  # [NUM_SPLITS, T, Hq, D_PAD] fp32 (NUM_SPLITS > 1)
         part_lse_ptr,  # [NUM_SPLITS, T, Hq] fp32, log2 domain
+        q_tile_start_ptr,  # [B + 1] int32, TILE_MAP only: first program of each sequence's q tiles
         scale_log2,  # softmax scale * log2(e)
         num_tokens,
+        num_seqs,
         stride_q_t,
         stride_q_h,
         stride_kv_page,
@@ -169,10 +177,27 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        TILE_MAP: tl.constexpr,
+        SEARCH_STEPS: tl.constexpr,  # TILE_MAP: binary-search steps, >= bit length of num_seqs
     ):
-        # Longest causal rows first: later q tiles see more context, so launch them first.
-        q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
-        b = tl.program_id(1)
+        if TILE_MAP:
+            # Program p of axis 0 is q tile p - q_tile_start[b] of the sequence b with
+            # q_tile_start[b] <= p < q_tile_start[b + 1] (binary search; the grid is a bound that
+            # depends only on the padded token and sequence counts, so one launch fits any batch).
+            pid = tl.program_id(0)
+            lo = pid * 0
+            hi = lo + num_seqs
+            for _ in tl.static_range(SEARCH_STEPS):
+                mid = (lo + hi) // 2
+                ok = tl.load(q_tile_start_ptr + mid) <= pid
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid)
+            b = lo
+            q_tile = pid - tl.load(q_tile_start_ptr + b)
+        else:
+            # Longest causal rows first: later q tiles see more context, so launch them first.
+            q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+            b = tl.program_id(1)
         kv_head = tl.program_id(2) // NUM_SPLITS
         split = tl.program_id(2) % NUM_SPLITS
 
@@ -250,7 +275,7 @@ if triton is not None:
             tl.store(part_out_ptr + row[:, None] * D_PAD + offs_d[None, :], out, mask=row_valid[:, None])
             tl.store(part_lse_ptr + row, lse, mask=row_valid)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _merge_splits_kernel(
         part_out_ptr,  # [NUM_SPLITS, T, Hq, D_PAD] fp32
         part_lse_ptr,  # [NUM_SPLITS, T, Hq] fp32
@@ -392,6 +417,26 @@ def plan_launch(
 
 _LOG2_E = math.log2(math.e)
 
+# The tile-mapped launch plans as for a long query: the largest q tile (block_q = 128 // GROUP tokens).
+TILE_MAP_QUERY_LEN = 1 << 16
+
+
+def tile_map_block_q(num_q_heads: int, num_kv_heads: int, elem_size: int) -> int:
+    """Query tokens per q tile of the tile-mapped launch (what `q_tile_starts` must be computed with)."""
+    return plan_launch(1, num_q_heads, num_kv_heads, 128, 16, TILE_MAP_QUERY_LEN, 1, elem_size=elem_size).block_q
+
+
+def q_tile_starts(query_lens: Sequence[int] | np.ndarray, block_q: int, num_seqs: int) -> np.ndarray:
+    """[num_seqs + 1] int32: the first program of each sequence's q tiles in the tile-mapped launch
+    (exclusive prefix sum of cdiv(q_len, block_q)); sequences past len(query_lens) are empty."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    out = np.empty(num_seqs + 1, dtype=np.int32)
+    out[0] = 0
+    tiles = np.cumsum(-(-lens // block_q))
+    out[1 : len(lens) + 1] = tiles
+    out[len(lens) + 1 :] = tiles[-1] if len(lens) else 0
+    return out
+
 
 def paged_attention_triton(
     q: Tensor,
@@ -404,8 +449,14 @@ def paged_attention_triton(
     max_seq_len: int,
     num_splits: int | None = None,
     out: Tensor | None = None,
+    q_tile_start: Tensor | None = None,
 ) -> Tensor:
-    """The Triton path of paged_attention; `num_splits` overrides the plan, `out` receives rows."""
+    """The Triton path of paged_attention; `num_splits` overrides the plan, `out` receives rows.
+
+    With `q_tile_start` [B + 1] int32 (`q_tile_starts`), the grid is a bound fixed by (T, B) alone and each
+    program finds its (sequence, q tile) on the device: one launch serves any mix of prefill chunks and
+    decodes of at most T tokens and B sequences, so a CUDA graph captured for (T, B) replays every such
+    step. Sequences may have q_len 0 (padding). Rows not covered by any sequence come out 0."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
     batch = seq_lens.shape[0]
@@ -415,24 +466,34 @@ def paged_attention_triton(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     _check_inner_contiguous("q", q)
     _check_inner_contiguous("kv_cache", kv_cache)
-    out = torch.empty_like(q) if out is None else out
+    tile_map = q_tile_start is not None
+    if out is None:
+        out = torch.zeros_like(q) if tile_map else torch.empty_like(q)
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     plan = plan_launch(
-        batch, num_q_heads, num_kv_heads, head_dim, block_size, max_query_len, _num_sms(q.device),
-        elem_size=q.element_size(),
+        batch, num_q_heads, num_kv_heads, head_dim, block_size,
+        TILE_MAP_QUERY_LEN if tile_map else max_query_len, _num_sms(q.device), elem_size=q.element_size(),
     )  # fmt: skip
     splits = plan.num_splits if num_splits is None else num_splits  # tests force the split path
+    if tile_map:
+        if splits != 1:
+            raise ValueError("the tile-mapped launch has no split-K path")
+        if q_tile_start.shape[0] != batch + 1:
+            raise ValueError(f"q_tile_start has {q_tile_start.shape[0]} entries for {batch} sequences")
     d_pad = plan.d_pad
     if splits > 1:
         part_out = torch.empty(splits, num_tokens, num_q_heads, d_pad, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(splits, num_tokens, num_q_heads, device=q.device, dtype=torch.float32)
     else:
         part_out = part_lse = out  # unused
-    grid = (plan.num_q_tiles, batch, num_kv_heads * splits)
+    if tile_map:
+        grid = (-(-num_tokens // plan.block_q) + batch, 1, num_kv_heads)  # >= sum of cdiv(q_len_b, block_q)
+    else:
+        grid = (plan.num_q_tiles, batch, num_kv_heads * splits)
     _paged_attention_kernel[grid](
         q, kv_cache, block_table, query_start_loc, seq_lens, out, part_out, part_lse,
-        scale * _LOG2_E, num_tokens,
+        q_tile_start if tile_map else seq_lens, scale * _LOG2_E, num_tokens, batch,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0), out.stride(0), out.stride(1),
@@ -440,6 +501,7 @@ def paged_attention_triton(
         BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_SIZE=block_size, NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        TILE_MAP=tile_map, SEARCH_STEPS=batch.bit_length() if tile_map else 0,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -472,7 +534,12 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    q_tile_start: Tensor | None = None,
 ) -> Tensor:
-    """q [T, Hq, D] -> [T, Hq, D] in q's dtype. See the module docstring for the batch layout."""
-    fn = paged_attention_triton if q.is_cuda and triton is not None else paged_attention_reference
-    return fn(q, kv_cache, block_table, query_start_loc, seq_lens, scale, max_query_len, max_seq_len)
+    """q [T, Hq, D] -> [T, Hq, D] in q's dtype. See the module docstring for the batch layout.
+    `q_tile_start` (CUDA graphs of mixed steps) selects the tile-mapped launch; the reference ignores it."""
+    if q.is_cuda and triton is not None:
+        return paged_attention_triton(q, kv_cache, block_table, query_start_loc, seq_lens, scale, max_query_len,
+                                      max_seq_len, q_tile_start=q_tile_start)
+    return paged_attention_reference(q, kv_cache, block_table, query_start_loc, seq_lens, scale, max_query_len,
+                                     max_seq_len)

@@ -63,5 +63,6 @@ class Attention(nn.Module):
             self.scale,
             batch.max_query_len,
             batch.max_seq_len,
+            q_tile_start=batch.q_tile_start,
         )  # [T, Hq, D]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))  # [T, d]

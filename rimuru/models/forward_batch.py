@@ -29,6 +29,8 @@ class ForwardBatch:
     logits_indices: Tensor  # [B'] int64, rows of the hidden states whose logits are sampled
     max_query_len: int
     max_seq_len: int
+    # [B+1] int32, mixed-step CUDA graphs only: attention's tile-mapped launch (kernels/paged_attention.py)
+    q_tile_start: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
