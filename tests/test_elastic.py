@@ -35,8 +35,11 @@ def prompts(n: int, seed: int) -> list[dict]:
             for k in torch.randint(8, 40, (n,), generator=g)]
 
 
-def tight_budget(path: Path, kv_blocks: int, limit: int) -> int:
-    probe = LLM(str(path), gpu_memory_budget="64MiB", device="cpu", max_num_batched_tokens=64)
+def tight_budget(path: Path, kv_blocks: int, limit: int, **engine_args: str | bool) -> int:
+    """A budget that holds every expert, the load buffers and `kv_blocks` KV blocks (sizes from a probe engine
+    with `engine_args`: the workspace bound depends on the device)."""
+    args = {"device": "cpu", **engine_args}
+    probe = LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, **args)
     split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     buffers = 2 * 3 * limit * geo.size("expert")
@@ -134,7 +137,7 @@ def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
     while some are offloaded, and replay the same graphs again after experts were evicted and grown back (the
     tables change in place). Greedy tokens equal static mode run eagerly, in float32."""
     limit = 5
-    budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
+    budget = tight_budget(ckpt, kv_blocks=10, limit=limit, device="cuda", dtype="float32")
     llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
               expert_offload_limit=limit, max_num_batched_tokens=64)
     engine, runner = llm.engine, llm.engine.runner

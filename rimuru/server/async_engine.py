@@ -27,6 +27,7 @@ from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.1  # the engine thread refreshes its stats snapshot at most this often while busy
 
 
 class EngineLike(Protocol):
@@ -114,6 +115,7 @@ class AsyncEngine:
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream, int, RequestTiming, int]] = {}
         self._stats: dict = {}
         self._stats_lock = threading.Lock()
+        self._stats_time = 0.0
         self._stop = threading.Event()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rimuru-engine", daemon=True)
@@ -191,7 +193,10 @@ class AsyncEngine:
                         self._fail_all(exc)
                         continue
                     self._route(outputs)
-                self._refresh_stats()
+                # engine.stats() walks the allocator: a few times a second is enough for /metrics (and the
+                # sweep's 0.5 s scrape), not after every ~10 ms step
+                if idle or time.perf_counter() - self._stats_time >= STATS_INTERVAL_S:
+                    self._refresh_stats()
         except BaseException as exc:  # pragma: no cover - the loop itself broke
             log.exception("engine loop died")
             self._dead = exc
@@ -241,6 +246,7 @@ class AsyncEngine:
         self._routes.clear()
 
     def _refresh_stats(self) -> None:
+        self._stats_time = time.perf_counter()
         try:
             stats = dict(self.engine.stats())
         except Exception:  # pragma: no cover
