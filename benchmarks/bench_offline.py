@@ -48,6 +48,8 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
                        enforce_eager=args.enforce_eager)
     if mode != "static":
         engine_args.update(resident_experts=args.resident_experts, expert_offload_limit=args.expert_offload_limit)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_args)
     start_s = time.perf_counter() - t0
@@ -74,6 +76,9 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
         out_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
     elapsed = time.perf_counter() - t0
     after = engine.stats()
+    if torch.cuda.is_available():
+        print(f"{mode}: CUDA memory reserved at peak {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB "
+              f"(budget {engine.config.budget_bytes / 2**30:.2f} GiB)", flush=True)
     timeline = engine.step_metrics.timeline()
     t_start = timeline["t"][0] - timeline["step_time_s"][0] if timeline["t"] else 0.0
     timeline["t"] = [round(t - t_start, 4) for t in timeline["t"]]
@@ -102,6 +107,9 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
         "resident_experts": after["resident_experts"],
         "total_experts": after["total_experts"],
         "budget_split": engine.parts.budget_split,
+        # what the process really holds on the GPU (weights, pool, activations, graph pools) against the budget
+        "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
+        "gpu_memory_budget_bytes": engine.config.budget_bytes,
         "stats_after": after,
         "timeline": timeline,
     }
