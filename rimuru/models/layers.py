@@ -1,10 +1,16 @@
-"""Small layers every architecture shares: RMSNorm and the SiLU-gated MLP."""
+"""Small layers every architecture shares: RMSNorm and the SiLU-gated MLP.
+
+On CUDA tensors their elementwise work is one Triton launch each (rimuru/kernels/rmsnorm.py,
+activation.py), with the same numerics as the torch code the CPU runs.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from rimuru.kernels.activation import silu_and_mul
+from rimuru.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -16,9 +22,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:  # [..., size]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # [..., size] each
+        """(norm(x + residual), x + residual): the residual add before a norm, fused into it."""
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -31,4 +39,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, d]
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))  # [T, d]

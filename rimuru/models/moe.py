@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rimuru.kernels.activation import sigmoid_mul_add
 from rimuru.kernels.fused_moe import fused_moe
+from rimuru.kernels.router import route_topk
 from rimuru.models.expert_provider import ExpertProvider
 from rimuru.models.layers import GatedMLP
 
@@ -45,12 +47,8 @@ class SparseMoE(nn.Module):
         self.router_bias = torch.zeros(self.gate.out_features, dtype=torch.float32, device=self.gate.weight.device)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Top-k routing weights [T, k] fp32 and expert ids [T, k]."""
-        probs = torch.softmax(self.gate(x).float() + self.router_bias, dim=-1)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        """Top-k routing weights [T, k] fp32 and expert ids [T, k] int64 (one launch on CUDA)."""
+        return route_topk(self.gate(x), self.router_bias, self.top_k, self.renormalize)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
         weights, ids = self.route(x)  # [T, k]
@@ -68,5 +66,5 @@ class SharedExpertMoE(SparseMoE):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, d]
-        return super().forward(x) + shared
+        gate_logit, shared = self.shared_expert_gate(x), self.shared_expert(x)  # [T, 1], [T, d]
+        return sigmoid_mul_add(gate_logit, shared, super().forward(x))  # routed + sigmoid(gate) * shared
