@@ -4,6 +4,16 @@
     DecoderLayer: h += attn(norm(h));  h += mlp(norm(h))   (mlp = SparseMoE or a dense GatedMLP)
     compute_logits(hidden[logits_indices]) -> [B', V] fp32
 
+Each residual add is fused into the norm that follows it (vLLM's layout): a layer takes and returns a
+pair (x, residual) whose sum is the residual stream, and its first norm does the add:
+
+    layer(x, residual):  h = x + residual;  a = norm(h)         input_layernorm.add_norm (layer 0: h = x)
+                         h = attn(a) + h;   m = norm(h)         post_attention_layernorm.add_norm
+                         return mlp(m), h                        the add is left to the next norm
+    after the last:      norm(x + residual)                      model.norm.add_norm
+
+Every add rounds to the model dtype exactly where `h = h + f(norm(h))` did, so the result is the same.
+
 Parameter names follow the Hugging Face checkpoints (`model.layers.{i}.self_attn.q_proj.weight`, ...),
 so the loader maps checkpoint tensors to parameters by name. An architecture file subclasses
 `MoECausalLM` and overrides `make_attention` / `make_moe` and the checkpoint-name hooks only.
@@ -31,12 +41,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = mlp
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch) -> Tensor:
+    def forward(
+        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch
+    ) -> tuple[Tensor, Tensor]:  # x, residual [T, d]: the residual stream is x + residual (x alone if None)
+        if residual is None:
+            h, x = x, self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_norm(x, residual)  # h: this layer's input hidden states
         if isinstance(self.mlp, SparseMoE):
             # Earliest point this layer's routing could be predicted: let the provider prefetch.
             self.mlp.provider.before_layer(self.mlp.moe_idx, h)
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, batch)  # [T, d]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, d]
+        x = self.self_attn(x, cos, sin, kv_cache, batch)  # [T, d]
+        x, h = self.post_attention_layernorm.add_norm(x, h)  # h += attn output
+        return self.mlp(x), h  # [T, d] each; the next norm adds them
 
 
 class DecoderStack(nn.Module):
@@ -105,9 +122,12 @@ class MoECausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> Tensor:
         h = self.model.embed_tokens(batch.input_ids)  # [T, d]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, D/2] each, shared by all layers
+        residual: Tensor | None = None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, self.kv_cache, batch)
-        return self.model.norm(h)  # [T, d]
+            h, residual = layer(h, residual, cos, sin, self.kv_cache, batch)
+        if residual is None:
+            return self.model.norm(h)
+        return self.model.norm.add_norm(h, residual)[0]  # [T, d]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [B', d]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, d]
