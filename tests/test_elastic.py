@@ -133,15 +133,15 @@ def test_grown_expert_enters_the_table_only_when_committed() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
-    """Elastic mode on the GPU with CUDA graphs: steps replay graphs while every expert is resident, run eagerly
-    while some are offloaded, and replay the same graphs again after experts were evicted and grown back (the
-    tables change in place). Greedy tokens equal static mode run eagerly, in float32."""
+    """Elastic mode on the GPU with (piecewise) CUDA graphs: every step replays a graph, through evictions, on-demand
+    loads of offloaded experts and grows (tables change in place; the host decides between the pieces). Greedy
+    tokens equal static mode run eagerly, in float32."""
     limit = 5
     budget = tight_budget(ckpt, kv_blocks=10, limit=limit, device="cuda", dtype="float32")
     llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
               expert_offload_limit=limit, max_num_batched_tokens=64)
     engine, runner = llm.engine, llm.engine.runner
-    assert runner.graphs is not None and runner.graph_guard is not None
+    assert runner.graphs is not None and runner.graphs.boundaries is not None
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     batches = [prompts(6, seed=1), prompts(2, seed=2), prompts(1, seed=3)]
     got, graph_steps = [], []
@@ -150,9 +150,11 @@ def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
         got.append([o.outputs[0].token_ids for o in llm.generate(batch, params)])
         graph_steps.append(runner.graph_steps - before)
     st = llm.stats()
-    assert st["expert_evictions"] > 0 and st["expert_grows"] > 0, st
-    assert graph_steps[0] > 0  # before the first eviction every expert is resident
-    assert sum(graph_steps[1:]) > 0, graph_steps  # graphs replayed again once the experts grew back
+    assert st["expert_evictions"] > 0 and st["expert_grows"] > 0 and st["expert_bytes_loaded"] > 0, st
+    assert all(n > 0 for n in graph_steps), graph_steps
+    assert runner.graph_steps == engine.forward_steps  # no step fell back to eager
+    bounds = runner.graphs.boundaries
+    assert bounds.host_waits > 0 and bounds.skipped_waits > 0  # offloaded layers read routing; resident ones not
     assert st["kv_pages_used"] == 0 and engine.pool.allocator.pending_deferred == 0
     static = LLM(str(ckpt), gpu_memory_budget="256MiB", device="cuda", dtype="float32", enforce_eager=True,
                  max_num_batched_tokens=64)

@@ -291,3 +291,24 @@ def test_cuda_bf16_fixed_equals_static(arch: str, checkpoints) -> None:
         assert st["prefetch_hits"] + st["prefetch_misses"] == spy.non_resident_routed > 0
         f, d = parts.spec.moe_intermediate_size, parts.spec.hidden_size
         assert st["expert_bytes_loaded"] == c.experts_loaded * 3 * f * d * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_piecewise_graphs_fixed_equals_static(arch: str, checkpoints) -> None:
+    """Fixed mode with CUDA graphs: every step replays piecewise graphs (engine/piecewise_graphs.py), the provider
+    deciding loads between the pieces; greedy tokens equal static mode run eagerly (float32)."""
+    path = str(checkpoints[arch])
+    common = dict(device="cuda", dtype="float32", gpu_memory_budget="1GiB")
+    static = run(LLM(path, enforce_eager=True, **common), prompts())
+    for resident in (4, 1):
+        llm = LLM(path, offload_mode="fixed", resident_experts=resident, **common)
+        runner, parts = llm.engine.runner, llm.engine.parts
+        assert runner.graphs is not None and runner.graphs.boundaries is not None
+        assert run(llm, prompts()) == static, f"K={resident}"
+        assert runner.graph_steps == llm.engine.forward_steps > 0  # no eager step
+        assert runner.graphs.boundaries.host_waits > 0
+        c = parts.loader.counters
+        assert c.experts_loaded == c.on_demand + c.prefetched and c.hits + c.misses > 0
+        assert llm.stats()["kv_pages_used"] == 0

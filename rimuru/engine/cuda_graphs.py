@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from rimuru.engine.piecewise_graphs import ExpertTableBoundaries, PiecewiseGraph
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.models.forward_batch import ForwardBatch
@@ -57,9 +58,10 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
 class StepGraphs:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_layers: int, max_num_seqs: int,
                  max_model_len: int, block_size: int, max_num_batched_tokens: int | None = None,
-                 counter: RoutingCounter | None = None) -> None:
+                 counter: RoutingCounter | None = None, boundaries: ExpertTableBoundaries | None = None) -> None:
         self.model = model
         self.counter = counter  # the providers' routing counter: graphs count real rows only (row_mask)
+        self.boundaries = boundaries  # offloading provider: piecewise graphs (engine/piecewise_graphs.py)
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)  # decode ladder
         self.token_sizes = token_buckets(max_num_batched_tokens) if max_num_batched_tokens else []
@@ -88,8 +90,8 @@ class StepGraphs:
         self.mix_seq_lens = i32(S)
         self.mix_q_tile_start = i32(S + 1)
         self.mix_logits_indices = torch.zeros(S, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         self.pool = None
         self.capture_s = 0.0
 
@@ -115,12 +117,14 @@ class StepGraphs:
         )
 
     def _forward_into_logits(self, batch: ForwardBatch) -> None:
-        if self.counter is not None:  # padding rows have slot -1 in every layer, real rows never
+        if self.boundaries is not None:  # piecewise: routing is counted at the boundaries, with this mask
+            self.boundaries.set_row_mask(batch.slot_mapping[0] >= 0)
+        elif self.counter is not None:  # padding rows have slot -1 in every layer, real rows never
             self.counter.row_mask = batch.slot_mapping[0] >= 0
         try:
             hidden = self.model(batch)  # [T, d]
         finally:
-            if self.counter is not None:
+            if self.counter is not None and self.boundaries is None:
                 self.counter.row_mask = None
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [rows, V] fp32
         if self.logits_out is None:
@@ -131,7 +135,21 @@ class StepGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.monotonic()
+        if self.boundaries is not None:
+            self.boundaries.install()
+        try:
+            self._capture_all()
+        finally:
+            if self.boundaries is not None:
+                self.boundaries.uninstall()
+        self.capture_s = time.monotonic() - t0
+        kind = "piecewise (cut at every MoE expert-table decision)" if self.boundaries is not None else "whole"
+        logger.info("captured %s CUDA graphs in %.1f s: decode batch sizes %s; mixed token counts %s", kind,
+                    self.capture_s, self.sizes, self.token_sizes)
+
+    def _capture_all(self) -> None:
         self._forward_into_logits(self.batch(1))  # makes logits_out outside any graph
+        self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         todo = [(True, t) for t in reversed(self.token_sizes)] + [(False, b) for b in reversed(self.sizes)]
@@ -141,17 +159,19 @@ class StepGraphs:
                 batch = self.mixed_batch(size) if mixed else self.batch(size)
                 for _ in range(2):  # warm-up outside the graph: compiles kernels, settles allocations
                     self._forward_into_logits(batch)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                graph: torch.cuda.CUDAGraph | PiecewiseGraph
+                if self.boundaries is not None:
+                    torch.cuda.synchronize(self.device)
+                    self.boundaries.begin_capture(self.pool)
                     self._forward_into_logits(batch)
-                if self.pool is None:
-                    self.pool = graph.pool()
+                    graph = self.boundaries.end_capture()
+                else:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        self._forward_into_logits(batch)
                 (self.mixed_graphs if mixed else self.graphs)[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        self.capture_s = time.monotonic() - t0
-        logger.info("captured CUDA graphs in %.1f s: decode batch sizes %s; mixed token counts %s",
-                    self.capture_s, self.sizes, self.token_sizes)
 
     # ---- which graph a step can use ------------------------------------------------------------------
     def can_run(self, sched: SchedulerOutput) -> bool:
@@ -172,6 +192,13 @@ class StepGraphs:
         return next(t for t in self.token_sizes if t >= tokens)
 
     # ---- replay ------------------------------------------------------------------------------------------
+    def _replay(self, graph: torch.cuda.CUDAGraph | PiecewiseGraph) -> None:
+        if isinstance(graph, PiecewiseGraph):
+            assert self.boundaries is not None
+            self.boundaries.replay(graph)
+        else:
+            graph.replay()
+
     def run(self, num_seqs: int, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
             block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         """One decode step of `num_seqs` requests, its inputs already on the device and padded to the captured
@@ -186,7 +213,7 @@ class StepGraphs:
         self.seq_lens[:bp].copy_(seq_lens)
         self.block_tables[:, :bp, :nb].copy_(block_tables)
         self.slot_mapping[:, :bp].copy_(slot_mapping)
-        self.graphs[bp].replay()
+        self._replay(self.graphs[bp])
         assert self.logits_out is not None
         return self.logits_out[:num_seqs]
 
@@ -207,6 +234,6 @@ class StepGraphs:
         self.mix_seq_lens.copy_(seq_lens)
         self.mix_logits_indices.copy_(logits_indices)
         self.mix_q_tile_start.copy_(q_tile_start)
-        self.mixed_graphs[tp].replay()
+        self._replay(self.mixed_graphs[tp])
         assert self.logits_out is not None
         return self.logits_out[:num_sampled]

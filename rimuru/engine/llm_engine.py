@@ -22,6 +22,7 @@ from rimuru.config import EngineConfig
 from rimuru.engine.detokenizer import detokenize_incrementally
 from rimuru.engine.model_runner import ModelRunner
 from rimuru.engine.outputs import CompletionOutput, RequestOutput
+from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.sampling_params import SamplingParams
@@ -79,29 +80,18 @@ class LLMEngine:
         self._kv_page_bytes = parts.geometry.size("kv")
 
     def _capture_graphs(self) -> None:
-        """CUDA graphs (engine/cuda_graphs.py). Static experts: every step that fits a graph replays one.
-        Elastic: graphs are captured through a static view of the same expert tables and replayed on steps
-        where every expert is resident (tables change in place, so evictions and grows never invalidate a
-        graph); steps with offloaded experts run eagerly, their routing read deciding the copies.
-        Fixed mode with offloaded experts never has them all resident: no graphs."""
+        """CUDA graphs (engine/cuda_graphs.py). Static experts: whole-forward graphs. Offloading providers
+        (fixed, elastic): piecewise graphs cut at every MoE layer's expert-table decision, which is replayed
+        on the host between the pieces (engine/piecewise_graphs.py). Expert tables and page tables change in
+        place, so evictions, grows and loads never invalidate a graph."""
         cfg, model = self.config, self.parts.model
         args = (cfg.max_num_seqs, self.max_model_len, cfg.max_num_batched_tokens)
-        if _graph_capturable(model):
-            provider = self.parts.provider
-            self.runner.enable_cuda_graphs(*args, counter=getattr(provider, "counter", None))
-            return
         provider = self.parts.provider
-        if self.elastic is None or not isinstance(provider, OffloadExpertProvider):
-            return
-        modules = _moe_modules(model)
-        view = provider.graph_view()
-        for m in modules:
-            m.provider = view
-        try:
-            self.runner.enable_cuda_graphs(*args, counter=provider.counter, guard=provider.all_resident)
-        finally:
-            for m in modules:
-                m.provider = provider
+        if _graph_capturable(model):
+            self.runner.enable_cuda_graphs(*args, counter=getattr(provider, "counter", None))
+        elif isinstance(provider, OffloadExpertProvider):
+            boundaries = ExpertTableBoundaries(provider, _moe_modules(model))
+            self.runner.enable_cuda_graphs(*args, counter=provider.counter, boundaries=boundaries)
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

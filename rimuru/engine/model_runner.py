@@ -16,7 +16,6 @@ On a GPU all inputs travel in ONE host->device copy (`InputStager`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from rimuru.engine.cuda_graphs import StepGraphs
+from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.scheduler import SchedulerOutput
@@ -113,27 +113,24 @@ class ModelRunner:
         self.q_block = 0  # query tokens per q tile of the mixed graphs' attention launch
         self.graph_steps = 0  # steps replayed from a CUDA graph (decode or mixed)
         self.mixed_graph_steps = 0
-        self.graph_guard: Callable[[], bool] | None = None  # set by enable_cuda_graphs()
         self.profiler: StepProfiler | None = None  # set by LLMEngine.enable_step_profiler()
         self.stager = InputStager(device) if device.type == "cuda" else None
         # request -> (its kv_pages list, int32 [capacity, L] pages, blocks filled): the pages as an array
         self._pages: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None,
-                           counter: RoutingCounter | None = None, guard: Callable[[], bool] | None = None) -> None:
-        """Captures decode graphs and, with max_num_batched_tokens, mixed-step graphs (engine/cuda_graphs.py).
-        With `guard`, a step replays a graph only while guard() is true (elastic mode: every expert resident)."""
+                           counter: RoutingCounter | None = None, boundaries: ExpertTableBoundaries | None = None
+                           ) -> None:
+        """Captures decode graphs and, with max_num_batched_tokens, mixed-step graphs (engine/cuda_graphs.py);
+        piecewise around an offloading provider's decisions when `boundaries` is given."""
         spec = self.model.spec
         elem = next(self.model.parameters()).element_size()
         self.q_block = tile_map_block_q(spec.num_attention_heads, spec.num_key_value_heads, elem)
         self.graphs = StepGraphs(self.model, self.device, self.num_layers, max_num_seqs, max_model_len,
-                                 self.block_size, max_num_batched_tokens, counter=counter)
+                                 self.block_size, max_num_batched_tokens, counter=counter, boundaries=boundaries)
         self.graphs.capture()
-        self.graph_guard = guard
 
     def _usable_graphs(self) -> StepGraphs | None:
-        if self.graphs is None or (self.graph_guard is not None and not self.graph_guard()):
-            return None
         return self.graphs
 
     def step_kind(self, sched: SchedulerOutput) -> str:

@@ -12,8 +12,8 @@ Per MoE layer l of a forward pass:
 The prefetch copies are issued at step 4 rather than in before_layer because the host only learns the
 predicted ids at the one read of step 1 (a second sync per layer would stall the launch pipeline);
 they still overlap layer l's MoE kernel and layer l+1's attention. That read makes this provider
-unusable inside a CUDA graph. In elastic mode the engine captures its graphs through `graph_view()` (a static
-provider over the same tables) and replays them only on steps where every expert is resident.
+unusable inside a CUDA graph: the engine captures piecewise graphs around it (engine/piecewise_graphs.py) and
+replays this decision between the pieces.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rimuru.experts.cache import ExpertCache
 from rimuru.experts.loader import ExpertLoader, LoadCounters
 from rimuru.experts.predictor import ExpertPredictor
 from rimuru.experts.routing_counter import RoutingCounter
-from rimuru.models.expert_provider import ExpertProvider, StaticExpertProvider
+from rimuru.models.expert_provider import ExpertProvider
 
 
 class OffloadExpertProvider(ExpertProvider):
@@ -36,21 +36,12 @@ class OffloadExpertProvider(ExpertProvider):
         self.predictor = predictor  # set after the model is built (its routers live in the model)
         self._prediction: tuple[int, Tensor] | None = None  # (MoE layer, scores [E] on the device)
         self.counter: RoutingCounter | None = None  # when set, every routing decision is counted (on the device)
+        # [T] bool while a padded (CUDA-graph) batch is replayed: padding rows' routing loads nothing
+        self.row_mask: Tensor | None = None
 
     @property
     def counters(self) -> LoadCounters:
         return self.loader.counters
-
-    def all_resident(self) -> bool:
-        """Every expert of every layer has a row in the tables: a forward pass needs no host decision."""
-        return self.cache.num_resident == self.cache.total_experts
-
-    def graph_view(self) -> StaticExpertProvider:
-        """A static provider over the same (in-place updated) tables and counter, to capture CUDA graphs with.
-        A graph captured through it is valid for any step taken while `all_resident()` holds."""
-        view = StaticExpertProvider(self.expert_view, self.cache.tables)
-        view.counter = self.counter
-        return view
 
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         self.loader.fence_consumed()
@@ -69,7 +60,11 @@ class OffloadExpertProvider(ExpertProvider):
         loader.fence_consumed()
         flat = topk_ids.reshape(-1).long()
         flat = torch.where((flat >= 0) & (flat < E), flat, E)  # out-of-range ids counted in bin E
-        counts = torch.bincount(flat, minlength=E + 1).float()  # [E + 1]
+        if self.row_mask is None:
+            counts = torch.bincount(flat, minlength=E + 1).float()  # [E + 1]
+        else:
+            mask = self.row_mask[:, None].expand(topk_ids.shape).reshape(-1).to(torch.float32)
+            counts = torch.bincount(flat, weights=mask, minlength=E + 1)  # [E + 1]
         pred, self._prediction = self._prediction, None
         if pred is not None and pred[0] != moe_layer + 1:
             pred = None

@@ -1,0 +1,149 @@
+"""Piecewise CUDA graphs for offloading modes: a forward pass captured as one graph per stretch between
+two MoE expert-table decisions, with the host decision replayed eagerly in between.
+
+An offloading provider (fixed / elastic with experts in host memory) must see a MoE layer's real routing
+before that layer's kernel runs: it reads which experts were routed (one device->host read), copies the
+missing ones into a load buffer and hands the kernel a table. That decision cannot live inside a graph,
+so the forward pass is cut at every `provider.table(l, ids)` call:
+
+    piece 0:  embed, layer 0 (norms, attention, router)                  -> ids_0 (a static tensor)
+    boundary 0 (host):  table_0 = provider.table(0, ids_0); active[0] <- table_0
+    piece 1:  layer 0's MoE (reads active[0]), layer 1 (norms, attention, router) -> ids_1
+    ...
+    piece L:  layer L-1's MoE, final norm, logits
+
+The captured MoE kernels read `active` [L_moe, E, 3], a static copy of whatever table the provider
+returned (its resident tables or a load buffer's table), refreshed by one small device copy per layer.
+A boundary needs the host read only when its layer has experts in host memory; when every expert of a
+layer is resident the boundary queues the copy and the routing count and goes on without waiting, so a
+step with everything resident costs L+1 graph launches and no synchronisation.
+
+Capture: while capturing, this object stands in for the provider of every MoE module. `before_layer`
+runs the predictor (device work, captured into the piece); `table` ends the current piece's capture and
+begins the next one. Graph pieces share one memory pool and are always replayed in capture order, which
+is what makes the tensors handed from one piece to the next (hidden states, routing ids, predictions)
+safe in that pool.
+
+Padding rows (a padded batch) route too: `row_mask` ([T] bool, computed inside piece 0 from the slot
+mapping) keeps them out of the provider's load decisions and out of the routing counts. An expert routed
+only by padding rows may stay in host memory; the kernel skips it (table row -1) and writes zeros there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rimuru.experts.offload_provider import OffloadExpertProvider
+
+
+@dataclass
+class Boundary:
+    moe_layer: int
+    topk_ids: Tensor  # [T, k] static, written by the piece before
+    prediction: tuple[int, Tensor] | None  # (next MoE layer, predictor scores [E]) static, or None
+
+
+@dataclass
+class PiecewiseGraph:
+    """One padded batch size: len(boundaries) + 1 graph pieces."""
+
+    pieces: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    boundaries: list[Boundary] = field(default_factory=list)
+    row_mask: Tensor | None = None  # [T] bool, static (piece 0 computes it)
+
+
+class ExpertTableBoundaries:
+    """Stands in for an OffloadExpertProvider while graphs are captured, and replays its decisions."""
+
+    def __init__(self, provider: OffloadExpertProvider, modules: list[Any]) -> None:
+        self.provider = provider
+        self.modules = modules  # the MoE modules whose `.provider` is swapped during capture
+        cache = provider.cache
+        self.expert_view = provider.expert_view
+        self.active = cache.tables.clone()  # [L_moe, E, 3] int32: what the captured MoE kernels read
+        self._pending: tuple[int, Tensor] | None = None
+        self._capture: PiecewiseGraph | None = None
+        self._pool: Any = None
+        self.host_waits = 0  # boundaries that read the routing on the host (a layer had experts offloaded)
+        self.skipped_waits = 0  # boundaries that went on without a host read (layer fully resident)
+
+    # ---- the provider protocol, used while capturing (and during the eager warm-up before it) ------
+    def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
+        predictor, nxt = self.provider.predictor, moe_layer + 1
+        if predictor is not None and nxt < self.provider.cache.num_layers:
+            self._pending = (nxt, predictor.scores(nxt, hidden))
+        else:
+            self._pending = None
+
+    def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+        pred, self._pending = self._pending, None
+        if self._capture is not None:
+            self._capture.pieces[-1].capture_end()
+            self._capture.boundaries.append(Boundary(moe_layer, topk_ids, pred))
+            self._begin_piece()
+        return self.active[moe_layer]
+
+    # ---- capture -------------------------------------------------------------------------------------
+    def install(self) -> None:
+        for m in self.modules:
+            m.provider = self
+
+    def uninstall(self) -> None:
+        for m in self.modules:
+            m.provider = self.provider
+
+    def begin_capture(self, pool: Any, row_mask: Tensor | None = None) -> None:
+        self._pool = pool
+        self._capture = PiecewiseGraph(row_mask=row_mask)
+        self._begin_piece()
+
+    def set_row_mask(self, row_mask: Tensor) -> None:
+        if self._capture is not None:
+            self._capture.row_mask = row_mask
+
+    def end_capture(self) -> PiecewiseGraph:
+        graph, self._capture = self._capture, None
+        assert graph is not None
+        graph.pieces[-1].capture_end()
+        return graph
+
+    def _begin_piece(self) -> None:
+        assert self._capture is not None
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self._pool)
+        self._capture.pieces.append(g)
+
+    # ---- replay ----------------------------------------------------------------------------------------
+    def replay(self, graph: PiecewiseGraph) -> None:
+        provider = self.provider
+        cache = provider.cache
+        counter = provider.counter
+        if counter is not None:
+            counter.row_mask = graph.row_mask
+        provider.row_mask = graph.row_mask
+        try:
+            for k, piece in enumerate(graph.pieces):
+                piece.replay()
+                if k == len(graph.boundaries):
+                    break
+                b = graph.boundaries[k]
+                if bool((cache.host_tables[b.moe_layer, :, 0] >= 0).all()):
+                    # every expert of this layer is resident: nothing to decide on the host
+                    if counter is not None:
+                        counter.record(b.moe_layer, b.topk_ids)
+                    self.active[b.moe_layer].copy_(cache.tables[b.moe_layer])
+                    self.skipped_waits += 1
+                    continue
+                provider._prediction = b.prediction
+                table = provider.table(b.moe_layer, b.topk_ids)  # routing read, loads, stream waits
+                self.active[b.moe_layer].copy_(table)
+                self.host_waits += 1
+        finally:
+            provider.row_mask = None
+            provider._prediction = None
+            if counter is not None:
+                counter.row_mask = None
