@@ -39,6 +39,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("moe_align", ("align", "_count_tokens", "_scatter_pairs")),
     ("fused_moe", ("fused_moe", "_moe_")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitK", "s16816", "wgmma", "Kernel2")),
+    ("small_fused", ("_rms_norm", "_route_topk", "_silu_and_mul", "_sigmoid_mul_add", "_rotary_qk", "_cos_sin")),
     ("topk_sort", ("topk", "sort", "radix", "bitonic", "gatherTopK")),
     ("softmax", ("softmax",)),
     ("reduce", ("reduce", "Reduce")),

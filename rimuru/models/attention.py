@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from rimuru.kernels.paged_attention import paged_attention, write_kv
 from rimuru.models.forward_batch import ForwardBatch
-from rimuru.models.rotary import apply_rotary
+from rimuru.models.rotary import apply_rotary_qk
 
 
 class Attention(nn.Module):
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch
     ) -> Tensor:  # x [T, d], cos/sin [T, D/2]
         q, k, v = self.qkv(x)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [T, Hq, D], [T, Hkv, D]
+        q, k = apply_rotary_qk(q, k, cos, sin)  # [T, Hq, D], [T, Hkv, D]; one kernel on CUDA
         write_kv(k, v, kv_cache, batch.slot_mapping[self.attn_idx])
         out = paged_attention(
             q,
