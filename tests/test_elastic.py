@@ -156,6 +156,6 @@ def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
     bounds = runner.graphs.boundaries
     assert bounds.host_waits > 0 and bounds.skipped_waits > 0  # offloaded layers read routing; resident ones not
     assert st["kv_pages_used"] == 0 and engine.pool.allocator.pending_deferred == 0
-    static = LLM(str(ckpt), gpu_memory_budget="256MiB", device="cuda", dtype="float32", enforce_eager=True,
+    static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", enforce_eager=True,
                  max_num_batched_tokens=64)
     assert [[o.outputs[0].token_ids for o in static.generate(b, params)] for b in batches] == got
