@@ -20,6 +20,7 @@ left unspecified by the kernel. On CUDA tensors the Triton kernel runs; otherwis
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -450,6 +451,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     out: Tensor | None = None,
     q_tile_start: Tensor | None = None,
+    plan_override: dict[str, int] | None = None,
 ) -> Tensor:
     """The Triton path of paged_attention; `num_splits` overrides the plan, `out` receives rows.
 
@@ -475,6 +477,8 @@ def paged_attention_triton(
         batch, num_q_heads, num_kv_heads, head_dim, block_size,
         TILE_MAP_QUERY_LEN if tile_map else max_query_len, _num_sms(q.device), elem_size=q.element_size(),
     )  # fmt: skip
+    if plan_override:  # tuning sweeps (benchmarks/tune_paged_attention.py): block_n, num_warps, num_stages, ...
+        plan = dataclasses.replace(plan, **plan_override)
     splits = plan.num_splits if num_splits is None else num_splits  # tests force the split path
     if tile_map:
         if splits != 1:
