@@ -1,9 +1,14 @@
 """Incremental detokenisation: new text for each new token without re-decoding the whole output.
 
 Decoding a lone token can be wrong (byte-level BPE splits a character over tokens; SentencePiece
-drops leading spaces), so each step decodes a short window that starts a few tokens back
-(`prefix_offset`) and emits only what extends past the text already emitted (`read_offset`). A window
-that ends in U+FFFD is an unfinished character: emit nothing until the next token completes it.
+drops leading spaces), so new text is what a decode of a short window of recent tokens adds past the
+text already emitted; a window that ends in U+FFFD is an unfinished character and emits nothing until
+the next token completes it.
+
+Fast (Rust-backed) tokenizers do this in the `tokenizers` library's own `DecodeStream`, one per
+request (~1 µs per token instead of ~13 µs for two Python-level `decode` calls with the Qwen
+vocabulary; a step detokenises every running request). Other tokenizers use the window here:
+`prefix_offset` is where the window starts, `read_offset` where the emitted text ends.
 """
 
 from __future__ import annotations
@@ -12,12 +17,31 @@ from typing import Any
 
 from rimuru.engine.request import Request
 
+try:
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - transformers always brings tokenizers
+    Tokenizer = DecodeStream = None  # type: ignore[assignment,misc]
+
 _WINDOW = 6  # tokens of left context decoded with each new token
 
 
+def _rust_backend(tokenizer: Any) -> Any:
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return backend if Tokenizer is not None and isinstance(backend, Tokenizer) else None
+
+
 def detokenize_incrementally(tokenizer: Any, request: Request, skip_special_tokens: bool) -> str:
-    """Returns the text the newest output token adds, and advances the request's offsets."""
+    """Returns the text the output tokens not yet detokenised add, and advances the request's state."""
     ids = request.output_token_ids
+    backend = _rust_backend(tokenizer)
+    if backend is not None:
+        stream = request.decode_stream
+        if stream is None:
+            stream = request.decode_stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        pieces = [stream.step(backend, t) for t in ids[request.read_offset :]]
+        request.read_offset = len(ids)
+        return "".join(p for p in pieces if p)
     prefix = tokenizer.decode(ids[request.prefix_offset : request.read_offset],
                               skip_special_tokens=skip_special_tokens)
     full = tokenizer.decode(ids[request.prefix_offset :], skip_special_tokens=skip_special_tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,7 @@ class Request:
     # incremental detokenisation state (see detokenizer.py)
     prefix_offset: int = 0
     read_offset: int = 0
+    decode_stream: Any = None  # tokenizers.decoders.DecodeStream of a fast tokenizer (engine/detokenizer.py)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
