@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from rimuru.kernels.paged_attention import paged_attention, write_kv
 from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.layers import MergedLinear
 from rimuru.models.rotary import apply_rotary_qk
 
 
@@ -35,18 +36,18 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attn_idx = attn_idx  # ordinal among attention layers: which block table / slot mapping
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        # q, k and v in one GEMM; checkpoints' q_proj / k_proj / v_proj are its shards
+        self.qkv_proj = MergedLinear(hidden_size, {"q_proj": num_heads * head_dim,
+                                                   "k_proj": num_kv_heads * head_dim,
+                                                   "v_proj": num_kv_heads * head_dim}, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per-head q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] before rotary."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D] views
+        return (q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
+                v.view(T, self.num_kv_heads, self.head_dim))
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch

@@ -1,4 +1,4 @@
-"""Small layers every architecture shares: RMSNorm and the SiLU-gated MLP.
+"""Small layers every architecture shares: RMSNorm, merged projections and the SiLU-gated MLP.
 
 On CUDA tensors their elementwise work is one Triton launch each (rimuru/kernels/rmsnorm.py,
 activation.py), with the same numerics as the torch code the CPU runs.
@@ -29,14 +29,34 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class MergedLinear(nn.Linear):
+    """Several projections of the same input as ONE GEMM (vLLM's packed QKV and gate/up layers).
+
+    weight [sum(sizes), in]: the shards' weights stacked row-wise in `shards` order (bias likewise).
+    Checkpoints keep one tensor per shard, named as the shard: the loader copies
+    `<parent>.q_proj.weight` into rows [0, Hq*D) of `<parent>.qkv_proj.weight` (models/loader.py).
+    `split(y)` returns the shards' outputs as views of the one output [T, sum(sizes)].
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shard_sizes = list(shards.values())
+        offsets = [sum(self.shard_sizes[:i]) for i in range(len(shards))]
+        self.shards = {name: (off, size) for (name, size), off in zip(shards.items(), offsets, strict=True)}
+
+    def split(self, y: Tensor) -> tuple[Tensor, ...]:
+        return y.split(self.shard_sizes, dim=-1)
+
+
 class GatedMLP(nn.Module):
-    """down(SiLU(gate(x)) * up(x)): dense layers and the shared expert."""
+    """down(SiLU(gate(x)) * up(x)): dense layers and the shared expert; gate and up are one GEMM."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size},
+                                         bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))  # [T, d]
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, f] views each
+        return self.down_proj(silu_and_mul(gate, up))  # [T, d]

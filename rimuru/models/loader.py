@@ -1,6 +1,8 @@
 """Weights into a built model: safetensors checkpoints from a local directory, or dummy weights.
 
-Non-expert tensors are copied into the model's parameters by name. Routed experts never become
+Non-expert tensors are copied into the model's parameters by name; a tensor named as a shard of a
+`MergedLinear` (q_proj, k_proj, v_proj of `qkv_proj`; gate_proj, up_proj of `gate_up_proj`) goes to its
+rows of the merged parameter. Routed experts never become
 parameters: each expert's three matrices go to `expert_sink(moe_layer, expert, w1, w3, w2)`, which
 the caller points at expert pages (see `write_expert_to_pages`). Two checkpoint namings of experts:
 
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from rimuru.model_spec import ModelSpec
 from rimuru.models.causal_lm import MoECausalLM
+from rimuru.models.layers import MergedLinear
 
 ExpertSink = Callable[[int, int, Tensor, Tensor, Tensor], None]
 
@@ -77,6 +80,7 @@ def load_checkpoint(
     names and shapes are checked before any data is read.
     """
     params = dict(model.named_parameters())
+    shard_of = _merged_shards(model)  # checkpoint-style name -> (merged parameter, row offset, rows)
     moe_ordinal = {layer: i for i, layer in enumerate(spec.moe_layer_ids)}
     slot_of = {name: slot for slot, name in enumerate(model.expert_weight_names)}
     with ExitStack() as stack:
@@ -89,6 +93,7 @@ def load_checkpoint(
                 handles[name] = handle
 
         targets: dict[str, str] = {}  # parameter name -> checkpoint name
+        shard_targets: dict[str, str] = {}  # shard name (checkpoint style) -> checkpoint name
         experts: dict[int, _LayerExperts] = {}
         unexpected: list[str] = []
         for name in handles:
@@ -99,6 +104,8 @@ def load_checkpoint(
                 continue
             if canon in params:
                 targets[canon] = name
+            elif canon in shard_of:
+                shard_targets[canon] = name
             elif (m := _PER_EXPERT.match(canon)) and m.group(3) in slot_of and int(m.group(1)) in moe_ordinal:
                 layer = experts.setdefault(moe_ordinal[int(m.group(1))], _LayerExperts())
                 layer.per_expert[(int(m.group(2)), slot_of[m.group(3)])] = name
@@ -110,11 +117,16 @@ def load_checkpoint(
             raise CheckpointError(
                 f"unexpected tensors in checkpoint (not in the {spec.model_type} model): {unexpected[:8]}"
             )
-        missing = [p for p in params if p not in targets]
+        covered = {shard_of[s][0] for s in shard_targets}
+        missing = [s for s in shard_of if s not in shard_targets]
+        missing += [p for p in params if p not in targets and p not in covered]
         if missing:
             raise CheckpointError(f"checkpoint {checkpoint_dir} lacks tensors: {missing[:8]}")
         for pname, cname in targets.items():
             _check_shape(cname, handles[cname].get_slice(cname).get_shape(), tuple(params[pname].shape))
+        for sname, cname in shard_targets.items():
+            pname, _, rows = shard_of[sname]
+            _check_shape(cname, handles[cname].get_slice(cname).get_shape(), (rows, *params[pname].shape[1:]))
         plans = [
             _expert_plan(model, spec, moe_idx, experts.get(moe_idx, _LayerExperts()), handles)
             for moe_idx in range(spec.num_moe_layers)
@@ -123,9 +135,26 @@ def load_checkpoint(
         with torch.no_grad():
             for pname, cname in targets.items():
                 params[pname].copy_(handles[cname].get_tensor(cname))
+            for sname, cname in shard_targets.items():
+                pname, offset, rows = shard_of[sname]
+                params[pname][offset : offset + rows].copy_(handles[cname].get_tensor(cname))
             for moe_idx, read_expert in enumerate(plans):
                 for e in range(spec.num_experts):
                     expert_sink(moe_idx, e, *read_expert(e))
+
+
+def _merged_shards(model: MoECausalLM) -> dict[str, tuple[str, int, int]]:
+    """For every MergedLinear: `<parent>.<shard>.weight|bias` -> (`<module>.weight|bias`, row offset, rows)."""
+    out: dict[str, tuple[str, int, int]] = {}
+    for mname, module in model.named_modules():
+        if not isinstance(module, MergedLinear):
+            continue
+        parent = mname.rsplit(".", 1)[0] if "." in mname else ""
+        for shard, (offset, rows) in module.shards.items():
+            for suffix in ("weight", "bias") if module.bias is not None else ("weight",):
+                key = f"{parent}.{shard}.{suffix}" if parent else f"{shard}.{suffix}"
+                out[key] = (f"{mname}.{suffix}", offset, rows)
+    return out
 
 
 def _check_shape(name: str, got: Sequence[int], want: tuple[int, ...]) -> None:

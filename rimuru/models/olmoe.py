@@ -22,9 +22,8 @@ class FullQKNormAttention(Attention):
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x))  # [T, Hq*D]
-        k = self.k_norm(self.k_proj(x))  # [T, Hkv*D]
-        v = self.v_proj(x)  # [T, Hkv*D]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D] views
+        q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             c = self.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
