@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,6 +11,7 @@ from torch import Tensor
 
 from rimuru.kernels.fused_moe import fused_moe, fused_moe_reference
 from rimuru.kernels.moe_align import moe_align_torch
+from rimuru.testing.triton_interpreter import run_under_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,10 +137,7 @@ _INTERPRET_SCRIPT = textwrap.dedent(
 
 def test_triton_interpreter_matches_reference() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    script = _INTERPRET_SCRIPT.format(tests=str(REPO / "tests"))
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
+    run_under_interpreter(_INTERPRET_SCRIPT.format(tests=str(REPO / "tests")))
 
 
 # ---------------------------------------------------------------------------------------------- GPU

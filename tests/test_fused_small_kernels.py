@@ -4,9 +4,6 @@ kernel emulates torch's rounding order); the fused residual layout of the decode
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +30,7 @@ from rimuru.kernels.rmsnorm import (
 )
 from rimuru.kernels.router import route_topk, route_topk_reference
 from rimuru.models.rotary import RotaryEmbedding, apply_rotary, apply_rotary_qk, cos_sin_reference
+from rimuru.testing.triton_interpreter import run_under_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -248,10 +246,7 @@ _INTERPRET_SCRIPT = textwrap.dedent(
 
 def test_triton_interpreter_matches_reference() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    script = _INTERPRET_SCRIPT.format(tests=str(REPO / "tests"))
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
+    run_under_interpreter(_INTERPRET_SCRIPT.format(tests=str(REPO / "tests")))
 
 
 # ---------------------------------------------------------------------------------------------- GPU
