@@ -172,6 +172,9 @@ class StepGraphs:
                 (self.mixed_graphs if mixed else self.graphs)[size] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+        # the eager warm-ups cached activation blocks outside the graphs' pool: give them back, so the process
+        # holds the pool once and not the same peak twice (the budget's workspace bound covers one)
+        torch.cuda.empty_cache()
 
     # ---- which graph a step can use ------------------------------------------------------------------
     def can_run(self, sched: SchedulerOutput) -> bool:
