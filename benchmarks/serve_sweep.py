@@ -173,6 +173,20 @@ class MetricsPoller:
         return {k: v for k, v in self.timeline.items() if any(x is not None for x in v)}
 
 
+def step_profile(base_url: str, start_steps: int | None = None) -> dict[str, Any] | None:
+    """Rimuru's serving step profiler (`/debug/step_profile`): starts it for `start_steps` steps, or reads its
+    report (per step kind: host phases, GPU forward time, expert waits). None when the server has none."""
+    try:
+        if start_steps is not None:
+            req = urllib.request.Request(f"{base_url}/debug/step_profile?steps={start_steps}", method="POST")
+        else:
+            req = urllib.request.Request(f"{base_url}/debug/step_profile")
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - 127.0.0.1 only
+            return json.loads(resp.read())
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     def delta(*names: str) -> float | None:
         a, b = metric(after, *names), metric(before, *names)
@@ -486,6 +500,8 @@ class Sweep:
         except (OSError, urllib.error.URLError, ValueError):
             before = {}
         timeout = min(a.point_timeout_s, max(self.remaining_s() - 5, 1))
+        profiling = (cfg.server == "rimuru" and a.profile_steps > 0
+                     and step_profile(base_url, a.profile_steps) is not None)
         poller = MetricsPoller(base_url, a.poll_interval_s)
         try:
             with poller:
@@ -505,6 +521,8 @@ class Sweep:
         self.tail_s_seen.append(max(0.0, wall - arrivals))
         status = "ok" if summary.get("completed") else "error"
         error = None if status == "ok" else "no request completed"
+        if profiling:
+            summary["step_profile"] = step_profile(base_url)
         self.add_row(cfg, rate, status, error, **summary, **counter_deltas(before, after),
                      peak_running=poller.peak_running, peak_waiting=poller.peak_waiting,
                      point_wall_s=round(wall, 1), timeline=poller.compact_timeline())
@@ -676,6 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tail-estimate-s", type=float, default=30.0,
                    help="seconds a point takes beyond its arrivals (client start, drain), until one is seen")
     p.add_argument("--warmup-prompts", type=int, default=0, help="unrecorded requests (all at once) after each start")
+    p.add_argument("--profile-steps", type=int, default=2000,
+                   help="Rimuru servers: profile this many steps of each point (step profiler; ~1 us per mark) and "
+                   "keep the per-kind report in the row as step_profile; 0 = off")
     p.add_argument("--poll-interval-s", type=float, default=0.5)
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--output-json", default=None)

@@ -96,6 +96,9 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
         assert r["timeline"]["t"] and "running" in r["timeline"]
     fixed = [r for r in rows if r["config"] == "fixed"]  # offloads: expert copies and prefetches are counted
     assert all(r["expert_bytes_pcie"] is not None and r["prefetch_hits"] is not None for r in fixed)
+    for r in fixed:  # the serving step profile of each point: per-kind means, expert waits of the offloading provider
+        prof = r["step_profile"]
+        assert prof["steps_profiled"] >= r["forward_steps"] > 0 and prof["all"]["expert_wait_ms"] is not None
     assert doc["servers"]["fixed"]["start_s"] is not None  # one start serves both rates
     for name in ("fixed", "broken"):
         srv = doc["servers"][name]

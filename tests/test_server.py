@@ -302,3 +302,18 @@ def test_vllm_bench_client_payload(server: Server) -> None:
     token_chunks = [d for d in data if d.get("choices")]
     assert len(token_chunks) == 7 and all(isinstance(d["choices"][0]["text"], str) for d in token_chunks)
     assert data[-1]["usage"]["completion_tokens"] == 7 and data[-1]["usage"]["prompt_tokens"] > 0
+
+
+def test_step_profile_endpoints(server: Server) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    _assert_error(httpx.post(server.url + "/debug/step_profile?steps=0", headers=auth), 400, param="steps")
+    assert httpx.post(server.url + "/debug/step_profile?steps=5").status_code == 401  # the API key applies
+    r = httpx.post(server.url + "/debug/step_profile?steps=5", headers=auth)
+    assert r.status_code == 200 and r.json() == {"profiling_steps": 5}
+    server.client().completions.create(**greedy(prompt="Hello world", max_tokens=8, extra_body={"ignore_eos": True}))
+    server.wait_idle()
+    rep = httpx.get(server.url + "/debug/step_profile", headers=auth).json()
+    assert rep["steps_profiled"] == 5 and "steps" not in rep
+    kinds = rep["kinds"]
+    assert set(kinds) <= {"prefill", "mixed", "decode-eager"} and sum(k["steps"] for k in kinds.values()) == 5
+    assert all(k["wall_ms"] > 0 for k in kinds.values())

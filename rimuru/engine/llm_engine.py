@@ -206,6 +206,8 @@ class LLMEngine:
     def enable_step_profiler(self, num_steps: int, trace_steps: int = 1) -> StepProfiler:
         """Profiles the next `num_steps` steps (engine/step_profiler.py); `trace_steps` steps of each kind
         also get their kernels counted (CUDA only). Read `engine.step_profiler.report()` afterwards."""
+        if self.step_profiler is not None:  # a profiler still running gives its providers back first
+            self.step_profiler.close()
         providers = [m.provider for m in self.parts.model.modules()
                      if hasattr(m, "provider") and not isinstance(m.provider, StaticExpertProvider)]
         unique = list({id(p): p for p in providers}.values())

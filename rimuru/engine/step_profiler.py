@@ -130,6 +130,12 @@ class StepProfiler:
         if not self.active:
             self._unwrap_tables()
 
+    def close(self) -> None:
+        """Stops recording (no more steps) and restores the providers' table() methods."""
+        self.num_steps = len(self.records)
+        self._cur = None
+        self._unwrap_tables()
+
     # ---- expert waits ---------------------------------------------------------------------------
     def _wrap_table(self, provider: Any) -> None:
         original = provider.table

@@ -292,6 +292,28 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # Step profiler (engine/step_profiler.py) of a serving engine: POST starts it for `steps` steps, GET reads
+    # the report (per step kind: host phases, GPU forward time, expert waits). For benchmarks/serve_sweep.py.
+    @app.post("/debug/step_profile")
+    async def start_step_profile(request: Request, steps: int = 2000) -> dict:
+        check_auth(request)
+        if not 1 <= steps <= 1_000_000:
+            raise APIError(400, f"steps must be in [1, 1000000], got {steps}", param="steps")
+        if not hasattr(engine, "enable_step_profiler"):
+            raise APIError(404, "this engine has no step profiler", code="not_found")
+        await async_engine.run_in_engine_thread(lambda: engine.enable_step_profiler(steps, trace_steps=0))
+        return {"profiling_steps": steps}
+
+    @app.get("/debug/step_profile")
+    async def step_profile(request: Request) -> dict:
+        check_auth(request)
+        prof = getattr(engine, "step_profiler", None)
+        if prof is None:
+            raise APIError(404, "no step profile: POST /debug/step_profile first", code="not_found")
+        report = await async_engine.run_in_engine_thread(prof.report)
+        report.pop("steps", None)  # per-step rows: too long for a sweep row; the per-kind means stay
+        return report
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         check_auth(request)

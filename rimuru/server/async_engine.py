@@ -172,6 +172,11 @@ class AsyncEngine:
 
         self._commands.put((abort_all, concurrent.futures.Future()))
 
+    async def run_in_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Runs `fn()` on the engine thread between two steps and returns its result (the engine is not
+        thread-safe: anything that touches its state goes through here)."""
+        return await self._call(fn)
+
     async def _call(self, fn: Callable[[], Any]) -> Any:
         if not self.healthy:
             raise EngineDeadError(f"engine loop is not running: {self._dead!r}")
