@@ -19,12 +19,12 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rimuru.bench.cli import git_commit as source_commit
 from rimuru.memory import PageAllocator, PageGeometry
 from rimuru.model_spec import load_model_spec
 
@@ -106,10 +106,7 @@ def bench_churn(a: PageAllocator, requests: int, steps: int, layers: int, seed: 
 
 
 def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return source_commit() or "unknown"
 
 
 def cpu_name() -> str:

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,16 +27,14 @@ from typing import Any
 
 import torch
 
+from rimuru.bench.cli import git_commit as source_commit
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def git_commit() -> str:
-    """HEAD of the checkout; the GPU machine gets the tree without history: RIMURU_COMMIT then."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("RIMURU_COMMIT", "unknown")
+    """RIMURU_COMMIT when set, else HEAD (rimuru.bench.cli.git_commit: why the variable wins)."""
+    return source_commit() or "unknown"
 
 
 TIMING_NOTE = ("graph_us: median over samples of back-to-back CUDA-graph replays (per op); eager_us: median over "

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,12 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
 
 
 def git_commit() -> str | None:
+    """The source commit results are recorded with: RIMURU_COMMIT when set, else HEAD of the checkout. The GPU
+    machine's copy of the tree carries a `.git` that is NOT the tree's commit (on 2026-11-29 it answered the
+    session's first HEAD for every later tree), so device commands set RIMURU_COMMIT and it wins."""
+    env = os.environ.get("RIMURU_COMMIT")
+    if env:
+        return env
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
