@@ -42,3 +42,33 @@ def test_stream_and_window_paths_equal_a_full_decode(seed: int) -> None:
             i += n
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
         assert sum(1 for p in pieces if p == "") > 0  # steps that ended inside a character emitted nothing
+
+
+def test_tokenizers_that_clean_up_spaces_take_the_window_path() -> None:
+    tok = make_tokenizer()
+    tok.clean_up_tokenization_spaces = True  # decode() then edits spaces, which DecodeStream does not do
+    assert _rust_backend(tok) is None
+
+
+class FailingStream:
+    def __init__(self, fail_at: int) -> None:
+        self.calls, self.fail_at = 0, fail_at
+
+    def step(self, backend: object, token: int) -> str | None:
+        self.calls += 1
+        if self.calls > self.fail_at:
+            raise RuntimeError("Invalid prefix encountered")
+        return None  # holds everything back, like an unfinished character
+
+
+def test_a_failing_decode_stream_hands_over_to_the_window_path() -> None:
+    tok = make_tokenizer()
+    text = "hello world, again"
+    ids = tok.encode(text, add_special_tokens=False)
+    req = _request()
+    req.decode_stream = FailingStream(fail_at=0)  # fails on the first token
+    pieces = []
+    for t in ids:
+        req.output_token_ids.append(t)
+        pieces.append(detokenize_incrementally(tok, req, skip_special_tokens=True))
+    assert req.decode_stream is False and "".join(pieces) == text

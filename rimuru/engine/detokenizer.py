@@ -27,21 +27,34 @@ _WINDOW = 6  # tokens of left context decoded with each new token
 
 
 def _rust_backend(tokenizer: Any) -> Any:
+    """The tokenizer's Rust `Tokenizer` when DecodeStream gives what `tokenizer.decode` gives: not when decode also
+    cleans up tokenization spaces (DecodeStream does not)."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    return backend if Tokenizer is not None and isinstance(backend, Tokenizer) else None
+    if Tokenizer is None or not isinstance(backend, Tokenizer):
+        return None
+    return None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend
 
 
 def detokenize_incrementally(tokenizer: Any, request: Request, skip_special_tokens: bool) -> str:
     """Returns the text the output tokens not yet detokenised add, and advances the request's state."""
     ids = request.output_token_ids
-    backend = _rust_backend(tokenizer)
+    backend = _rust_backend(tokenizer) if request.decode_stream is not False else None
     if backend is not None:
         stream = request.decode_stream
         if stream is None:
             stream = request.decode_stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        pieces = [stream.step(backend, t) for t in ids[request.read_offset :]]
-        request.read_offset = len(ids)
-        return "".join(p for p in pieces if p)
+        text = []
+        for i in range(request.read_offset, len(ids)):
+            try:
+                piece = stream.step(backend, ids[i])
+            except Exception:  # e.g. "Invalid prefix encountered" on byte-fallback vocabularies: the window path
+                request.decode_stream = False  # takes over for this request from the text emitted so far
+                request.prefix_offset = max(0, request.read_offset - _WINDOW)
+                return "".join(text) + detokenize_incrementally(tokenizer, request, skip_special_tokens)
+            request.read_offset = i + 1
+            if piece:
+                text.append(piece)
+        return "".join(text)
     prefix = tokenizer.decode(ids[request.prefix_offset : request.read_offset],
                               skip_special_tokens=skip_special_tokens)
     full = tokenizer.decode(ids[request.prefix_offset :], skip_special_tokens=skip_special_tokens)

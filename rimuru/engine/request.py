@@ -53,7 +53,8 @@ class Request:
     # incremental detokenisation state (see detokenizer.py)
     prefix_offset: int = 0
     read_offset: int = 0
-    decode_stream: Any = None  # tokenizers.decoders.DecodeStream of a fast tokenizer (engine/detokenizer.py)
+    # tokenizers.decoders.DecodeStream of a fast tokenizer (engine/detokenizer.py); False: it failed, window path
+    decode_stream: Any = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
