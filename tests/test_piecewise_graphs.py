@@ -67,3 +67,17 @@ def test_boundaries_ask_the_provider_only_for_layers_with_offloaded_experts(tmp_
     assert int(act0[offloaded[1], 0]) == -1  # routed only by the padding row: not loaded
     assert provider.row_mask is None and provider._prediction is None  # nothing left behind
     assert parts.loader.counters.experts_loaded >= 1
+
+
+def test_predictor_ignores_padding_rows(tmp_path: Path) -> None:
+    """Captured predictions must not prefetch experts that only padding rows of a padded batch would use."""
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=1)
+    llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", resident_experts=4)
+    predictor = llm.engine.parts.provider.predictor
+    g = torch.Generator().manual_seed(0)
+    d = llm.engine.spec.hidden_size
+    real, pad = torch.randn(3, d, generator=g), torch.randn(5, d, generator=g)
+    mask = torch.tensor([True] * 3 + [False] * 5)
+    masked = predictor.scores(1, torch.cat([real, pad]), mask)
+    torch.testing.assert_close(masked, predictor.scores(1, real))
+    assert not torch.allclose(predictor.scores(1, torch.cat([real, pad])), masked)

@@ -75,7 +75,8 @@ class ExpertTableBoundaries:
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         predictor, nxt = self.provider.predictor, moe_layer + 1
         if predictor is not None and nxt < self.provider.cache.num_layers:
-            self._pending = (nxt, predictor.scores(nxt, hidden))
+            mask = self._capture.row_mask if self._capture is not None else None  # padding rows prefetch nothing
+            self._pending = (nxt, predictor.scores(nxt, hidden, mask))
         else:
             self._pending = None
 

@@ -25,12 +25,15 @@ class ExpertPredictor:
     def num_layers(self) -> int:
         return len(self.routers)
 
-    def scores(self, moe_layer: int, hidden: Tensor) -> Tensor:  # hidden [T, d]
+    def scores(self, moe_layer: int, hidden: Tensor, row_mask: Tensor | None = None) -> Tensor:  # hidden [T, d]
         """[E] fp32 on hidden's device: summed top-k routing probability each expert of MoE layer
-        `moe_layer` would get from these hidden states (0 = not picked by any token)."""
+        `moe_layer` would get from these hidden states (0 = not picked by any token). Rows where `row_mask` [T]
+        is False (padding of a CUDA-graph batch) add nothing."""
         norm, gate = self.routers[moe_layer]
         probs = torch.softmax(gate(norm(hidden)).float(), dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, min(self.top_k, probs.shape[-1]), dim=-1)  # [T, k]
+        if row_mask is not None:
+            weights = weights * row_mask[:, None]
         out = torch.zeros(probs.shape[-1], dtype=torch.float32, device=hidden.device)  # [E]
         return out.index_add_(0, ids.reshape(-1), weights.reshape(-1))
 
