@@ -2,8 +2,7 @@
 
 Decode attention reached only 27-42 % of HBM bandwidth on the H200 (`2026-11-29-paged-attention-h200.md`). This
 script times the planned launch (`plan_launch`) against variations of it: split count multiplied (more programs
-in flight), wider KV tiles (`block_n`), other warp counts and pipeline depths, and the register-reduction decode
-kernel (`decode_reduce`: no tensor cores, no K/V staged in shared memory). Every variant is checked against
+in flight), wider KV tiles (`block_n`), other warp counts and pipeline depths. Every variant is checked against
 the planned launch's output before it is timed. Per shape it prints the planned time, the best variant and its
 gain, and writes every timing to JSON, so that a new `plan_launch` heuristic can be read off the data.
 
@@ -41,12 +40,6 @@ def variants(planned_splits: int, args: argparse.Namespace) -> list[dict[str, in
                                                           ints(args.warps), ints(args.stages)):
         splits = min(64, planned_splits * mult)
         out.append({"num_splits": splits, "block_n": block_n, "num_warps": warps, "num_stages": stages})
-    # the register-reduction decode kernel (no tensor cores, no shared-memory staging)
-    for mult, block_n, warps, stages in itertools.product(ints(args.split_mults), ints(args.reduce_block_ns),
-                                                          ints(args.reduce_warps), ints(args.reduce_stages)):
-        splits = min(64, planned_splits * mult)
-        out.append({"num_splits": splits, "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                    "decode_reduce": 1})
     return out
 
 
@@ -99,9 +92,6 @@ def main() -> None:
     ap.add_argument("--block-ns", default="64,128")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="2,3")
-    ap.add_argument("--reduce-block-ns", default="32,64", help="decode_reduce kernel variants ('' = none)")
-    ap.add_argument("--reduce-warps", default="4,8")
-    ap.add_argument("--reduce-stages", default="1,2")
     ap.add_argument("--output-json", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -233,13 +233,6 @@ INTERPRET_CASES = [
 ]
 
 
-DECODE_REDUCE_CASES = [
-    # q_lens (all <= 1), seq_lens, Hq, Hkv, D
-    ([1, 1, 1], [15, 16, 33], 4, 1, 16),  # GQA 4
-    ([1, 1], [70, 1], 2, 2, 32),  # MHA, a one-token context
-    ([1, 0, 1], [9, 5, 130], 2, 1, 40),  # a sequence without a query row; head_dim padded
-]
-
 TILE_MAP_CASES = [
     # q_lens, seq_lens, Hq, Hkv: one prefill chunk longer than a q tile among decodes; GQA; all decode
     ([1, 300, 1, 5], [40, 310, 1, 5], 2, 2),
@@ -305,15 +298,6 @@ def run_interpreter_cases() -> None:
             paged_attention_triton(*case.args(), num_splits=splits, out=out)
             err = (out - paged_attention_reference(*case.args())).abs().max().item()
             assert err < 1e-4, f"random case {i} (group {group}, splits {splits}): max abs err {err}"
-    # The register-reduction decode kernel (plan.decode_reduce), planned and forced splits.
-    for i, (q_lens, seq_lens, hq, hkv, d) in enumerate(DECODE_REDUCE_CASES):
-        case = make_case(q_lens, seq_lens, hq, hkv, d, seed=300 + i)
-        ref = paged_attention_reference(*case.args())
-        for splits in (None, 1, 4):
-            out = torch.full_like(case.q, float("nan"))
-            paged_attention_triton(*case.args(), num_splits=splits, out=out, plan_override={"decode_reduce": True})
-            err = (out - ref).abs().max().item()
-            assert err < 1e-4, f"decode-reduce case {i} (splits {splits}): max abs err {err}"
     # The tile-mapped launch (CUDA graphs of mixed steps): padded tokens and empty padded sequences.
     for i, (q_lens, seq_lens, hq, hkv) in enumerate(TILE_MAP_CASES):
         check_tile_map_case(make_case(q_lens, seq_lens, hq, hkv, 16, seed=200 + i), pad_tokens=7, pad_seqs=3,
@@ -438,23 +422,6 @@ def test_gpu_write_kv_matches_reference() -> None:
     write_kv_reference(kv[:, 0], kv[:, 1], kv_a, slots)
     write_kv(kv[:, 0], kv[:, 1], kv_b, slots)
     assert torch.equal(kv_a, kv_b)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("batch", [1, 7, 64])
-def test_gpu_decode_reduce_kernel(dtype: torch.dtype, batch: int) -> None:
-    from rimuru.kernels.paged_attention import paged_attention_triton
-
-    for hq, hkv in ((16, 16), (32, 4)):
-        case = make_case([1] * batch, [5 + 37 * i for i in range(batch)], hq, hkv, 128, dtype=dtype, device="cuda",
-                         seed=batch)
-        ref = contiguous_attention(case)
-        for splits in (None, 8):
-            out = torch.full_like(case.q, float("nan"))
-            paged_attention_triton(*case.args(), num_splits=splits, out=out, plan_override={"decode_reduce": True})
-            assert rel_err(out, ref) < 1e-2, (hq, hkv, splits)
 
 
 @gpu

@@ -276,95 +276,6 @@ if triton is not None:
             tl.store(part_out_ptr + row[:, None] * D_PAD + offs_d[None, :], out, mask=row_valid[:, None])
             tl.store(part_lse_ptr + row, lse, mask=row_valid)
 
-    # Decode without tensor cores: one program per (query head, sequence, split) holds its query row in
-    # registers and reduces q.K and p.V with elementwise products, so no K/V tile is staged in shared memory
-    # and many more programs fit on an SM (the tl.dot kernel pads one query row to a 16-row tile and stages
-    # K and V per pipeline stage). Query heads of one KV group are adjacent programs (axis 0), so the group's
-    # K/V tiles are read once from HBM and then from L2. Same partial layout as the kernel above (merge reused).
-    @triton.jit
-    def _paged_decode_reduce_kernel(
-        q_ptr,  # [T, Hq, D]; sequence b's one query row is query_start_loc[b]
-        kv_ptr,  # [P, 2, BLOCK_SIZE, Hkv, D]
-        block_table_ptr,  # [B, max_blocks] int32
-        query_start_loc_ptr,  # [B + 1] int32
-        seq_lens_ptr,  # [B] int32
-        out_ptr,  # [T, Hq, D] (NUM_SPLITS == 1)
-        part_out_ptr,  # [NUM_SPLITS, T, Hq, D_PAD] fp32 (NUM_SPLITS > 1)
-        part_lse_ptr,  # [NUM_SPLITS, T, Hq] fp32, log2 domain
-        scale_log2,
-        num_tokens,
-        stride_q_t,
-        stride_q_h,
-        stride_kv_page,
-        stride_kv_kind,
-        stride_kv_slot,
-        stride_kv_head,
-        stride_bt_b,
-        stride_o_t,
-        stride_o_h,
-        NUM_Q_HEADS: tl.constexpr,
-        GROUP: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-    ):
-        head = tl.program_id(0)
-        b = tl.program_id(1)
-        split = tl.program_id(2)
-        row = tl.load(query_start_loc_ptr + b)
-        if tl.load(query_start_loc_ptr + b + 1) == row:  # no query row (q_len 0)
-            return
-        seq_len = tl.load(seq_lens_ptr + b)
-        offs_d = tl.arange(0, D_PAD)
-        d_valid = offs_d < HEAD_DIM
-        q = tl.load(q_ptr + row * stride_q_t + head * stride_q_h + offs_d, mask=d_valid, other=0.0).to(tl.float32)
-
-        num_tiles = tl.cdiv(seq_len, BLOCK_N)
-        per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-        PAGES_PER_TILE: tl.constexpr = BLOCK_N // BLOCK_SIZE
-        offs_page = tl.arange(0, PAGES_PER_TILE)
-        offs_slot = tl.arange(0, BLOCK_SIZE)
-        offs_n = tl.arange(0, BLOCK_N)
-        bt_row = block_table_ptr + b * stride_bt_b
-        kv_head_ptr = kv_ptr + (head // GROUP) * stride_kv_head
-
-        m_i = tl.full([1], float("-inf"), tl.float32)
-        l_i = tl.zeros([1], tl.float32)
-        acc = tl.zeros([D_PAD], tl.float32)
-        for tile in range(tile_lo, tile_hi):
-            start_n = tile * BLOCK_N
-            page_idx = start_n // BLOCK_SIZE + offs_page
-            pages = tl.load(bt_row + page_idx, mask=page_idx * BLOCK_SIZE < seq_len, other=0)
-            slot_offs = pages.to(tl.int64)[:, None] * stride_kv_page + offs_slot[None, :] * stride_kv_slot
-            slot_offs = tl.reshape(slot_offs, [BLOCK_N])
-            k_valid = start_n + offs_n < seq_len
-            kv_mask = k_valid[:, None] & d_valid[None, :]
-            kv_offs = slot_offs[:, None] + offs_d[None, :]  # [N, D_PAD]
-            k = tl.load(kv_head_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.sum(k * q[None, :], 1) * scale_log2  # [N]
-            s = tl.where(k_valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))  # a tile below num_tiles has >= 1 valid key: finite
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new)  # [N]
-            l_i = l_i * alpha + tl.sum(p, 0)
-            v = tl.load(kv_head_ptr + stride_kv_kind + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-            m_i = m_new
-
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)
-        if NUM_SPLITS == 1:
-            o_ptrs = out_ptr + row * stride_o_t + head * stride_o_h + offs_d
-            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_valid)
-        else:
-            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_i), float("-inf"))  # [1]; an empty split weighs 0
-            prow = (split * num_tokens + row).to(tl.int64) * NUM_Q_HEADS + head
-            tl.store(part_out_ptr + prow * D_PAD + offs_d, out)
-            tl.store(part_lse_ptr + prow + tl.arange(0, 1), lse)
-
     @triton.jit(do_not_specialize=["num_tokens"])
     def _merge_splits_kernel(
         part_out_ptr,  # [NUM_SPLITS, T, Hq, D_PAD] fp32
@@ -472,9 +383,6 @@ class LaunchPlan:
     num_q_tiles: int
     num_warps: int
     num_stages: int
-    # decode (max_query_len 1) through _paged_decode_reduce_kernel instead of the tl.dot kernel; off by default
-    # until a GPU sweep (benchmarks/tune_paged_attention.py) says where it is faster
-    decode_reduce: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -587,31 +495,19 @@ def paged_attention_triton(
         grid = (-(-num_tokens // plan.block_q) + batch, 1, num_kv_heads)  # >= sum of cdiv(q_len_b, block_q)
     else:
         grid = (plan.num_q_tiles, batch, num_kv_heads * splits)
-    if plan.decode_reduce and max_query_len == 1 and not tile_map:
-        _paged_decode_reduce_kernel[(num_q_heads, batch, splits)](
-            q, kv_cache, block_table, query_start_loc, seq_lens, out, part_out, part_lse,
-            scale * _LOG2_E, num_tokens,
-            q.stride(0), q.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            block_table.stride(0), out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-            BLOCK_N=plan.block_n, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )  # fmt: skip
-    else:
-        _paged_attention_kernel[grid](
-            q, kv_cache, block_table, query_start_loc, seq_lens, out, part_out, part_lse,
-            q_tile_start if tile_map else seq_lens, scale * _LOG2_E, num_tokens, batch,
-            q.stride(0), q.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            block_table.stride(0), out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-            BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-            BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            TILE_MAP=tile_map, SEARCH_STEPS=batch.bit_length() if tile_map else 0,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )  # fmt: skip
+    _paged_attention_kernel[grid](
+        q, kv_cache, block_table, query_start_loc, seq_lens, out, part_out, part_lse,
+        q_tile_start if tile_map else seq_lens, scale * _LOG2_E, num_tokens, batch,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        NUM_Q_HEADS=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_SIZE=block_size, NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        TILE_MAP=tile_map, SEARCH_STEPS=batch.bit_length() if tile_map else 0,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             part_out, part_lse, out, num_tokens, out.stride(0), out.stride(1),
