@@ -130,15 +130,12 @@ class ModelRunner:
                                  self.block_size, max_num_batched_tokens, counter=counter, boundaries=boundaries)
         self.graphs.capture()
 
-    def _usable_graphs(self) -> StepGraphs | None:
-        return self.graphs
-
     def step_kind(self, sched: SchedulerOutput) -> str:
         """decode-graph | decode-eager | mixed-graph | prefill-graph | prefill | mixed | idle (the step profiler's
         kinds)."""
         if sched.is_empty:
             return "idle"
-        graphs = self._usable_graphs()
+        graphs = self.graphs
         decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1 and s.samples)
         if decodes == len(sched.scheduled):
             return "decode-graph" if graphs is not None and graphs.can_run(sched) else "decode-eager"
@@ -256,7 +253,7 @@ class ModelRunner:
         """Runs one step; returns the sampled token of each scheduled request that samples, in order."""
         prof = self.profiler
         sampling = [s.request for s in sched.scheduled if s.samples]
-        graphs = self._usable_graphs()
+        graphs = self.graphs
         if graphs is not None and graphs.can_run(sched):
             B = len(sched.scheduled)
             bp = graphs.padded_size(B)

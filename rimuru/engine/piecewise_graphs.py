@@ -126,13 +126,16 @@ class ExpertTableBoundaries:
         if counter is not None:
             counter.row_mask = graph.row_mask
         provider.row_mask = graph.row_mask
+        # tables change only between forward passes (commit_grows before, finish_evictions after): one host
+        # read of which layers are fully resident serves every boundary of this pass
+        fully_resident = (cache.host_tables[:, :, 0] >= 0).all(dim=1).tolist()  # [L_moe] bool
         try:
             for k, piece in enumerate(graph.pieces):
                 piece.replay()
                 if k == len(graph.boundaries):
                     break
                 b = graph.boundaries[k]
-                if bool((cache.host_tables[b.moe_layer, :, 0] >= 0).all()):
+                if fully_resident[b.moe_layer]:
                     # every expert of this layer is resident: nothing to decide on the host
                     if counter is not None:
                         counter.record(b.moe_layer, b.topk_ids)
