@@ -13,6 +13,13 @@ import torch
 from rimuru.engine.sampling_params import SamplingParams
 
 
+# Rows sampled together. The sampler's working copies ([rows, V] float32 scaled logits, sort values and
+# int64 order, masks, probabilities, the race) cost ~48 bytes per vocabulary entry and row: a 256-row batch
+# of a 152k vocabulary would need ~1.9 GB at once, a 32-row chunk ~230 MB. workspace_bytes reserves one chunk.
+SAMPLE_ROWS_PER_CHUNK = 32
+SAMPLER_BYTES_PER_ENTRY = 48
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
@@ -36,19 +43,28 @@ class Sampler:
         cut = any(k < V for k in top_k) or any(p < 1.0 for p in top_p)
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         packed = self._to_device(torch.tensor([temps, top_k, top_p, greedy], dtype=torch.float32), logits.device)
-        scaled = logits / packed[0][:, None]  # [B, V]
+        B = logits.shape[0]
+        sampled = torch.empty(B, dtype=torch.long, device=logits.device)
+        for lo in range(0, B, SAMPLE_ROWS_PER_CHUNK):
+            hi = min(B, lo + SAMPLE_ROWS_PER_CHUNK)
+            sampled[lo:hi] = self._draw(logits[lo:hi], packed[:, lo:hi], cut, generators[lo:hi], greedy[lo:hi])
+        if not any(greedy):
+            return sampled
+        return torch.where(packed[3] > 0.5, logits.argmax(dim=-1), sampled)
+
+    def _draw(self, logits: torch.Tensor, packed: torch.Tensor, cut: bool,
+              generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
+        """One chunk of rows: logits [b, V], packed [4, b] -> sampled ids [b] (greedy rows are overwritten later)."""
+        scaled = logits / packed[0][:, None]  # [b, V]
         if cut:  # top-k as float32 is exact: k <= V < 2**24
             scaled = _apply_top_k_top_p(scaled, packed[1].long()[:, None], packed[2][:, None])
-        probs = torch.softmax(scaled, dim=-1)  # [B, V]
+        probs = torch.softmax(scaled, dim=-1)  # [b, V]
         race = torch.empty_like(probs)
         race.exponential_(generator=self.generator)
         for i, gen in enumerate(generators):
             if gen is not None and not greedy[i]:
                 race[i].exponential_(generator=gen)
-        sampled = (probs / race).argmax(dim=-1)  # [B]
-        if not any(greedy):
-            return sampled
-        return torch.where(packed[3] > 0.5, logits.argmax(dim=-1), sampled)
+        return (probs / race).argmax(dim=-1)  # [b]
 
     @staticmethod
     def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

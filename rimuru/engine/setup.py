@@ -28,6 +28,7 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.kv_cache_manager import KVCacheManager
+from rimuru.engine.sampler import SAMPLE_ROWS_PER_CHUNK, SAMPLER_BYTES_PER_ENTRY
 from rimuru.experts.adjuster import Adjuster, AdjusterConfig, PaperAdjuster
 from rimuru.experts.cache import (
     EXPERT,
@@ -123,22 +124,24 @@ def load_tokenizer(path: str | None) -> Any:
 
 
 def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """An upper bound of the activations of one forward pass at the batch limits.
+    """An upper bound of the activations of one forward pass and its sampling at the batch limits.
 
     Per token: hidden states and residual, q/k/v/o, the MLP intermediates (routed: top-k copies of
-    2f; shared expert: 2 * its width), the router logits; per sampled sequence: fp32 logits and the
-    sampler's working copies. Doubled for allocator slack, plus fixed scratch for kernels and the CUDA
-    context's allocator (256 MiB on a GPU, 16 MiB on the CPU).
+    2f; shared expert: 2 * its width), the router logits; doubled for allocator slack. Per sampled
+    sequence: the lm-head output (dtype) and the float32 logits; plus one sampler chunk's working copies
+    (engine/sampler.py samples SAMPLE_ROWS_PER_CHUNK rows at a time). Plus fixed scratch for kernels and
+    the CUDA context's allocator (256 MiB on a GPU, 16 MiB on the CPU).
+    benchmarks/probe_workspace.py measures the real peak against this bound on the GPU.
     """
-    T = config.max_num_batched_tokens
+    T, S = config.max_num_batched_tokens, config.max_num_seqs
     d, el = spec.hidden_size, dtype_bytes(dtype)
     qkv = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * spec.head_dim
     mlp = max(spec.num_experts_per_tok * 3 * spec.moe_intermediate_size,
               3 * spec.shared_expert_intermediate_size, 3 * spec.intermediate_size)
     per_token = (6 * d + 2 * qkv + mlp + spec.num_experts) * el + spec.num_experts_per_tok * 16
-    logits = config.max_num_seqs * spec.vocab_size * 4 * 4
+    logits = S * spec.vocab_size * (el + 4) + min(S, SAMPLE_ROWS_PER_CHUNK) * spec.vocab_size * SAMPLER_BYTES_PER_ENTRY
     scratch = 256 * 2**20 if device.type == "cuda" else 16 * 2**20
-    return 2 * (T * per_token + logits) + scratch
+    return 2 * T * per_token + logits + scratch
 
 
 def default_budget(device: torch.device, spec: ModelSpec, dtype: torch.dtype, work: int) -> int:

@@ -1,0 +1,94 @@
+"""Measures the activation workspace a served engine really uses, against the bound the budget reserves.
+
+The budget is split as non-expert weights + activation workspace bound (`engine.setup.workspace_bytes`)
++ page pool. Whatever the bound reserves beyond the real peak is KV cache the engine could have held.
+This script builds one engine (CUDA graphs on, as served), then drives its worst cases:
+
+1. a prefill step of `max_num_batched_tokens` tokens (the largest mixed/prefill graph bucket);
+2. decode steps of `max_num_seqs` sequences, every row sampled with temperature, top-k and top-p (the
+   sampler's largest working set);
+
+and reports torch's peak reserved memory beyond the weights and the pool (graph pool, eager
+temporaries, sampler copies) next to the bound, plus memory held outside torch's allocator
+(cuBLAS workspaces, module images). GPU only.
+
+    PYTHONPATH=. python benchmarks/probe_workspace.py --output-json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import metadata  # noqa: E402
+from rimuru import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen1.5-moe-a2.7b", help="preset name or model directory")
+    ap.add_argument("--gpu-memory-budget", default="32GiB")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--output-json", required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_workspace measures GPU memory: no CUDA device")
+
+    torch.cuda.init()
+    free0, total = torch.cuda.mem_get_info()
+    llm = LLM(args.model, gpu_memory_budget=args.gpu_memory_budget, load_format="dummy", offload_mode="static",
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = llm.engine
+    split = engine.parts.budget_split
+    held = split["non_expert_weights"] + split["pool"]  # allocated for the engine's life
+    after_start = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+
+    g = torch.Generator().manual_seed(0)
+    V = engine.spec.vocab_size
+    T, S = args.max_num_batched_tokens, args.max_num_seqs
+    rows = []
+    # 1. one prompt as long as a whole step's token budget: the first step prefills T tokens at once
+    long_prompt = {"prompt_token_ids": torch.randint(10, V - 10, (T,), generator=g).tolist()}
+    llm.generate([long_prompt], SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_p=0.9))
+    rows.append({"phase": "prefill T tokens", "peak_reserved_beyond_held": torch.cuda.max_memory_reserved() - held})
+    # 2. S sequences decoding together, each sampled with every cut on
+    short = [{"prompt_token_ids": torch.randint(10, V - 10, (8,), generator=g).tolist()} for _ in range(S)]
+    llm.generate(short, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_k=50, top_p=0.9))
+    rows.append({"phase": f"decode {S} sampled rows", "peak_reserved_beyond_held": torch.cuda.max_memory_reserved() - held})
+    torch.cuda.synchronize()
+    free1, _ = torch.cuda.mem_get_info()
+    device_used = free0 - free1  # everything this process put on the device since the CUDA context
+    outside_torch = device_used - torch.cuda.memory_reserved()
+    peak = torch.cuda.max_memory_reserved() - held
+    result = {
+        **metadata(" ".join(sys.argv)),
+        "model": args.model, "gpu_memory_budget": args.gpu_memory_budget,
+        "max_num_seqs": S, "max_num_batched_tokens": T,
+        "budget_split": split,
+        "workspace_bound": split["workspace"],
+        "reserved_after_start_beyond_held": after_start - held,
+        "peak_reserved_beyond_held": peak,
+        "outside_torch_allocator": outside_torch,
+        "measured_workspace": peak + max(0, outside_torch),
+        "kv_tokens": engine.max_kv_pages() // max(1, engine.parts.num_attention_layers) * engine.config.block_size,
+        "phases": rows,
+    }
+    mib = 2**20
+    print(f"workspace bound {split['workspace'] / mib:,.0f} MiB; after start {result['reserved_after_start_beyond_held'] / mib:,.0f} "
+          f"MiB beyond weights+pool; peak {peak / mib:,.0f} MiB; outside torch {outside_torch / mib:,.0f} MiB; "
+          f"measured workspace {result['measured_workspace'] / mib:,.0f} MiB; KV {result['kv_tokens']:,} tokens")
+    for r in rows:
+        print(f"  {r['phase']:>28}: peak beyond weights+pool {r['peak_reserved_beyond_held'] / mib:,.0f} MiB")
+    Path(args.output_json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
