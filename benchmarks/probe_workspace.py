@@ -62,7 +62,8 @@ def main() -> None:
     # 2. S sequences decoding together, each sampled with every cut on
     short = [{"prompt_token_ids": torch.randint(10, V - 10, (8,), generator=g).tolist()} for _ in range(S)]
     llm.generate(short, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_k=50, top_p=0.9))
-    rows.append({"phase": f"decode {S} sampled rows", "peak_reserved_beyond_held": torch.cuda.max_memory_reserved() - held})
+    peak_decode = torch.cuda.max_memory_reserved() - held
+    rows.append({"phase": f"decode {S} sampled rows", "peak_reserved_beyond_held": peak_decode})
     torch.cuda.synchronize()
     free1, _ = torch.cuda.mem_get_info()
     device_used = free0 - free1  # everything this process put on the device since the CUDA context
@@ -82,8 +83,8 @@ def main() -> None:
         "phases": rows,
     }
     mib = 2**20
-    print(f"workspace bound {split['workspace'] / mib:,.0f} MiB; after start {result['reserved_after_start_beyond_held'] / mib:,.0f} "
-          f"MiB beyond weights+pool; peak {peak / mib:,.0f} MiB; outside torch {outside_torch / mib:,.0f} MiB; "
+    print(f"workspace bound {split['workspace'] / mib:,.0f} MiB; after start "
+          f"{result['reserved_after_start_beyond_held'] / mib:,.0f} MiB beyond weights+pool; peak {peak / mib:,.0f} MiB; outside torch {outside_torch / mib:,.0f} MiB; "
           f"measured workspace {result['measured_workspace'] / mib:,.0f} MiB; KV {result['kv_tokens']:,} tokens")
     for r in rows:
         print(f"  {r['phase']:>28}: peak beyond weights+pool {r['peak_reserved_beyond_held'] / mib:,.0f} MiB")

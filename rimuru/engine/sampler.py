@@ -12,7 +12,6 @@ import torch
 
 from rimuru.engine.sampling_params import SamplingParams
 
-
 # Rows sampled together. The sampler's working copies ([rows, V] float32 scaled logits, sort values and
 # int64 order, masks, probabilities, the race) cost ~48 bytes per vocabulary entry and row: a 256-row batch
 # of a 152k vocabulary would need ~1.9 GB at once, a 32-row chunk ~230 MB. workspace_bytes reserves one chunk.
