@@ -84,7 +84,8 @@ def main() -> None:
     }
     mib = 2**20
     print(f"workspace bound {split['workspace'] / mib:,.0f} MiB; after start "
-          f"{result['reserved_after_start_beyond_held'] / mib:,.0f} MiB beyond weights+pool; peak {peak / mib:,.0f} MiB; "
+          f"{result['reserved_after_start_beyond_held'] / mib:,.0f} MiB beyond weights+pool; "
+          f"peak {peak / mib:,.0f} MiB; "
           f"outside torch {outside_torch / mib:,.0f} MiB; "
           f"measured workspace {result['measured_workspace'] / mib:,.0f} MiB; KV {result['kv_tokens']:,} tokens")
     for r in rows:
