@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rimuru.config import EngineConfig
+from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.detokenizer import detokenize_incrementally
 from rimuru.engine.model_runner import ModelRunner
 from rimuru.engine.outputs import CompletionOutput, RequestOutput
@@ -66,6 +66,8 @@ class LLMEngine:
                                   Sampler(parts.device, config.seed))
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
+        if self.device.type == "cuda":
+            self._check_workspace()
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
         self._lock = threading.Lock()
@@ -92,6 +94,15 @@ class LLMEngine:
         elif isinstance(provider, OffloadExpertProvider):
             boundaries = ExpertTableBoundaries(provider, _moe_modules(model))
             self.runner.enable_cuda_graphs(*args, counter=provider.counter, boundaries=boundaries)
+
+    def _check_workspace(self) -> None:
+        """The budget reserved `workspace` for everything beyond weights and pool; say when the start alone
+        (graph pools, warm-up) took more, since then the engine holds more than gpu_memory_budget."""
+        split = self.parts.budget_split
+        used = torch.cuda.memory_reserved(self.device) - split["non_expert_weights"] - split["pool"]
+        log = logger.warning if used > split["workspace"] else logger.info
+        log("after start, torch holds %s beyond weights and pool; the workspace bound is %s",
+            format_bytes(used), format_bytes(split["workspace"]))
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

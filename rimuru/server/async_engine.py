@@ -2,7 +2,7 @@
 
 The engine is not thread-safe, so every call into it (add, abort, step, stats) happens on the
 engine thread. Handlers submit commands (closures) and await their result; outputs are routed to
-a per-HTTP-request asyncio queue with `loop.call_soon_threadsafe`.
+a per-HTTP-request asyncio queue, one `loop.call_soon_threadsafe` per step.
 
     handler --submit(add)--> command queue --> engine thread: add_request / abort / step()
     handler <--(index, RequestOutput)-- per-request asyncio.Queue <-- routed by request id
@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,7 @@ from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+GIL_SWITCH_INTERVAL_S = 0.0005  # see AsyncEngine.start
 STATS_INTERVAL_S = 0.1  # the engine thread refreshes its stats snapshot at most this often while busy
 
 
@@ -104,6 +106,12 @@ def _post(loop: asyncio.AbstractEventLoop, stream: RequestStream, item: object) 
         pass
 
 
+def _deliver(batch: list[tuple[RequestStream, object]]) -> None:
+    """On the event loop: one step's outputs into their streams' queues."""
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: EngineLike, on_finished: Callable[[FinishedRequest], None] | None = None):
         self.engine = engine
@@ -122,6 +130,10 @@ class AsyncEngine:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        # Two threads share the GIL: the engine thread (the step's critical path) and the event loop (HTTP,
+        # streaming). When the engine thread comes back from a GPU wait while the loop runs Python, it waits
+        # for the loop to drop the GIL: by default up to 5 ms, as long as a whole decode step.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._refresh_stats()
         self._thread.start()
 
@@ -224,7 +236,11 @@ class AsyncEngine:
                 return
 
     def _route(self, outputs: list[RequestOutput]) -> None:
+        """One `call_soon_threadsafe` per event loop and step, not per request: every such call writes the
+        loop's wake-up pipe, and each syscall hands the GIL to the loop thread, which the engine thread then
+        waits to get back. With ~50 streams that was ~50 GIL hand-overs per step."""
         now = time.perf_counter()
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
         for out in outputs:
             route = self._routes.get(out.request_id)
             if route is None:  # aborted meanwhile
@@ -239,7 +255,12 @@ class AsyncEngine:
                 if self._on_finished is not None:
                     reason = out.outputs[0].finish_reason if out.outputs else None
                     self._on_finished(FinishedRequest(timing, now, prompt_len, reason))
-            _post(loop, stream, (index, out))
+            batches.setdefault(loop, []).append((stream, (index, out)))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the handlers' loop is closed: nobody is listening any more
+                pass
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, (loop, stream, _, _, _) in list(self._routes.items()):
