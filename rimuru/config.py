@@ -67,6 +67,9 @@ class EngineConfig:
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0
     enforce_eager: bool = False
+    # schedule and launch step n+1 before step n's tokens are read (engine/llm_engine.py); None: on for static
+    # experts on a GPU, off elsewhere
+    async_scheduling: bool | None = None
     resident_experts: float | None = None  # fixed mode: experts per layer (>= 1) or a fraction (< 1)
     expert_offload_limit: int | None = None  # the most experts one layer may have offloaded
     expert_ranking: str | None = None  # JSON file from `rimuru profile`
@@ -135,6 +138,7 @@ _FLAG_HELP = {
     "expert_offload_limit": "the most experts one layer may have offloaded",
     "expert_ranking": "expert popularity JSON written by `rimuru profile`",
     "enforce_eager": "never capture CUDA graphs",
+    "async_scheduling": "launch step n+1 before reading step n's tokens (default: on for static experts on a GPU)",
     "dummy_routing": "dummy weights only: uniform | zipf:S (a seeded power-law expert popularity)",
     "adjuster": "elastic mode: paper (threshold rules) | cost (offload only what PCIe can pay for)",
     "tpot_slo_ms": "cost adjuster: per-step time target in ms (default: offload only copies that hide behind compute)",
@@ -158,6 +162,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_model: bool = True)
         flag = "--" + f.name.replace("_", "-")
         if f.name == "enforce_eager":
             parser.add_argument(flag, action="store_true", help=_FLAG_HELP[f.name])
+            continue
+        if f.name == "async_scheduling":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_FLAG_HELP[f.name])
             continue
         default = None if f.default is MISSING else f.default
         parser.add_argument(flag, type=_FLAG_TYPES[f.name], default=default, help=_FLAG_HELP.get(f.name))

@@ -317,3 +317,26 @@ def test_step_profile_endpoints(server: Server) -> None:
     kinds = rep["kinds"]
     assert set(kinds) <= {"prefill", "mixed", "decode-eager"} and sum(k["steps"] for k in kinds.values()) == 5
     assert all(k["wall_ms"] > 0 for k in kinds.values())
+
+
+def test_server_without_tokenizer_takes_token_ids_and_rejects_text(tiny_checkpoint, tmp_path: Path) -> None:
+    """A model without tokenizer files (like a preset name served with random weights) must start, serve
+    token-id prompts, and answer text prompts and chat with a 400 that says why (it crashed at start)."""
+    import shutil
+
+    src = tiny_checkpoint("qwen2_moe")
+    ckpt = tmp_path / "no_tokenizer"
+    shutil.copytree(src, ckpt, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*", "special_tokens*"))
+    engine = LLMEngine(EngineConfig(model=str(ckpt), device="cpu", max_num_seqs=8, max_num_batched_tokens=256))
+    assert engine.tokenizer is None
+    with BackgroundServer(engine, ServerConfig(served_model_name=MODEL)) as srv:
+        ids = _post(Server(srv.url, engine), C, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4,
+                                                 "temperature": 0.0, "ignore_eos": True}, key=None)
+        assert ids.status_code == 200, ids.text
+        assert ids.json()["usage"]["completion_tokens"] == 4
+        text = _post(Server(srv.url, engine), C, {"model": MODEL, "prompt": "hi", "max_tokens": 4}, key=None)
+        _assert_error(text, 400, "prompt", "without a tokenizer")
+        chat = _post(Server(srv.url, engine), "/v1/chat/completions",
+                     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, key=None)
+        _assert_error(chat, 400, "messages", "")
+        assert engine.stats()["kv_pages_used"] == 0

@@ -20,7 +20,7 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.detokenizer import detokenize_incrementally
-from rimuru.engine.model_runner import ModelRunner
+from rimuru.engine.model_runner import ModelRunner, SampledTokens
 from rimuru.engine.outputs import CompletionOutput, RequestOutput
 from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
 from rimuru.engine.request import Request, RequestStatus
@@ -64,6 +64,14 @@ class LLMEngine:
                                    reclaimable=self.elastic.reclaimable_kv_pages if self.elastic else None)
         self.runner = ModelRunner(parts.model, parts.device, parts.num_attention_layers, config.block_size,
                                   Sampler(parts.device, config.seed))
+        # Async scheduling (step n+1 launched before step n's tokens are read) needs every device consumer of a
+        # freed page on the one compute stream: static experts only (expert loads use a copy stream).
+        static = isinstance(parts.provider, StaticExpertProvider) and self.elastic is None
+        if config.async_scheduling and not static:
+            raise ValueError("async_scheduling needs static experts (offload_mode='static')")
+        self.async_scheduling = static and (config.async_scheduling if config.async_scheduling is not None
+                                            else self.device.type == "cuda")
+        self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
         if self.device.type == "cuda":
@@ -167,7 +175,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             pending = bool(self._inbox or self._aborts)
-        return pending or self.scheduler.has_unfinished()
+        return pending or self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
@@ -193,14 +201,25 @@ class LLMEngine:
                                        num_stalled=len(sched.stalled))
         if prof is not None:
             prof.mark("adjust")
+        launched: tuple[SchedulerOutput, SampledTokens] | None = None
         if sched.scheduled:
             now = time.monotonic()
             for s in sched.scheduled:
-                if s.request.metrics.first_scheduled_time is None:
-                    s.request.metrics.first_scheduled_time = now
-            tokens = self.runner.execute(sched)  # returns after the forward pass has finished (host read)
+                req = s.request
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+                req.num_computed_tokens = s.start + s.num_new_tokens
+            launched = (sched, self.runner.launch(sched))
             self.forward_steps += 1
-            outputs += self._process(sched, tokens)
+            if self.async_scheduling:
+                for s in sched.scheduled:
+                    if s.samples:
+                        s.request.num_pending_tokens += 1  # read by _process when the next step() has launched
+        # Async: step n+1 is queued behind step n on the device; read and process step n meanwhile.
+        # Sync: read and process the step just launched (the read waits for it).
+        previous, self._in_flight = (self._in_flight, launched) if self.async_scheduling else (launched, None)
+        if previous is not None:
+            outputs += self._process(previous[0], previous[1].tolist())
             if prof is not None:
                 prof.mark("process")
         if self.elastic is not None:
@@ -267,10 +286,13 @@ class LLMEngine:
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens = s.start + s.num_new_tokens
             if not s.samples:
                 continue
             token = next(it)
+            if self.async_scheduling:
+                req.num_pending_tokens -= 1
+            if req.status.finished:  # async: finished or aborted while this step was in flight; a wasted row
+                continue
             req.output_token_ids.append(token)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now

@@ -50,6 +50,10 @@ class HostBatch:
     max_query_len: int
     num_sampled: int = 0  # real sampled rows (logits_indices may be padded past them)
     q_tile_start: np.ndarray | None = None  # [B+1] int32, mixed graphs only
+    # async scheduling: input rows whose token the previous step sampled and nobody has read yet (input_ids
+    # holds 0 there), and the seq_id of each row's request; the runner fills them on the device
+    pending_rows: list[int] | None = None
+    pending_seq_ids: list[int] | None = None
 
     def fields(self) -> list[np.ndarray]:
         out = [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.block_tables,
@@ -101,6 +105,35 @@ class InputStager:
                 for a, off in zip(arrays, offsets, strict=True)]
 
 
+class SampledTokens:
+    """A launched step's sampled tokens on their way to the host: one non-blocking copy into pinned memory
+    and an event, so reading them (`tolist`, the step's one device->host wait) can come after the next
+    step has been launched."""
+
+    def __init__(self, tokens: torch.Tensor | None, device: torch.device, profiler: StepProfiler | None) -> None:
+        self._profiler = profiler
+        self._event: torch.cuda.Event | None = None
+        if tokens is None:
+            self._host = None
+        elif device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+
+    def tolist(self) -> list[int]:
+        if self._host is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        out = self._host.tolist()
+        if self._profiler is not None and self._profiler.active:
+            self._profiler.mark("readback")
+        return out
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_attention_layers: int,
                  block_size: int, sampler: Sampler) -> None:
@@ -115,6 +148,8 @@ class ModelRunner:
         self.mixed_graph_steps = 0
         self.profiler: StepProfiler | None = None  # set by LLMEngine.enable_step_profiler()
         self.stager = InputStager(device) if device.type == "cuda" else None
+        # the last launch's sampled tokens (device) and each sampling request's row in them, by seq_id
+        self._last_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
         # request -> (its kv_pages list, int32 [capacity, L] pages, blocks filled): the pages as an array
         self._pages: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
 
@@ -177,6 +212,8 @@ class ModelRunner:
         starts_l, ns_l, samples_l, tokens = [], [], [], []
         cache: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
         pages = []
+        pending_rows: list[int] | None = None
+        pending_seq_ids: list[int] = []
         for s in scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             starts_l.append(start)
@@ -184,7 +221,14 @@ class ModelRunner:
             samples_l.append(s.samples)
             p = len(req.prompt_token_ids)
             if start >= p:
-                tokens += req.output_token_ids[start - p : start - p + n]
+                known = req.output_token_ids[start - p : start - p + n]
+                tokens += known
+                if len(known) < n:  # the last row is the token the step in flight sampled
+                    assert len(known) == n - 1 and req.num_pending_tokens >= 1, (req.request_id, start, n)
+                    pending_rows = pending_rows if pending_rows is not None else []
+                    pending_rows.append(len(tokens))
+                    pending_seq_ids.append(req.seq_id)
+                    tokens.append(0)
             else:
                 tokens += _token_slice(req, start, start + n)
             pages.append(self._page_array(req, cache))
@@ -231,7 +275,8 @@ class ModelRunner:
         return HostBatch(input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
                          seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
                          logits_indices=logits_indices, max_query_len=max(ns_l), num_sampled=num_sampled,
-                         q_tile_start=q_tile_start)
+                         q_tile_start=q_tile_start, pending_rows=pending_rows,
+                         pending_seq_ids=pending_seq_ids if pending_rows is not None else None)
 
     def to_device(self, h: HostBatch) -> list[torch.Tensor]:
         """The HostBatch fields (in `HostBatch.fields()` order) as device tensors: zero-copy views on the CPU,
@@ -243,14 +288,34 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         h = self.host_arrays(sched)
         ids, pos, qsl, seq_lens, bt, slots, li = self.to_device(h)
+        self._fill_pending(ids, h)
         return ForwardBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
                             slot_mapping=slots, logits_indices=li, max_query_len=h.max_query_len,
                             max_seq_len=int(h.seq_lens.max()))
 
     # ---- the step --------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[int]:
         """Runs one step; returns the sampled token of each scheduled request that samples, in order."""
+        return self.launch(sched).tolist()
+
+    def _fill_pending(self, input_ids: torch.Tensor, h: HostBatch) -> None:
+        """Async scheduling: input rows of tokens sampled by the previous launch, copied on the device."""
+        if h.pending_rows is None:
+            return
+        last = self._last_sampled
+        assert last is not None, "a pending token without a launched step"
+        tokens, index = last
+        src = [index[sid] for sid in h.pending_seq_ids]  # KeyError: the token was not sampled by that step
+        idx = torch.tensor([h.pending_rows, src], dtype=torch.int64)
+        if self.device.type == "cuda":
+            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> SampledTokens:
+        """Queues one step on the device and returns its sampled tokens, to be read later (`tolist()`): the
+        host may schedule and launch the next step meanwhile (async scheduling). Rows of tokens that the
+        previous launch sampled are filled on the device from its output."""
         prof = self.profiler
         sampling = [s.request for s in sched.scheduled if s.samples]
         graphs = self.graphs
@@ -259,6 +324,7 @@ class ModelRunner:
             bp = graphs.padded_size(B)
             h = self.host_arrays(sched, pad_to=bp)
             ids, pos, _, seq_lens, bt, slots, _ = self.to_device(h)
+            self._fill_pending(ids, h)
             if prof is not None:
                 prof.mark("prepare")
                 prof.forward_begin()
@@ -267,6 +333,7 @@ class ModelRunner:
         elif graphs is not None and graphs.can_run_mixed(sched):
             h = self.host_arrays(sched, pad_tokens=graphs.padded_tokens(sched.num_tokens), pad_seqs=graphs.max_seqs)
             ids, pos, qsl, seq_lens, bt, slots, li, qts = self.to_device(h)
+            self._fill_pending(ids, h)
             if prof is not None:
                 prof.mark("prepare")
                 prof.forward_begin()
@@ -277,7 +344,8 @@ class ModelRunner:
                 if prof is not None:
                     prof.forward_end()
                     prof.mark("forward")
-                return []
+                self._last_sampled = None
+                return SampledTokens(None, self.device, prof)
         else:
             batch = self.prepare(sched)
             if prof is not None:
@@ -288,17 +356,17 @@ class ModelRunner:
                 if prof is not None:
                     prof.forward_end()
                     prof.mark("forward")
-                return []
+                self._last_sampled = None
+                return SampledTokens(None, self.device, prof)
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B', V] float32
         if prof is not None:
             prof.forward_end()
             prof.mark("forward")
         tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        self._last_sampled = (tokens, {r.seq_id: i for i, r in enumerate(sampling)})
+        out = SampledTokens(tokens, self.device, prof)
         if prof is not None:
             prof.mark("sample")
-        out = tokens.tolist()  # the one device->host read of the step
-        if prof is not None:
-            prof.mark("readback")
         return out
 
 

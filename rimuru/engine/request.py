@@ -41,8 +41,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # KV cache filled for all_token_ids[:num_computed_tokens]
+    # KV cache filled (or being filled by a launched step) for all_token_ids[:num_computed_tokens]
     num_computed_tokens: int = 0
+    # async scheduling: tokens sampled by launched steps but not read yet (0-2); they follow output_token_ids
+    num_pending_tokens: int = 0
     # kv_pages[i][l] = page id (kind "kv") of block i in attention layer l
     kv_pages: list[list[int]] = field(default_factory=list)
     output_text: str = ""
@@ -66,6 +68,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """num_tokens plus the pending token: what the scheduler plans with."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

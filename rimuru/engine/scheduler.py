@@ -11,6 +11,8 @@ Each step (vLLM v1 style, no separate prefill/decode phases):
      that does not fit stops admission and its missing pages are reported as the shortfall (the
      elastic adjuster turns this into expert evictions).
 The scheduler decides allocation and never touches tensors; the runner turns its output into tensors.
+With async scheduling a running request may have a pending token (sampled by the step in flight, not read
+yet): it is scheduled on as if known (its input comes from the device), unless that token is its last.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class ScheduledRequest:
 
     def __post_init__(self) -> None:
         req = self.request
-        self.samples = self.start + self.num_new_tokens == len(req.prompt_token_ids) + len(req.output_token_ids)
+        self.samples = self.start + self.num_new_tokens == req.num_known_tokens
 
 
 @dataclass
@@ -78,8 +80,11 @@ class Scheduler:
         block_size = self.kv.block_size
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending_tokens and req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
+                i += 1  # its last token is in flight: it finishes when that is read
+                continue
             computed = req.num_computed_tokens
-            n = min(len(req.prompt_token_ids) + len(req.output_token_ids) - computed, budget)
+            n = min(req.num_known_tokens - computed, budget)
             # the common decode case needs no new block: skip the allocator (same answer, no calls)
             got = computed + n <= len(req.kv_pages) * block_size or self.kv.allocate(req, n)
             while not got:
@@ -103,6 +108,7 @@ class Scheduler:
         while (not out.preempted and not out.stalled and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
+            assert not req.num_pending_tokens  # a preempted request's token is read in the step that preempted it
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req, n):
                 out.shortfall_pages = self.kv.pages_needed(req, n) - self.kv.capacity_pages()

@@ -48,7 +48,10 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(async_engine.stats)
     async_engine._on_finished = metrics.observe_finished
-    vocab_size = max(len(engine.tokenizer), int(getattr(engine, "vocab_size", 0) or 0))
+    # A model served without a tokenizer (a preset name, random weights) takes token-id prompts only.
+    vocab_size = max(len(engine.tokenizer) if engine.tokenizer is not None else 0,
+                     int(getattr(engine, "vocab_size", 0) or 0),
+                     int(getattr(getattr(engine, "spec", None), "vocab_size", 0) or 0))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -34,6 +34,9 @@ def completion_prompts(tokenizer: Any, prompt: PromptInput, vocab_size: int) -> 
         if isinstance(item, str):
             if not item:
                 raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
+            if tokenizer is None:
+                raise APIError(400, "this model is served without a tokenizer: send the prompt as token ids",
+                               param="prompt", code="no_tokenizer")
             ids = tokenize_user_text(tokenizer, item, add_special_tokens=True)
         else:
             ids = list(item)
