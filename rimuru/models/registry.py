@@ -37,7 +37,9 @@ def build_model(
     cls = model_class(spec.model_type)
     with torch.device("meta"):
         model = cls(spec, experts, kv_cache)
-    model = model.to_empty(device=device).to(dtype)
+    # dtype first, still on meta: materialising in float32 and casting after held a float32 copy of every
+    # non-expert weight at once (2x their size: ~3.7 GB beyond the budget at the start for Qwen1.5-MoE)
+    model = model.to(dtype).to_empty(device=device)
     for module in model.modules():  # buffers are not weights: no checkpoint fills them, so set them here
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
