@@ -30,6 +30,43 @@ from benchmarks.common import metadata  # noqa: E402
 from rimuru import LLM, SamplingParams  # noqa: E402
 
 
+def _where(frames: list[dict]) -> str:
+    """The innermost frame in our code (rimuru/ or benchmarks/), else the innermost Python frame."""
+    for f in frames:
+        name = str(f.get("filename", ""))
+        if "/rimuru/" in name or "/benchmarks/" in name:
+            return f"{name.split('/')[-2]}/{name.split('/')[-1]}:{f.get('line')} {f.get('name')}"
+    py = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    return f"{py[0].get('filename')}:{py[0].get('line')}" if py else "?"
+
+
+def memory_breakdown(engine: object) -> dict:
+    """Where torch's reserved memory is after the start: segments and live bytes per memory pool (CUDA-graph
+    pools have their own ids), the model's parameter and buffer bytes, and the largest live allocations
+    with the line that made them (memory history must be recording)."""
+    model = engine.parts.model  # type: ignore[attr-defined]
+    pool_storage = engine.parts.pool.buffer.untyped_storage().data_ptr()  # type: ignore[attr-defined]
+    seen: set[int] = set()
+    model_bytes = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        ptr = t.untyped_storage().data_ptr()
+        if t.device.type == "cuda" and ptr != pool_storage and ptr not in seen:  # views of the pool: experts, KV
+            seen.add(ptr)
+            model_bytes += t.untyped_storage().nbytes()
+    pools: dict[str, dict[str, int]] = {}
+    blocks = []
+    for seg in torch.cuda.memory._snapshot().get("segments", []):
+        pool = str(tuple(seg.get("segment_pool_id", (0, 0))))
+        entry = pools.setdefault(pool, {"segments_bytes": 0, "active_bytes": 0})
+        entry["segments_bytes"] += int(seg.get("total_size", 0))
+        entry["active_bytes"] += int(seg.get("active_size", 0))
+        for blk in seg.get("blocks", []):
+            if blk.get("state") == "active_allocated":
+                blocks.append({"bytes": int(blk.get("size", 0)), "pool": pool, "where": _where(blk.get("frames", []))})
+    blocks.sort(key=lambda b: -b["bytes"])
+    return {"model_bytes": model_bytes, "pools": pools, "largest_active": blocks[:40]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen1.5-moe-a2.7b", help="preset name or model directory")
@@ -43,12 +80,19 @@ def main() -> None:
 
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
+    torch.cuda.memory._record_memory_history(max_entries=200_000)  # stack traces for the breakdown below
     llm = LLM(args.model, gpu_memory_budget=args.gpu_memory_budget, load_format="dummy", offload_mode="static",
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     engine = llm.engine
     split = engine.parts.budget_split
     held = split["non_expert_weights"] + split["pool"]  # allocated for the engine's life
     after_start = torch.cuda.memory_reserved()
+    start_peak = torch.cuda.max_memory_reserved()  # includes transients of the start (weights, graph warm-ups)
+    try:
+        breakdown = memory_breakdown(engine)
+    except Exception as exc:  # a diagnostic: never lose the measurement to it
+        breakdown = {"error": repr(exc), "model_bytes": 0, "pools": {}, "largest_active": []}
+    torch.cuda.memory._record_memory_history(enabled=None)
     torch.cuda.reset_peak_memory_stats()
 
     g = torch.Generator().manual_seed(0)
@@ -76,6 +120,8 @@ def main() -> None:
         "budget_split": split,
         "workspace_bound": split["workspace"],
         "reserved_after_start_beyond_held": after_start - held,
+        "start_peak_reserved_beyond_held": start_peak - held,
+        "breakdown_after_start": breakdown,
         "peak_reserved_beyond_held": peak,
         "outside_torch_allocator": outside_torch,
         "measured_workspace": peak + max(0, outside_torch),
@@ -90,6 +136,14 @@ def main() -> None:
           f"measured workspace {result['measured_workspace'] / mib:,.0f} MiB; KV {result['kv_tokens']:,} tokens")
     for r in rows:
         print(f"  {r['phase']:>28}: peak beyond weights+pool {r['peak_reserved_beyond_held'] / mib:,.0f} MiB")
+    print(f"  start-up peak beyond weights+pool {result['start_peak_reserved_beyond_held'] / mib:,.0f} MiB; "
+          f"parameters+buffers {breakdown['model_bytes'] / mib:,.0f} MiB "
+          f"(budgeted {split['non_expert_weights'] / mib:,.0f})")
+    for pool, b in breakdown["pools"].items():
+        print(f"  pool {pool}: {b['segments_bytes'] / mib:,.0f} MiB in segments, "
+              f"{b['active_bytes'] / mib:,.0f} MiB active")
+    for blk in breakdown["largest_active"][:12]:
+        print(f"    {blk['bytes'] / mib:8.1f} MiB  pool {blk['pool']}  {blk['where']}")
     Path(args.output_json).write_text(json.dumps(result, indent=2))
 
 
