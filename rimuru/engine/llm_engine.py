@@ -72,6 +72,8 @@ class LLMEngine:
         self.async_scheduling = static and (config.async_scheduling if config.async_scheduling is not None
                                             else self.device.type == "cuda")
         self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
+        if isinstance(parts.provider, OffloadExpertProvider):
+            self.runner.expert_provider = parts.provider
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
         if self.device.type == "cuda":

@@ -27,6 +27,7 @@ from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.scheduler import SchedulerOutput
+from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.kernels.paged_attention import q_tile_starts, tile_map_block_q
 from rimuru.models.forward_batch import ForwardBatch
@@ -148,6 +149,8 @@ class ModelRunner:
         self.mixed_graph_steps = 0
         self.profiler: StepProfiler | None = None  # set by LLMEngine.enable_step_profiler()
         self.stager = InputStager(device) if device.type == "cuda" else None
+        # offloading modes: told each pass's real token count first (streaming layers, experts/offload_provider.py)
+        self.expert_provider: OffloadExpertProvider | None = None
         # the last launch's sampled tokens (device) and each sampling request's row in them, by seq_id
         self._last_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
         # request -> (its kv_pages list, int32 [capacity, L] pages, blocks filled): the pages as an array
@@ -318,6 +321,8 @@ class ModelRunner:
         previous launch sampled are filled on the device from its output."""
         prof = self.profiler
         sampling = [s.request for s in sched.scheduled if s.samples]
+        if self.expert_provider is not None:
+            self.expert_provider.begin_pass(sched.num_tokens)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(sched):
             B = len(sched.scheduled)

@@ -232,7 +232,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             pages = pool.allocator.allocate_mid(EXPERT, 2 * 3 * limit, owner=BUFFER_OWNER)
             assert pages is not None  # capacity was checked above
             loader = ExpertLoader(experts, store, pages, limit)
-            provider = OffloadExpertProvider(experts, loader)
+            provider = OffloadExpertProvider(experts, loader, top_k=spec.num_experts_per_tok)
+            provider.popularity = lambda: popularity.probabilities  # fixed mode; elastic: the online estimate
     model = build_model(spec, dtype, device, provider, kv_view)
     if isinstance(provider, OffloadExpertProvider):
         provider.predictor = ExpertPredictor(moe_routers(model), spec.num_experts_per_tok)
@@ -249,7 +250,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             step_cost = StepCostTracker(copy_overlap=cost_cfg.copy_overlap)  # measured forward times
             adjuster = CostAdjuster(cost_cfg, expert_bytes=3 * geometry.size(EXPERT), top_k=spec.num_experts_per_tok,
                                     compute_time=step_cost)
-        elastic = ElasticController(experts, loader, adjuster, OnlinePopularity(popularity),
+        online = OnlinePopularity(popularity)
+        provider.popularity = lambda: online.estimate().probabilities  # type: ignore[attr-defined]
+        elastic = ElasticController(experts, loader, adjuster, online,
                                     offload_limit=limit, smalls_per_mid=geometry.smalls_per_mid("kv", EXPERT),
                                     counter=counter, step_cost=step_cost,
                                     pcie_bandwidth=CostAdjusterConfig().pcie_bandwidth)

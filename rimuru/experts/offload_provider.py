@@ -14,10 +14,24 @@ predicted ids at the one read of step 1 (a second sync per layer would stall the
 they still overlap layer l's MoE kernel and layer l+1's attention. That read makes this provider
 unusable inside a CUDA graph: the engine captures piecewise graphs around it (engine/piecewise_graphs.py) and
 replays this decision between the pieces.
+
+Streaming layers (no routing read). In a large batch nearly every expert is routed to, so the read only
+confirms "load them all" while the GPU idles waiting for the host. `begin_pass(num_tokens)` (once per
+forward pass, before it is queued) marks a layer *streaming* when the expected number of its offloaded
+experts that no token routes to is at most STREAM_MAX_UNUSED:
+
+    sum over offloaded e of (1 - k * p[l, e]) ** T        p: the popularity estimate, k: top-k, T: tokens
+
+A streaming layer's offloaded experts are all copied (layer 0's before the pass, layer l+1's at layer l's
+boundary) and its table() returns without touching the device's routing: no host sync, so the host keeps
+queueing ahead of the GPU. Loading a superset of the routed experts never changes the result.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,9 +41,13 @@ from rimuru.experts.predictor import ExpertPredictor
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.models.expert_provider import ExpertProvider
 
+# A streaming layer may load, on average, at most this many offloaded experts that no token routes to.
+STREAM_MAX_UNUSED = 0.5
+
 
 class OffloadExpertProvider(ExpertProvider):
-    def __init__(self, cache: ExpertCache, loader: ExpertLoader, predictor: ExpertPredictor | None = None) -> None:
+    def __init__(self, cache: ExpertCache, loader: ExpertLoader, predictor: ExpertPredictor | None = None,
+                 top_k: int = 1) -> None:
         self.cache = cache
         self.loader = loader
         self.expert_view = cache.expert_view  # [n_mid, f*d]
@@ -38,6 +56,49 @@ class OffloadExpertProvider(ExpertProvider):
         self.counter: RoutingCounter | None = None  # when set, every routing decision is counted (on the device)
         # [T] bool while a padded (CUDA-graph) batch is replayed: padding rows' routing loads nothing
         self.row_mask: Tensor | None = None
+        self.top_k = top_k
+        # [L, E] routing probabilities for the streaming decision (elastic: the online estimate); None: uniform
+        self.popularity: Callable[[], np.ndarray] | None = None
+        self.streaming = [False] * cache.num_layers  # this pass's streaming layers (begin_pass)
+        self.routing_reads = 0  # device->host routing reads (one per non-streaming layer with offloaded experts)
+        self.streamed_layers = 0  # layers served without a routing read
+
+    def begin_pass(self, num_tokens: int) -> None:
+        """Before a forward pass of `num_tokens` real tokens is queued: decides its streaming layers (tables do
+        not change within a pass) and starts copying layer 0's offloaded experts if it streams."""
+        self.loader.fence_consumed()  # the previous pass's last buffers get their fences before any claim
+        absent = (self.cache.host_tables[:, :, 0] < 0).numpy()  # [L, E]
+        L, E = absent.shape
+        probs = self.popularity() if self.popularity is not None else np.full((L, E), 1.0 / E)
+        hit = np.clip(self.top_k * probs, 0.0, 1.0)
+        unused = np.where(absent, (1.0 - hit) ** max(num_tokens, 0), 0.0).sum(axis=1)  # [L] expected
+        limit_ok = absent.sum(axis=1) <= self.loader.limit
+        self.streaming = ((unused <= STREAM_MAX_UNUSED) & absent.any(axis=1) & limit_ok).tolist()
+        if self.streaming and self.streaming[0]:
+            self._stream_into(0, on_demand=False)
+
+    def _stream_into(self, layer: int, on_demand: bool):  # -> LoadBuffer
+        """Claims `layer`'s buffer and copies every offloaded expert of the layer that it lacks."""
+        buf = self.loader.claim(layer)
+        absent = torch.nonzero(self.cache.host_tables[layer, :, 0] < 0).flatten().tolist()
+        missing = [e for e in absent if e not in buf.slot_of]
+        if on_demand:
+            self.loader.counters.hits += len(absent) - len(missing)
+            self.loader.counters.misses += len(missing)
+        self.loader.load(buf, missing, keep=set(absent), prefetch=not on_demand)
+        return buf
+
+    def _streaming_table(self, moe_layer: int) -> Tensor:
+        loader = self.loader
+        buf = self._stream_into(moe_layer, on_demand=True)
+        loader.publish(buf)
+        loader.wait_ready(buf)
+        buf.consumed = True
+        self.streamed_layers += 1
+        nxt = moe_layer + 1
+        if nxt < self.cache.num_layers and self.streaming[nxt]:
+            self._stream_into(nxt, on_demand=False)
+        return buf.table
 
     @property
     def counters(self) -> LoadCounters:
@@ -46,7 +107,7 @@ class OffloadExpertProvider(ExpertProvider):
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         self.loader.fence_consumed()
         nxt = moe_layer + 1
-        if self.predictor is not None and nxt < self.cache.num_layers:
+        if self.predictor is not None and nxt < self.cache.num_layers and not self.streaming[nxt]:
             self._prediction = (nxt, self.predictor.scores(nxt, hidden))
         else:
             self._prediction = None
@@ -58,6 +119,14 @@ class OffloadExpertProvider(ExpertProvider):
         if self.counter is not None:
             self.counter.record(moe_layer, topk_ids)
         loader.fence_consumed()
+        if self.streaming[moe_layer]:
+            self._prediction = None
+            return self._streaming_table(moe_layer)
+        if not bool((self.cache.host_tables[moe_layer, :, 0] < 0).any()):
+            # every expert of the layer is resident: nothing to decide, no read (as the piecewise replay does;
+            # a prediction for the next layer is dropped rather than paid for with a sync)
+            self._prediction = None
+            return self.cache.tables[moe_layer]
         flat = topk_ids.reshape(-1).long()
         flat = torch.where((flat >= 0) & (flat < E), flat, E)  # out-of-range ids counted in bin E
         if self.row_mask is None:
@@ -70,6 +139,7 @@ class OffloadExpertProvider(ExpertProvider):
             pred = None
         both = counts if pred is None else torch.cat([counts, pred[1]])  # [E + 1 (+ E)]
         host = both.cpu()  # the one device->host sync of this layer
+        self.routing_reads += 1
         if host[E] > 0:
             raise ValueError(f"routed expert ids of MoE layer {moe_layer} must be in [0, {E})")
         absent = self.cache.host_tables[moe_layer, :, 0] < 0  # [E] not resident
@@ -88,7 +158,7 @@ class OffloadExpertProvider(ExpertProvider):
             table = self.cache.tables[moe_layer]  # every routed expert is resident
         buf.consumed = True
 
-        if pred is not None and loader.limit > 0:
+        if pred is not None and loader.limit > 0 and not self.streaming[moe_layer + 1]:
             scores = host[E + 1 :]
             cand = torch.nonzero((scores > 0) & self.cache.host_tables[moe_layer + 1, :, 0].lt(0)).flatten()
             order = torch.argsort(scores[cand], descending=True, stable=True)
