@@ -101,10 +101,33 @@ def test_async_abort_in_flight_leaks_nothing(parity_checkpoints) -> None:
     engine.pool.allocator.check_invariants()
 
 
-def test_async_scheduling_refuses_offload_modes(parity_checkpoints) -> None:
-    with pytest.raises(ValueError, match="async_scheduling needs static experts"):
-        LLM(str(parity_checkpoints["qwen2_moe"]), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed",
-            resident_experts=0.5, async_scheduling=True)
+def test_async_offload_modes_match_sync(parity_checkpoints) -> None:
+    """fixed (every routed expert through the load buffers) and elastic (evictions and grows while a pass is in
+    flight; routing counts read one step late): the same tokens as the synchronous loop, nothing leaked."""
+    from test_elastic import prompts, tight_budget
+
+    path = parity_checkpoints["qwen2_moe"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    heavy, light = prompts(6, seed=1), prompts(2, seed=2)
+    budget = tight_budget(path, kv_blocks=10, limit=5)
+    outs = {}
+    for async_scheduling in (False, True):
+        fixed = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", resident_experts=1,
+                    async_scheduling=async_scheduling)
+        got_fixed = [o.outputs[0].token_ids for o in fixed.generate(heavy, params)]
+        elastic = LLM(str(path), device="cpu", gpu_memory_budget=budget, offload_mode="elastic",
+                      expert_offload_limit=5, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+        assert elastic.engine.async_scheduling is async_scheduling
+        assert elastic.engine.elastic.async_steps is async_scheduling
+        got_elastic = [o.outputs[0].token_ids for o in elastic.generate(heavy, params)]
+        got_elastic += [o.outputs[0].token_ids for o in elastic.generate(light, params)]
+        st = elastic.stats()
+        assert st["expert_evictions"] > 0 and st["expert_grows"] > 0, st
+        assert st["kv_pages_used"] == 0 and fixed.stats()["kv_pages_used"] == 0
+        elastic.engine.pool.allocator.check_invariants()
+        assert elastic.engine.pool.allocator.pending_deferred == 0
+        outs[async_scheduling] = (got_fixed, got_elastic)
+    assert outs[True] == outs[False]
 
 
 @pytest.mark.gpu

@@ -64,13 +64,13 @@ class LLMEngine:
                                    reclaimable=self.elastic.reclaimable_kv_pages if self.elastic else None)
         self.runner = ModelRunner(parts.model, parts.device, parts.num_attention_layers, config.block_size,
                                   Sampler(parts.device, config.seed))
-        # Async scheduling (step n+1 launched before step n's tokens are read) needs every device consumer of a
-        # freed page on the one compute stream: static experts only (expert loads use a copy stream).
-        static = isinstance(parts.provider, StaticExpertProvider) and self.elastic is None
-        if config.async_scheduling and not static:
-            raise ValueError("async_scheduling needs static experts (offload_mode='static')")
-        self.async_scheduling = static and (config.async_scheduling if config.async_scheduling is not None
-                                            else self.device.type == "cuda")
+        # Async scheduling: step n+1 is launched before step n's tokens are read. A page freed meanwhile may still
+        # be read by the pass in flight: KV allocations reuse it on the same stream (ordered after that pass), and
+        # elastic grows copy into pages only after the last launched pass (ExpertLoader.last_pass_done).
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        if self.elastic is not None:
+            self.elastic.async_steps = self.async_scheduling
         self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
         if isinstance(parts.provider, OffloadExpertProvider):
             self.runner.expert_provider = parts.provider

@@ -350,6 +350,8 @@ class ModelRunner:
                     prof.forward_end()
                     prof.mark("forward")
                 self._last_sampled = None
+                if self.expert_provider is not None:
+                    self.expert_provider.loader.mark_pass_launched()
                 return SampledTokens(None, self.device, prof)
         else:
             batch = self.prepare(sched)
@@ -362,11 +364,15 @@ class ModelRunner:
                     prof.forward_end()
                     prof.mark("forward")
                 self._last_sampled = None
+                if self.expert_provider is not None:
+                    self.expert_provider.loader.mark_pass_launched()
                 return SampledTokens(None, self.device, prof)
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B', V] float32
         if prof is not None:
             prof.forward_end()
             prof.mark("forward")
+        if self.expert_provider is not None:
+            self.expert_provider.loader.mark_pass_launched()
         tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
         self._last_sampled = (tokens, {r.seq_id: i for i, r in enumerate(sampling)})
         out = SampledTokens(tokens, self.device, prof)

@@ -64,6 +64,12 @@ class ElasticController:
         self.step_cost = step_cost
         self.pcie_bandwidth = pcie_bandwidth
         self._forward_start: tuple[float, int] | None = None  # (monotonic time, loader bytes) when tokens ran
+        # async scheduling (LLMEngine sets it): after_forward runs while the pass it follows is still in flight,
+        # so routing counts are read one step late (non-blocking copy) and a step's time is the interval
+        # between consecutive after_forward calls (the loop runs at the GPU's pace)
+        self.async_steps = False
+        self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._last_after_forward: tuple[float, int] | None = None
 
     def reclaimable_kv_pages(self) -> int:
         """KV pages that evicting every expert the limits still allow would free (after the moves in flight)."""
@@ -121,6 +127,9 @@ class ElasticController:
         """The forward pass has finished: evicted experts leave the tables (the engine then completes the
         allocator's forward, which frees their pages), and its routing counts update the popularity."""
         self.cache.finish_evictions()
+        if self.async_steps:
+            self._after_forward_async()
+            return
         if self.step_cost is not None and self._forward_start is not None:
             t0, bytes0 = self._forward_start
             copy_s = (self.loader.counters.bytes_loaded - bytes0) / self.pcie_bandwidth
@@ -128,3 +137,18 @@ class ElasticController:
         self._forward_start = None
         if self.counter is not None:
             self.observe(self.counter.snapshot_and_reset().numpy())
+
+    def _after_forward_async(self) -> None:
+        now, loaded = time.monotonic(), self.loader.counters.bytes_loaded
+        if self.step_cost is not None and self._forward_start is not None and self._last_after_forward is not None:
+            t0, bytes0 = self._last_after_forward
+            self.step_cost.observe_forward(now - t0, (loaded - bytes0) / self.pcie_bandwidth)
+        self._last_after_forward = (now, loaded) if self._forward_start is not None else None
+        self._forward_start = None
+        if self.counter is not None:
+            previous, self._counts_in_flight = self._counts_in_flight, self.counter.snapshot_and_reset_async()
+            if previous is not None:
+                host, done = previous
+                if done is not None:
+                    done.synchronize()  # the pass before the one in flight: finished
+                self.observe(host.numpy())

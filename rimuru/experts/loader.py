@@ -73,6 +73,10 @@ class ExpertLoader:
         device = cache.tables.device
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.counters = LoadCounters()
+        # recorded on the compute stream after each launched forward pass (mark_pass_launched): a grow's copy
+        # into pages that were KV or an evicted expert waits for it, since with async scheduling a pass that
+        # still reads those pages may be in flight when they are handed out
+        self.last_pass_done: torch.cuda.Event | None = None
         E = cache.num_experts
         self.buffers: list[LoadBuffer] = []
         for b in range(2):
@@ -161,6 +165,8 @@ class ExpertLoader:
         on the CPU, where the copy is done on return). The caller must not publish the pages before it."""
         src = self.store.layers[layer][expert]  # [3, f*d]
         done = None
+        if self.copy_stream is not None and self.last_pass_done is not None:
+            self.copy_stream.wait_event(self.last_pass_done)
         with self._copy_stream():
             for j, page in enumerate(pages):
                 self.expert_view[page].copy_(src[j], non_blocking=True)
@@ -172,6 +178,12 @@ class ExpertLoader:
         c.bytes_loaded += self.store.expert_bytes
         c.grown += 1
         return done
+
+    def mark_pass_launched(self) -> None:
+        """After a forward pass has been queued on the compute stream (see last_pass_done)."""
+        if self.copy_stream is not None:
+            self.last_pass_done = torch.cuda.Event()
+            self.last_pass_done.record()
 
     def publish(self, buf: LoadBuffer) -> None:
         """Pushes `buf`'s host table to its device table (after the copy stream's fence wait)."""

@@ -51,6 +51,19 @@ class RoutingCounter:
             src = self.row_mask[:, None].expand(topk_ids.shape).reshape(-1).to(torch.float32)
         self.counts[moe_layer].scatter_add_(0, flat, src)
 
+    def snapshot_and_reset_async(self) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Starts copying the counts so far to the host (pinned, non-blocking) and zeroes the device counts,
+        both in the compute stream's order. Returns (host tensor, event): read the tensor after
+        `event.synchronize()` (no event on the CPU: it is ready). For loops that must not wait for the GPU."""
+        if self.counts.device.type != "cuda":
+            return self.snapshot_and_reset(), None
+        host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
+        host.copy_(self.counts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.counts.zero_()
+        return host, done
+
     def snapshot_and_reset(self) -> Tensor:
         """The counts so far as a host float32 tensor [L_moe, E]; the device counts restart from zero."""
         host = self.counts.to("cpu", copy=True)
