@@ -125,6 +125,8 @@ _TIMELINE = {  # timeline key -> metric names (first present wins)
     "waiting": ("rimuru:num_requests_waiting", "vllm:num_requests_waiting"),
     "kv_pages_used": ("rimuru:kv_pages_used",),
     "pool_free_bytes": ("rimuru:pool_free_bytes",),
+    "kv_bytes_used": ("rimuru:kv_bytes_used",),
+    "expert_bytes_used": ("rimuru:expert_bytes_used",),
     "resident_experts": ("rimuru:resident_experts_total",),
     "expert_bytes_loaded": ("rimuru:expert_bytes_loaded",),
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
@@ -628,6 +630,55 @@ def plot(json_paths: list[Path], out: Path) -> None:
     print(f"wrote {out}")
 
 
+def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
+    """The memory split over time at one rate, one panel per configuration. Rimuru: the pool's bytes held by
+    experts (resident and load buffers), by KV pages, and free (stacked), with running and waiting requests;
+    vLLM: its KV-cache usage with running and waiting (it exposes no byte split)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for path in json_paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            tl = row.get("timeline") or {}
+            if row.get("status") == "ok" and float(row["rate"]) == float(rate) and tl.get("t"):
+                rows.append(row)
+    if not rows:
+        raise SystemExit(f"no ok rows with a timeline at {rate} req/s")
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.8 * len(rows)), squeeze=False)
+    gib = 2**30
+    for ax, row in zip(axes[:, 0], rows, strict=True):
+        tl = row["timeline"]
+        t = tl["t"]
+        name = row["config"] + (f" ({row['label']})" if row.get("label") else "")
+        if tl.get("expert_bytes_used") and tl.get("kv_bytes_used"):
+            parts = [("experts", tl["expert_bytes_used"]), ("KV cache", tl["kv_bytes_used"]),
+                     ("free", tl.get("pool_free_bytes") or [0] * len(t))]
+            ax.stackplot(t, *[[(v or 0) / gib for v in vals] for _, vals in parts], labels=[p[0] for p in parts],
+                         alpha=0.7)
+            ax.set_ylabel("pool (GiB)")
+        elif tl.get("kv_cache_usage"):
+            ax.plot(t, [100 * (v or 0) for v in tl["kv_cache_usage"]], color="tab:orange", label="KV cache used")
+            ax.set_ylabel("KV cache (%)")
+        twin = ax.twinx()
+        for key, style in (("running", "-"), ("waiting", "--")):
+            if tl.get(key):
+                twin.plot(t, [v or 0 for v in tl[key]], style, color="black", linewidth=1, label=key)
+        twin.set_ylabel("requests")
+        ax.set_title(f"{name} at {rate:g} req/s")
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        labels = ax.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
+        ax.legend(handles, labels, fontsize=7, loc="upper right")
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("time in the point (s)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 
@@ -702,6 +753,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG: throughput and TTFT p50 against rate, one line per config")
     p.add_argument("--plot-from", nargs="+", default=None, help="only draw --plot from these sweep JSONs")
+    p.add_argument("--plot-memory", default=None, help="PNG: the memory split over time at --plot-memory-rate")
+    p.add_argument("--plot-memory-rate", type=float, default=40.0)
     return p
 
 
@@ -723,9 +776,12 @@ def exit_on_signals() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plot_from:
-        if not args.plot:
-            raise SystemExit("--plot-from needs --plot OUT.png")
-        plot([Path(p) for p in args.plot_from], Path(args.plot))
+        if not (args.plot or args.plot_memory):
+            raise SystemExit("--plot-from needs --plot OUT.png and/or --plot-memory OUT.png")
+        if args.plot:
+            plot([Path(p) for p in args.plot_from], Path(args.plot))
+        if args.plot_memory:
+            plot_memory([Path(p) for p in args.plot_from], args.plot_memory_rate, Path(args.plot_memory))
         return 0
     if not args.output_json:
         raise SystemExit("--output-json is required")
@@ -757,6 +813,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[sweep] {ok} of {len(sweep.rows)} points measured; wrote {args.output_json}", flush=True)
     if args.plot and ok:
         plot([Path(args.output_json)], Path(args.plot))
+    if args.plot_memory and ok:
+        plot_memory([Path(args.output_json)], args.plot_memory_rate, Path(args.plot_memory))
     return 0 if ok else 1
 
 

@@ -104,3 +104,17 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
         srv = doc["servers"][name]
         assert port_is_free(srv["port"]), f"{name}'s port {srv['port']} still taken"
         assert srv["stopped"], name
+    # the memory split over time at one rate: the pool's bytes by kind are in the timeline, and plotted
+    for r in fixed:
+        tl = r["timeline"]
+        assert max(tl["expert_bytes_used"]) > 0 and tl["kv_bytes_used"] and tl["pool_free_bytes"]
+    png = tmp_path / "memory.png"
+    plot = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_sweep.py"), "--plot-from", str(out),
+                           "--plot-memory", str(png), "--plot-memory-rate", "40"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert plot.returncode == 0, plot.stderr[-2000:]
+    assert png.stat().st_size > 10_000
+    none = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_sweep.py"), "--plot-from", str(out),
+                           "--plot-memory", str(png), "--plot-memory-rate", "7"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert none.returncode != 0 and "no ok rows with a timeline at 7" in none.stderr

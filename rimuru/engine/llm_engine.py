@@ -369,6 +369,9 @@ class LLMEngine:
             "kv_pages_free": self.kv.capacity_pages(),
             "pool_bytes": st.pool_bytes,
             "free_bytes": st.total_free_bytes,
+            # the pool's split: pool_bytes == kv_bytes_used + expert_bytes_used + free_bytes
+            "kv_bytes_used": st.used_bytes.get("kv", 0),
+            "expert_bytes_used": st.used_bytes.get(EXPERT, 0),  # resident experts and the load buffers
             "trapped_bytes": st.trapped_bytes,
             "resident_experts": self.experts.num_resident,
             "total_experts": self.experts.total_experts,
