@@ -340,3 +340,36 @@ def test_server_without_tokenizer_takes_token_ids_and_rejects_text(tiny_checkpoi
                      {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, key=None)
         _assert_error(chat, 400, "messages", "")
         assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_stream_batches_keep_the_latest_cumulative_output_per_choice() -> None:
+    """A stream whose event loop fell behind takes every queued output at once and keeps the latest per choice
+    (outputs are cumulative), so a lagging loop sends one chunk per choice instead of one per engine step."""
+    from rimuru.engine.outputs import CompletionOutput, RequestOutput
+    from rimuru.server.async_engine import RequestStream
+
+    def out(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+        comp = CompletionOutput(0, "x" * len(tokens), tokens, "length" if finished else None, None)
+        return RequestOutput(rid, None, [1], [comp], finished, None)
+
+    class Engine:
+        aborted: list[str] = []
+
+        def abort(self, ids: list[str]) -> None:
+            self.aborted += ids
+
+    async def scenario() -> None:
+        engine = Engine()
+        stream = RequestStream(engine, ["a", "b"])  # type: ignore[arg-type]
+        for item in [(0, out("a", [1])), (1, out("b", [5])), (0, out("a", [1, 2])), (0, out("a", [1, 2, 3], True))]:
+            stream.queue.put_nowait(item)
+        batch = await stream.next_batch()
+        assert [(i, o.outputs[0].token_ids, o.finished) for i, o in batch] == [(1, [5], False), (0, [1, 2, 3], True)]
+        assert not stream.done() and stream.unfinished == {"b"}
+        stream.queue.put_nowait(RuntimeError("engine failed"))
+        with pytest.raises(RuntimeError, match="engine failed"):
+            await stream.next_batch()
+        stream.close()
+        assert engine.aborted == ["b"]
+
+    asyncio.run(scenario())

@@ -226,40 +226,41 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         last: dict[int, RequestOutput] = {}
+
+        def chunk(index: int, out: RequestOutput) -> str | None:
+            """The SSE event of what `out` adds for its choice (None: nothing new)."""
+            last[index] = out
+            c = out.outputs[0]
+            if len(c.token_ids) == sent_tokens.get(index, 0) and c.finish_reason is None:
+                return None
+            start = sent_text.get(index, 0)
+            end = len(c.text)
+            delta = c.text[start:end]
+            if chat:
+                d: dict = {"content": delta}
+                if index not in sent_tokens:
+                    d = {"role": "assistant", "content": delta}
+                choice = {"index": index, "delta": d, "logprobs": None, "finish_reason": c.finish_reason}
+            else:
+                choice = {
+                    "index": index,
+                    "text": delta,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            sent_text[index] = end
+            sent_tokens[index] = len(c.token_ids)
+            return sse({"id": rid, "object": obj, "created": created, "model": config.served_model_name,
+                        "choices": [choice], "usage": None})
+
         try:
-            async for index, out in stream:
-                last[index] = out
-                c = out.outputs[0]
-                if len(c.token_ids) == sent_tokens.get(index, 0) and c.finish_reason is None:
-                    continue
-                start = sent_text.get(index, 0)
-                end = len(c.text)
-                delta = c.text[start:end]
-                if chat:
-                    d: dict = {"content": delta}
-                    if index not in sent_tokens:
-                        d = {"role": "assistant", "content": delta}
-                    choice = {"index": index, "delta": d, "logprobs": None, "finish_reason": c.finish_reason}
-                else:
-                    choice = {
-                        "index": index,
-                        "text": delta,
-                        "logprobs": None,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                sent_text[index] = end
-                sent_tokens[index] = len(c.token_ids)
-                yield sse(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": config.served_model_name,
-                        "choices": [choice],
-                        "usage": None,
-                    }
-                )
+            while not stream.done():
+                # a batch: every output queued for this stream, the latest per choice (a lagging loop coalesces)
+                for index, out in await stream.next_batch():
+                    event = chunk(index, out)
+                    if event is not None:
+                        yield event
             if include_usage:
                 yield sse(
                     {

@@ -77,13 +77,30 @@ class RequestStream:
         self.unfinished = set(self.request_ids)
 
     async def next(self, timeout: float | None = None) -> tuple[int, RequestOutput]:
-        item = await asyncio.wait_for(self.queue.get(), timeout)
+        return self._take(await asyncio.wait_for(self.queue.get(), timeout))
+
+    def _take(self, item: object) -> tuple[int, RequestOutput]:
         if isinstance(item, BaseException):
             raise item
-        index, out = item
+        index, out = item  # type: ignore[misc]
         if out.finished:
             self.unfinished.discard(out.request_id)
         return index, out
+
+    async def next_batch(self) -> list[tuple[int, RequestOutput]]:
+        """Waits for one output, then takes every output already queued behind it, and returns the latest per
+        choice (outputs are cumulative, so a later one covers an earlier one). When the event loop falls behind
+        the engine, a stream then costs one chunk per loop turn instead of one per engine step."""
+        latest = dict([self._take(await self.queue.get())])
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            index, out = self._take(item)
+            latest.pop(index, None)  # keep arrival order: the choice moves to the end
+            latest[index] = out
+        return list(latest.items())
 
     def done(self) -> bool:
         return not self.unfinished
