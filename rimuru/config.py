@@ -67,8 +67,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0
     enforce_eager: bool = False
-    # schedule and launch step n+1 before step n's tokens are read (engine/llm_engine.py); None: on for static
-    # experts on a GPU, off elsewhere
+    # schedule and launch step n+1 before step n's tokens are read (engine/llm_engine.py); None: on on a GPU
     async_scheduling: bool | None = None
     resident_experts: float | None = None  # fixed mode: experts per layer (>= 1) or a fraction (< 1)
     expert_offload_limit: int | None = None  # the most experts one layer may have offloaded
@@ -138,7 +137,7 @@ _FLAG_HELP = {
     "expert_offload_limit": "the most experts one layer may have offloaded",
     "expert_ranking": "expert popularity JSON written by `rimuru profile`",
     "enforce_eager": "never capture CUDA graphs",
-    "async_scheduling": "launch step n+1 before reading step n's tokens (default: on for static experts on a GPU)",
+    "async_scheduling": "launch step n+1 before reading step n's tokens (default: on on a GPU)",
     "dummy_routing": "dummy weights only: uniform | zipf:S (a seeded power-law expert popularity)",
     "adjuster": "elastic mode: paper (threshold rules) | cost (offload only what PCIe can pay for)",
     "tpot_slo_ms": "cost adjuster: per-step time target in ms (default: offload only copies that hide behind compute)",

@@ -203,6 +203,16 @@ class LLMEngine:
                                        num_stalled=len(sched.stalled))
         if prof is not None:
             prof.mark("adjust")
+        previous: tuple[SchedulerOutput, SampledTokens] | None = None
+        if self.async_scheduling:
+            previous, self._in_flight = self._in_flight, None
+            if previous is not None and sched.scheduled and self.runner.pass_reads_routing(sched.num_tokens):
+                # This launch would stop at an offloaded layer's routing read, long after step n is done: read
+                # and process step n first, so its tokens reach clients a pass earlier. Requests that finish
+                # now leave the batch (their pages are already freed).
+                outputs += self._process(previous[0], previous[1].tolist())
+                previous = None
+                sched.scheduled = [s for s in sched.scheduled if not s.request.status.finished]
         launched: tuple[SchedulerOutput, SampledTokens] | None = None
         if sched.scheduled:
             now = time.monotonic()
@@ -219,7 +229,10 @@ class LLMEngine:
                         s.request.num_pending_tokens += 1  # read by _process when the next step() has launched
         # Async: step n+1 is queued behind step n on the device; read and process step n meanwhile.
         # Sync: read and process the step just launched (the read waits for it).
-        previous, self._in_flight = (self._in_flight, launched) if self.async_scheduling else (launched, None)
+        if self.async_scheduling:
+            self._in_flight = launched
+        else:
+            previous = launched
         if previous is not None:
             outputs += self._process(previous[0], previous[1].tolist())
             if prof is not None:

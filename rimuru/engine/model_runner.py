@@ -301,6 +301,10 @@ class ModelRunner:
         """Runs one step; returns the sampled token of each scheduled request that samples, in order."""
         return self.launch(sched).tolist()
 
+    def pass_reads_routing(self, num_tokens: int) -> bool:
+        """Whether a forward pass of `num_tokens` tokens will wait on the host for an offloaded layer's routing."""
+        return self.expert_provider is not None and self.expert_provider.pass_reads_routing(num_tokens)
+
     def _fill_pending(self, input_ids: torch.Tensor, h: HostBatch) -> None:
         """Async scheduling: input rows of tokens sampled by the previous launch, copied on the device."""
         if h.pending_rows is None:

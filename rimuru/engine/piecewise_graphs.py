@@ -68,8 +68,8 @@ class ExpertTableBoundaries:
         self._pending: tuple[int, Tensor] | None = None
         self._capture: PiecewiseGraph | None = None
         self._pool: Any = None
-        self.host_waits = 0  # boundaries that read the routing on the host (a layer had experts offloaded)
-        self.skipped_waits = 0  # boundaries that went on without a host read (layer fully resident)
+        self.host_waits = 0  # boundaries that read the routing on the host (offloaded experts, not streaming)
+        self.skipped_waits = 0  # boundaries that went on without a host read (fully resident or streaming)
 
     # ---- the provider protocol, used while capturing (and during the eager warm-up before it) ------
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
@@ -140,12 +140,17 @@ class ExpertTableBoundaries:
                     if counter is not None:
                         counter.record(b.moe_layer, b.topk_ids)
                     self.active[b.moe_layer].copy_(cache.tables[b.moe_layer])
+                    provider.prefetch_next(b.moe_layer)  # a streaming next layer starts its copies here
                     self.skipped_waits += 1
                     continue
                 provider._prediction = b.prediction
-                table = provider.table(b.moe_layer, b.topk_ids)  # routing read, loads, stream waits
+                reads = provider.routing_reads
+                table = provider.table(b.moe_layer, b.topk_ids)  # routing read (unless streaming), loads, waits
                 self.active[b.moe_layer].copy_(table)
-                self.host_waits += 1
+                if provider.routing_reads > reads:
+                    self.host_waits += 1
+                else:
+                    self.skipped_waits += 1
         finally:
             provider.row_mask = None
             provider._prediction = None

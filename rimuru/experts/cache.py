@@ -176,12 +176,12 @@ class ExpertCache:
     def finish_evictions(self) -> list[tuple[int, int]]:
         """After the forward pass has completed: evicted experts leave the tables (pages are deferred-freed)."""
         done, self._evicting = self._evicting, []
-        if done:
-            idx = torch.tensor(done, dtype=torch.int64)
-            self.tables[idx[:, 0].to(self.tables.device), idx[:, 1].to(self.tables.device)] = -1
-            self.host_tables[idx[:, 0], idx[:, 1]] = -1
-            for key in done:
-                del self._pages[key]
+        for layer, expert in done:
+            # one fill per row, queued on the compute stream: no index tensor to copy over, so no host wait
+            # for the pass that may still be in flight (async scheduling)
+            self.tables[layer, expert] = -1
+            self.host_tables[layer, expert] = -1
+            del self._pages[(layer, expert)]
         return done
 
     def reserve_grow(self, layer: int, expert: int) -> tuple[int, int, int] | None:
@@ -198,7 +198,9 @@ class ExpertCache:
         """The expert's copy has completed (the caller made sure): it enters the tables."""
         pages = self._growing.pop((layer, expert))
         row = torch.tensor(pages, dtype=torch.int32)
-        self.tables[layer, expert] = row.to(self.tables.device, non_blocking=True)
+        # from pinned memory: a copy from pageable memory would first wait for the pass in flight
+        self.tables[layer, expert] = (row.pin_memory() if self.tables.is_cuda else row).to(self.tables.device,
+                                                                                           non_blocking=True)
         self.host_tables[layer, expert] = row
         self._pages[(layer, expert)] = pages
 

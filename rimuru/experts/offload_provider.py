@@ -63,19 +63,38 @@ class OffloadExpertProvider(ExpertProvider):
         self.routing_reads = 0  # device->host routing reads (one per non-streaming layer with offloaded experts)
         self.streamed_layers = 0  # layers served without a routing read
 
-    def begin_pass(self, num_tokens: int) -> None:
-        """Before a forward pass of `num_tokens` real tokens is queued: decides its streaming layers (tables do
-        not change within a pass) and starts copying layer 0's offloaded experts if it streams."""
-        self.loader.fence_consumed()  # the previous pass's last buffers get their fences before any claim
+    def plan_streaming(self, num_tokens: int) -> tuple[list[bool], list[bool]]:
+        """(streaming, offloaded) per MoE layer for a pass of `num_tokens` real tokens, from the tables as they
+        are now (they do not change within a pass). Pure: nothing is copied or recorded."""
         absent = (self.cache.host_tables[:, :, 0] < 0).numpy()  # [L, E]
         L, E = absent.shape
         probs = self.popularity() if self.popularity is not None else np.full((L, E), 1.0 / E)
         hit = np.clip(self.top_k * probs, 0.0, 1.0)
         unused = np.where(absent, (1.0 - hit) ** max(num_tokens, 0), 0.0).sum(axis=1)  # [L] expected
+        offloaded = absent.any(axis=1)
         limit_ok = absent.sum(axis=1) <= self.loader.limit
-        self.streaming = ((unused <= STREAM_MAX_UNUSED) & absent.any(axis=1) & limit_ok).tolist()
+        return ((unused <= STREAM_MAX_UNUSED) & offloaded & limit_ok).tolist(), offloaded.tolist()
+
+    def pass_reads_routing(self, num_tokens: int) -> bool:
+        """Whether a pass of `num_tokens` tokens will stop the host at some layer's routing read."""
+        streaming, offloaded = self.plan_streaming(num_tokens)
+        return any(o and not st for st, o in zip(streaming, offloaded, strict=True))
+
+    def begin_pass(self, num_tokens: int) -> None:
+        """Before a forward pass of `num_tokens` real tokens is queued: decides its streaming layers and starts
+        copying layer 0's offloaded experts if it streams."""
+        self.loader.fence_consumed()  # the previous pass's last buffers get their fences before any claim
+        self.streaming = self.plan_streaming(num_tokens)[0]
         if self.streaming and self.streaming[0]:
             self._stream_into(0, on_demand=False)
+
+    def prefetch_next(self, moe_layer: int) -> None:
+        """At layer `moe_layer`'s boundary: starts copying layer moe_layer+1's offloaded experts if it streams
+        (whatever this layer did: streamed, read its routing, or was fully resident)."""
+        nxt = moe_layer + 1
+        if nxt < self.cache.num_layers and self.streaming[nxt]:
+            self.loader.fence_consumed()  # the kernels queued since the last boundary fence their buffers
+            self._stream_into(nxt, on_demand=False)
 
     def _stream_into(self, layer: int, on_demand: bool):  # -> LoadBuffer
         """Claims `layer`'s buffer and copies every offloaded expert of the layer that it lacks."""
@@ -95,9 +114,7 @@ class OffloadExpertProvider(ExpertProvider):
         loader.wait_ready(buf)
         buf.consumed = True
         self.streamed_layers += 1
-        nxt = moe_layer + 1
-        if nxt < self.cache.num_layers and self.streaming[nxt]:
-            self._stream_into(nxt, on_demand=False)
+        self.prefetch_next(moe_layer)
         return buf.table
 
     @property
@@ -126,6 +143,7 @@ class OffloadExpertProvider(ExpertProvider):
             # every expert of the layer is resident: nothing to decide, no read (as the piecewise replay does;
             # a prediction for the next layer is dropped rather than paid for with a sync)
             self._prediction = None
+            self.prefetch_next(moe_layer)
             return self.cache.tables[moe_layer]
         flat = topk_ids.reshape(-1).long()
         flat = torch.where((flat >= 0) & (flat < E), flat, E)  # out-of-range ids counted in bin E
@@ -166,4 +184,5 @@ class OffloadExpertProvider(ExpertProvider):
             if picked:
                 nxt = loader.claim(moe_layer + 1)
                 loader.load(nxt, picked, keep=set(), prefetch=True)
+        self.prefetch_next(moe_layer)
         return table  # [E, 3]
