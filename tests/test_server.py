@@ -300,7 +300,10 @@ def test_vllm_bench_client_payload(server: Server) -> None:
     assert messages[-1] == "data: [DONE]"
     data = [json.loads(m.removeprefix("data: ")) for m in messages[:-1]]
     token_chunks = [d for d in data if d.get("choices")]
-    assert len(token_chunks) == 7 and all(isinstance(d["choices"][0]["text"], str) for d in token_chunks)
+    # one chunk per token unless the event loop fell behind the engine (then queued outputs are coalesced);
+    # the client counts tokens from the usage chunk
+    assert 1 <= len(token_chunks) <= 7 and all(isinstance(d["choices"][0]["text"], str) for d in token_chunks)
+    assert token_chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert data[-1]["usage"]["completion_tokens"] == 7 and data[-1]["usage"]["prompt_tokens"] > 0
 
 
