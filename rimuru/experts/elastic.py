@@ -70,6 +70,7 @@ class ElasticController:
         self.async_steps = False
         self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._last_after_forward: tuple[float, int] | None = None
+        self._copy_bytes: int | None = None  # bytes loaded for the pass in flight (async)
 
     def reclaimable_kv_pages(self) -> int:
         """KV pages that evicting every expert the limits still allow would free (after the moves in flight)."""
@@ -139,11 +140,19 @@ class ElasticController:
             self.observe(self.counter.snapshot_and_reset().numpy())
 
     def _after_forward_async(self) -> None:
+        # Between the previous call and this one the host waited for the pass launched before (pass n): that
+        # interval is pass n's time. The bytes loaded in the interval were issued for the pass launched now
+        # (n+1), so pass n's copies are the previous interval's bytes (`_copy_bytes`).
         now, loaded = time.monotonic(), self.loader.counters.bytes_loaded
-        if self.step_cost is not None and self._forward_start is not None and self._last_after_forward is not None:
+        ran = self._forward_start is not None
+        if ran and self._last_after_forward is not None:
             t0, bytes0 = self._last_after_forward
-            self.step_cost.observe_forward(now - t0, (loaded - bytes0) / self.pcie_bandwidth)
-        self._last_after_forward = (now, loaded) if self._forward_start is not None else None
+            if self.step_cost is not None and self._copy_bytes is not None:
+                self.step_cost.observe_forward(now - t0, self._copy_bytes / self.pcie_bandwidth)
+            self._copy_bytes = loaded - bytes0
+        self._last_after_forward = (now, loaded) if ran else None
+        if not ran:
+            self._copy_bytes = None
         self._forward_start = None
         if self.counter is not None:
             previous, self._counts_in_flight = self._counts_in_flight, self.counter.snapshot_and_reset_async()
