@@ -349,34 +349,22 @@ class ModelRunner:
             logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts)
             self.graph_steps += 1
             self.mixed_graph_steps += 1
-            if not sampling:
-                if prof is not None:
-                    prof.forward_end()
-                    prof.mark("forward")
-                self._last_sampled = None
-                if self.expert_provider is not None:
-                    self.expert_provider.loader.mark_pass_launched()
-                return SampledTokens(None, self.device, prof)
         else:
             batch = self.prepare(sched)
             if prof is not None:
                 prof.mark("prepare")
                 prof.forward_begin()
             hidden = self.model(batch)  # [T, d]
-            if not sampling:
-                if prof is not None:
-                    prof.forward_end()
-                    prof.mark("forward")
-                self._last_sampled = None
-                if self.expert_provider is not None:
-                    self.expert_provider.loader.mark_pass_launched()
-                return SampledTokens(None, self.device, prof)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [B', V] float32
+            # [B', V] float32 logits of the sampled rows; a step that samples nothing (prefill chunks) needs none
+            logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
         if prof is not None:
             prof.forward_end()
             prof.mark("forward")
         if self.expert_provider is not None:
             self.expert_provider.loader.mark_pass_launched()
+        if not sampling:
+            self._last_sampled = None
+            return SampledTokens(None, self.device, prof)
         tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
         self._last_sampled = (tokens, {r.seq_id: i for i, r in enumerate(sampling)})
         out = SampledTokens(tokens, self.device, prof)

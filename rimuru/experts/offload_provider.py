@@ -60,6 +60,7 @@ class OffloadExpertProvider(ExpertProvider):
         # [L, E] routing probabilities for the streaming decision (elastic: the online estimate); None: uniform
         self.popularity: Callable[[], np.ndarray] | None = None
         self.streaming = [False] * cache.num_layers  # this pass's streaming layers (begin_pass)
+        self._planned: tuple[int, list[bool]] | None = None  # (num_tokens, streaming) from pass_reads_routing
         self.routing_reads = 0  # device->host routing reads (one per non-streaming layer with offloaded experts)
         self.streamed_layers = 0  # layers served without a routing read
 
@@ -76,15 +77,21 @@ class OffloadExpertProvider(ExpertProvider):
         return ((unused <= STREAM_MAX_UNUSED) & offloaded & limit_ok).tolist(), offloaded.tolist()
 
     def pass_reads_routing(self, num_tokens: int) -> bool:
-        """Whether a pass of `num_tokens` tokens will stop the host at some layer's routing read."""
+        """Whether a pass of `num_tokens` tokens will stop the host at some layer's routing read. The plan is kept
+        for the begin_pass of that same pass (nothing changes the tables in between; a plan left over from a
+        pass that was never launched can only cost loads, never correctness: a streaming layer copies whatever
+        is offloaded when it runs)."""
         streaming, offloaded = self.plan_streaming(num_tokens)
+        self._planned = (num_tokens, streaming)
         return any(o and not st for st, o in zip(streaming, offloaded, strict=True))
 
     def begin_pass(self, num_tokens: int) -> None:
         """Before a forward pass of `num_tokens` real tokens is queued: decides its streaming layers and starts
         copying layer 0's offloaded experts if it streams."""
         self.loader.fence_consumed()  # the previous pass's last buffers get their fences before any claim
-        self.streaming = self.plan_streaming(num_tokens)[0]
+        planned, self._planned = self._planned, None
+        self.streaming = planned[1] if planned is not None and planned[0] == num_tokens \
+            else self.plan_streaming(num_tokens)[0]
         if self.streaming and self.streaming[0]:
             self._stream_into(0, on_demand=False)
 
