@@ -251,7 +251,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             adjuster = CostAdjuster(cost_cfg, expert_bytes=3 * geometry.size(EXPERT), top_k=spec.num_experts_per_tok,
                                     compute_time=step_cost)
         online = OnlinePopularity(popularity)
-        provider.popularity = lambda: online.estimate().probabilities  # type: ignore[attr-defined]
+        provider.popularity = online.probabilities  # type: ignore[attr-defined]
         elastic = ElasticController(experts, loader, adjuster, online,
                                     offload_limit=limit, smalls_per_mid=geometry.smalls_per_mid("kv", EXPERT),
                                     counter=counter, step_cost=step_cost,

@@ -214,11 +214,14 @@ class OnlinePopularity:
         self.counts *= self.config.decay
         self.counts += routed
 
-    def estimate(self) -> ExpertPopularity:
+    def probabilities(self) -> np.ndarray:
+        """[L, E] the estimated routing probabilities (each row sums to 1)."""
         totals = self.counts.sum(axis=1, keepdims=True)
         E = self.counts.shape[1]
-        probs = np.where(totals > 0, self.counts / np.where(totals > 0, totals, 1.0), 1.0 / E)
-        return ExpertPopularity(self.model, probs, date=_now())
+        return np.where(totals > 0, self.counts / np.where(totals > 0, totals, 1.0), 1.0 / E)
+
+    def estimate(self) -> ExpertPopularity:
+        return ExpertPopularity(self.model, self.probabilities(), date=_now())
 
     def stale_layers(self) -> list[int]:
         c = np.take_along_axis(self.counts, self.rankings, axis=1)  # counts in committed order
