@@ -63,6 +63,8 @@ def metadata(benchmark: str, **extra: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton_version,
+        # which of the host's GPUs ran it (two sweeps side by side on a 2-GPU machine, one GPU each)
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         **extra,
     }
 
