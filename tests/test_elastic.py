@@ -88,6 +88,26 @@ def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
     assert [o.outputs[0].token_ids for o in static.generate(heavy, params)] == got_heavy
 
 
+def test_cost_adjuster_preempts_rather_than_offload_beyond_its_model(ckpt: Path) -> None:
+    # The same heavy batch under the cost adjuster with a TPOT SLO no step meets: its model allows no
+    # offloaded expert, so a running request short of pages is preempted (as in static mode) instead of
+    # sitting out for evictions that would cost copies every step. Tokens still equal static mode.
+    limit = 5
+    budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
+              max_num_batched_tokens=64, adjuster="cost", tpot_slo_ms=1e-6)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    heavy = prompts(6, seed=1)
+    got = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]
+    st = llm.stats()
+    assert st["preemptions"] > 0 and st["expert_evictions"] == 0, st
+    assert llm.engine.elastic.adjuster.max_offloaded() == 0
+    assert st["kv_pages_used"] == 0
+    llm.engine.pool.allocator.check_invariants()
+    static = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu")
+    assert [o.outputs[0].token_ids for o in static.generate(heavy, params)] == got
+
+
 def _tiny_cache() -> tuple[ExpertCache, PageAllocator]:
     spec = load_model_spec("olmoe-1b-7b")
     geo = PageGeometry.custom(mid_sizes={EXPERT: 64}, small_sizes={"kv": 16})

@@ -106,12 +106,20 @@ class AdjusterState:
 class Adjuster(Protocol):
     def plan(self, state: AdjusterState) -> AdjustPlan: ...
 
+    def max_offloaded(self) -> int | None:
+        """Most experts (all layers) the adjuster would have offloaded now: running requests short of pages
+        wait for evictions only up to it, and are preempted beyond. None: only the per-layer limits bound it."""
+        ...
+
 
 class PaperAdjuster:
     """The paper's threshold rules (module docstring)."""
 
     def __init__(self, config: AdjusterConfig | None = None) -> None:
         self.config = config or AdjusterConfig()
+
+    def max_offloaded(self) -> int | None:
+        return None  # the paper evicts whenever the scheduler is short, up to the per-layer limits
 
     def plan(self, state: AdjusterState) -> AdjustPlan:
         return decide(state, self.config)

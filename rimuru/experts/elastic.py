@@ -73,9 +73,16 @@ class ElasticController:
         self._copy_bytes: int | None = None  # bytes loaded for the pass in flight (async)
 
     def reclaimable_kv_pages(self) -> int:
-        """KV pages that evicting every expert the limits still allow would free (after the moves in flight)."""
+        """KV pages that evicting the experts the limits and the adjuster still allow would free (after the
+        moves in flight). The scheduler lets a running request short of pages wait for these instead of
+        preempting it; a cost-aware adjuster bounds them by what its model allows (`max_offloaded`)."""
         E = self.cache.num_experts
-        experts = sum(max(0, self.offload_limit - (E - len(r))) for r in self.cache.planned_resident())
+        resident = self.cache.planned_resident()
+        experts = sum(max(0, self.offload_limit - (E - len(r))) for r in resident)
+        bound = self.adjuster.max_offloaded()
+        if bound is not None:
+            offloaded = sum(E - len(r) for r in resident)
+            experts = min(experts, max(0, bound - offloaded))
         return experts * 3 * self.smalls_per_mid
 
     def commit_grows(self) -> None:
