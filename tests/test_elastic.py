@@ -175,7 +175,35 @@ def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
     assert runner.graph_steps == engine.forward_steps  # no step fell back to eager
     bounds = runner.graphs.boundaries
     assert bounds.host_waits > 0 and bounds.skipped_waits > 0  # offloaded layers read routing; resident ones not
+    # passes with every expert resident (the start, before the first eviction) replayed the whole graphs,
+    # the others the piecewise ones
+    assert 0 < runner.graphs.whole_replays < runner.graph_steps
     assert st["kv_pages_used"] == 0 and engine.pool.allocator.pending_deferred == 0
     static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", enforce_eager=True,
                  max_num_batched_tokens=64)
     assert [[o.outputs[0].token_ids for o in static.generate(b, params)] for b in batches] == got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fully_resident_elastic_replays_whole_graphs(ckpt: Path) -> None:
+    """A budget with room to spare: nothing is ever offloaded, so every pass replays a whole graph over the
+    resident tables (no piecewise replay, no host wait), routing is still counted, and tokens equal static mode."""
+    llm = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", offload_mode="elastic",
+              max_num_batched_tokens=64)
+    engine, runner = llm.engine, llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.whole_graphs and runner.graphs.whole_mixed_graphs
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    batch = prompts(6, seed=1)
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    st = llm.stats()
+    assert st["expert_evictions"] == 0 and st["expert_bytes_loaded"] == 0, st
+    assert runner.graphs.whole_replays == runner.graph_steps == engine.forward_steps > 0
+    assert runner.graphs.boundaries.host_waits == 0 and runner.graphs.boundaries.skipped_waits == 0
+    # the whole graphs counted routing: the estimate holds more than the decayed prior (1000 per layer)
+    pop = engine.elastic.popularity
+    decayed_prior = pop.config.prior_weight * pop.config.decay ** engine.forward_steps * pop.counts.shape[0]
+    assert pop.counts.sum() > decayed_prior + 1
+    static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", enforce_eager=True,
+                 max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in static.generate(batch, params)] == got

@@ -94,7 +94,8 @@ class LLMEngine:
     def _capture_graphs(self) -> None:
         """CUDA graphs (engine/cuda_graphs.py). Static experts: whole-forward graphs. Offloading providers
         (fixed, elastic): piecewise graphs cut at every MoE layer's expert-table decision, which is replayed
-        on the host between the pieces (engine/piecewise_graphs.py). Expert tables and page tables change in
+        on the host between the pieces (engine/piecewise_graphs.py); elastic also whole graphs over the
+        resident tables, replayed while every expert is resident. Expert tables and page tables change in
         place, so evictions, grows and loads never invalidate a graph."""
         cfg, model = self.config, self.parts.model
         args = (cfg.max_num_seqs, self.max_model_len, cfg.max_num_batched_tokens)
@@ -103,7 +104,12 @@ class LLMEngine:
             self.runner.enable_cuda_graphs(*args, counter=getattr(provider, "counter", None))
         elif isinstance(provider, OffloadExpertProvider):
             boundaries = ExpertTableBoundaries(provider, _moe_modules(model))
-            self.runner.enable_cuda_graphs(*args, counter=provider.counter, boundaries=boundaries)
+            resident = None
+            if self.elastic is not None:  # elastic passes are often fully resident: whole graphs for those
+                resident = StaticExpertProvider(provider.expert_view, provider.cache.tables)
+                resident.counter = provider.counter
+            self.runner.enable_cuda_graphs(*args, counter=provider.counter, boundaries=boundaries,
+                                           resident_provider=resident)
 
     def _check_workspace(self) -> None:
         """The budget reserved `workspace` for everything beyond weights and pool; say when the start alone

@@ -30,6 +30,7 @@ from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.kernels.paged_attention import q_tile_starts, tile_map_block_q
+from rimuru.models.expert_provider import ExpertProvider
 from rimuru.models.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -157,15 +158,17 @@ class ModelRunner:
         self._pages: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None,
-                           counter: RoutingCounter | None = None, boundaries: ExpertTableBoundaries | None = None
-                           ) -> None:
+                           counter: RoutingCounter | None = None, boundaries: ExpertTableBoundaries | None = None,
+                           resident_provider: ExpertProvider | None = None) -> None:
         """Captures decode graphs and, with max_num_batched_tokens, mixed-step graphs (engine/cuda_graphs.py);
-        piecewise around an offloading provider's decisions when `boundaries` is given."""
+        piecewise around an offloading provider's decisions when `boundaries` is given, plus whole graphs over
+        the resident tables for fully resident passes when `resident_provider` is given (elastic mode)."""
         spec = self.model.spec
         elem = next(self.model.parameters()).element_size()
         self.q_block = tile_map_block_q(spec.num_attention_heads, spec.num_key_value_heads, elem)
         self.graphs = StepGraphs(self.model, self.device, self.num_layers, max_num_seqs, max_model_len,
-                                 self.block_size, max_num_batched_tokens, counter=counter, boundaries=boundaries)
+                                 self.block_size, max_num_batched_tokens, counter=counter, boundaries=boundaries,
+                                 resident_provider=resident_provider)
         self.graphs.capture()
 
     def step_kind(self, sched: SchedulerOutput) -> str:

@@ -119,6 +119,11 @@ class ExpertTableBoundaries:
         self._capture.pieces.append(g)
 
     # ---- replay ----------------------------------------------------------------------------------------
+    def all_resident(self) -> bool:
+        """Every expert of every layer is in the pool now (tables change only between passes): a whole graph
+        over the resident tables computes the same pass (engine/cuda_graphs.py)."""
+        return bool((self.provider.cache.host_tables[:, :, 0] >= 0).all())
+
     def replay(self, graph: PiecewiseGraph) -> None:
         provider = self.provider
         cache = provider.cache

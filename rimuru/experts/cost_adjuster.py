@@ -210,11 +210,8 @@ class CostAdjuster:
         conc = np.clip(np.minimum(float(demand), room / footprint), 0.0, None)
         conc = np.maximum(conc, 1.0) if demand > 0 else conc
         comp = compute * (cfg.compute_fixed_share + (1.0 - cfg.compute_fixed_share) * conc / running)
-        if order:
-            layers, experts = zip(*order)
-            probs = state.probabilities[np.asarray(layers), np.asarray(experts)].astype(np.float64)
-        else:
-            probs = np.zeros(0)
+        idx = np.asarray(order, dtype=np.int64).reshape(-1, 2)  # [(layer, expert)]
+        probs = state.probabilities[idx[:, 0], idx[:, 1]].astype(np.float64)
         act = expected_activated(probs[None, :], conc[:, None], self.top_k)  # [candidates, order]
         act = np.cumsum(np.concatenate([np.zeros((len(n), 1)), act], axis=1), axis=1)[np.arange(len(n)), n]
         copy = act * self.expert_bytes / cfg.pcie_bandwidth
