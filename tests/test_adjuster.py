@@ -141,3 +141,15 @@ def test_config_validation() -> None:
         AdjusterConfig(low_free_mid=5, high_free_mid=6)
     cfg = AdjusterConfig(low_free_mid=0, high_free_mid=3, max_grow_per_step=1)
     assert cfg.num_evict(0, 0) == 0 and cfg.num_grow(0, 100) == 1
+
+
+def test_reclaimable_experts_bounded_by_limits_and_budget() -> None:
+    from rimuru.experts.adjuster import reclaimable_experts
+
+    # per layer up to the limit: 5 + 3 + 0
+    assert reclaimable_experts([0, 2, 5], 5, None) == 8
+    # an adjuster's bound on the total offloaded (7 out now): 10 leaves 3, 7 or less leaves none
+    assert reclaimable_experts([0, 2, 5], 5, 10) == 3
+    assert reclaimable_experts([0, 2, 5], 5, 7) == 0 and reclaimable_experts([0, 2, 5], 5, 4) == 0
+    # per-layer limits
+    assert reclaimable_experts([0, 2, 5], [1, 2, 6], None) == 2

@@ -103,6 +103,15 @@ class AdjusterState:
         return lim if isinstance(lim, int) else lim[layer]
 
 
+def reclaimable_experts(offloaded: Sequence[int], offload_limit: int | Sequence[int], bound: int | None) -> int:
+    """Experts that may still be evicted: per layer up to its limit (`offloaded[l]` are out now), and in all at
+    most `bound` offloaded (an adjuster's `max_offloaded()`; None: no such bound). The scheduler lets a running
+    request short of pages wait for their pages instead of preempting it (engine and simulator alike)."""
+    limits = [offload_limit] * len(offloaded) if isinstance(offload_limit, int) else offload_limit
+    n = sum(max(0, lim - k) for lim, k in zip(limits, offloaded, strict=True))
+    return n if bound is None else min(n, max(0, bound - sum(offloaded)))
+
+
 class Adjuster(Protocol):
     def plan(self, state: AdjusterState) -> AdjustPlan: ...
 

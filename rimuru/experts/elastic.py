@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rimuru.experts.adjuster import Adjuster, AdjusterState, AdjustPlan, shortfall_mid_pages
+from rimuru.experts.adjuster import Adjuster, AdjusterState, AdjustPlan, reclaimable_experts, shortfall_mid_pages
 from rimuru.experts.cache import EXPERT, ExpertCache
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.popularity import OnlinePopularity
@@ -77,12 +77,8 @@ class ElasticController:
         moves in flight). The scheduler lets a running request short of pages wait for these instead of
         preempting it; a cost-aware adjuster bounds them by what its model allows (`max_offloaded`)."""
         E = self.cache.num_experts
-        resident = self.cache.planned_resident()
-        experts = sum(max(0, self.offload_limit - (E - len(r))) for r in resident)
-        bound = self.adjuster.max_offloaded()
-        if bound is not None:
-            offloaded = sum(E - len(r) for r in resident)
-            experts = min(experts, max(0, bound - offloaded))
+        offloaded = [E - len(r) for r in self.cache.planned_resident()]
+        experts = reclaimable_experts(offloaded, self.offload_limit, self.adjuster.max_offloaded())
         return experts * 3 * self.smalls_per_mid
 
     def commit_grows(self) -> None:

@@ -30,6 +30,7 @@ from rimuru.experts.adjuster import (
     AdjusterState,
     PaperAdjuster,
     pick_grows,
+    reclaimable_experts,
     shortfall_mid_pages,
 )
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
@@ -158,7 +159,9 @@ class Simulation:
         g = self.mem.geometry
         self.allocator = PageAllocator(g, self.mem.num_huge_pages)
         self.kv = KVCacheManager(self.allocator, len(spec.attention_layer_ids), cfg.block_size)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        # elastic: running requests short of pages wait for evictions the adjuster allows (as in the engine)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   reclaimable=self._reclaimable_kv_pages if cfg.mode == "elastic" else None)
         self.residency = SimResidency(self.allocator, spec.num_moe_layers, spec.num_experts)
         self.cost = CostModel(spec, popularity.probabilities, cfg.hardware, cfg.dtype)
         # the cost adjuster reads the compute time of recent steps; here the cost model's, as an EMA
@@ -204,12 +207,18 @@ class Simulation:
                     break
                 self.residency.load(grow)
 
-    def _state(self, shortfall: int, free: int, num_batched_tokens: int = 0) -> AdjusterState:
+    def _reclaimable_kv_pages(self) -> int:
+        E = self.spec.num_experts
+        offloaded = [E - int(n) for n in self.residency.resident.sum(axis=1)]
+        experts = reclaimable_experts(offloaded, self.offload_limit, self.adjuster.max_offloaded())
+        return experts * PAGES_PER_EXPERT * self.smalls_per_mid
+
+    def _state(self, shortfall: int, free: int, num_batched_tokens: int = 0, num_stalled: int = 0) -> AdjusterState:
         return AdjusterState(shortfall_mid_pages=shortfall, free_mid_pages=free,
                              resident=self.residency.resident_sets(), probabilities=self.popularity.probabilities,
                              rankings=self.popularity.rankings, offload_limit=self.offload_limit,
                              num_batched_tokens=num_batched_tokens, num_running=len(self.scheduler.running),
-                             num_waiting=len(self.scheduler.waiting),
+                             num_waiting=len(self.scheduler.waiting), num_stalled=num_stalled,
                              kv_mid_pages=self.kv.pages_in_use / self.smalls_per_mid)
 
     # ------------------------------------------------------------------ the loop
@@ -234,7 +243,7 @@ class Simulation:
             grown = 0
             if self.cfg.mode == "elastic":
                 R = shortfall_mid_pages(out.shortfall_pages, self.smalls_per_mid)
-                state = self._state(R, self.allocator.mid_capacity(EXPERT), out.num_tokens)
+                state = self._state(R, self.allocator.mid_capacity(EXPERT), out.num_tokens, len(out.stalled))
                 plan = self.adjuster.plan(state)
                 self.residency.evict(plan.evict)
                 grown = len(self.residency.grow(plan.grow))
