@@ -170,10 +170,10 @@ def test_stalled_running_requests_are_a_hard_shortfall() -> None:
 
 
 def test_max_offloaded_is_the_largest_allowed_count() -> None:
-    # the bound the scheduler's stalls respect: None before any plan, the current count before compute is
+    # the bound the scheduler's stalls respect: 0 before any plan, the current count before compute is
     # measured, else the largest n whose copies the model lets hide
     a = adjuster(None)
-    assert a.max_offloaded() is None
+    assert a.max_offloaded() == 0
     a.plan(state(R=4, F=2, running=100, waiting=50, kv=100, resident=[3, 4]))
     assert a.max_offloaded() == 1
     long = adjuster(10 * MS)  # 8 ms hide all four 1 ms copies

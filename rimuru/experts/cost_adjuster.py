@@ -121,9 +121,9 @@ class CostAdjuster:
 
     def max_offloaded(self) -> int | None:
         """The largest number of offloaded experts the last plan's model allowed: the engine's scheduler stalls
-        running requests for evictions only up to it (and preempts beyond). None before any plan. Before the
-        first compute time is measured it is the count then offloaded (no voluntary evictions)."""
-        return None if self.last is None else self.last.max_allowed
+        running requests for evictions only up to it (and preempts beyond). 0 before any plan; before the first
+        compute time is measured, the count then offloaded (no voluntary evictions)."""
+        return 0 if self.last is None or self.last.max_allowed is None else self.last.max_allowed
 
     def plan(self, state: AdjusterState) -> AdjustPlan:
         cfg = self.config
@@ -141,6 +141,12 @@ class CostAdjuster:
             self.last = CostEstimate(offloaded=n_now, target=n, best=n, compute_s=self.compute_time(),
                                      max_allowed=max(bound, n), hard=True)
             return self._moved(AdjustPlan(evict=evict))
+        if R == 0 and n_now == 0:
+            # nothing offloaded and nobody short of pages: no grow is possible and no eviction can pay (with R = 0
+            # the model's n = 0 has the full concurrency and no copies); skip the model, keep its last bound
+            bound = self.last.max_allowed if self.last is not None and self.last.max_allowed is not None else 0
+            self.last = CostEstimate(offloaded=0, target=0, best=0, compute_s=self.compute_time(), max_allowed=bound)
+            return AdjustPlan()
         compute = self.compute_time()
         if compute is None or compute <= 0:
             self.last = CostEstimate(offloaded=n_now, target=n_now, best=n_now, compute_s=compute, max_allowed=n_now)

@@ -98,12 +98,11 @@ class ElasticController:
     def adjust(self, shortfall_kv_pages: int, num_batched_tokens: int = 0, num_running: int = 0,
                num_waiting: int = 0, num_stalled: int = 0) -> AdjustPlan:
         allocator = self.cache.allocator
-        estimate = self.popularity.estimate()
         state = AdjusterState(
             shortfall_mid_pages=shortfall_mid_pages(max(0, shortfall_kv_pages), self.smalls_per_mid),
             free_mid_pages=allocator.mid_capacity(EXPERT),
             resident=self.cache.planned_resident(),
-            probabilities=estimate.probabilities,
+            probabilities=self.popularity.probabilities(),  # the array; no validated object per step
             rankings=self.popularity.rankings,
             offload_limit=self.offload_limit,
             num_batched_tokens=num_batched_tokens, num_running=num_running, num_waiting=num_waiting,
