@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-budget", default="32GiB")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--offload-mode", default="static", choices=["static", "elastic"],
+                    help="elastic also captures the whole-graph ladder beside the piecewise one")
     ap.add_argument("--output-json", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -81,7 +83,7 @@ def main() -> None:
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
     torch.cuda.memory._record_memory_history(max_entries=200_000)  # stack traces for the breakdown below
-    llm = LLM(args.model, gpu_memory_budget=args.gpu_memory_budget, load_format="dummy", offload_mode="static",
+    llm = LLM(args.model, gpu_memory_budget=args.gpu_memory_budget, load_format="dummy", offload_mode=args.offload_mode,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     engine = llm.engine
     split = engine.parts.budget_split
@@ -115,7 +117,7 @@ def main() -> None:
     peak = torch.cuda.max_memory_reserved() - held
     result = {
         **metadata(" ".join(sys.argv)),
-        "model": args.model, "gpu_memory_budget": args.gpu_memory_budget,
+        "model": args.model, "gpu_memory_budget": args.gpu_memory_budget, "offload_mode": args.offload_mode,
         "max_num_seqs": S, "max_num_batched_tokens": T,
         "budget_split": split,
         "workspace_bound": split["workspace"],
