@@ -14,8 +14,12 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
     step(n)     = compute(n) + max(0, copy(n) - overlap compute(n))
     tput(n)     = conc(n) / step(n)                      decode tokens per second
 
-Allowed n: copies hide (copy(n) - overlap compute(n) <= exposed_copy_share compute(n)) or, with a TPOT SLO,
-step(n) <= tpot_slo_s. The best allowed n maximises tput. Hysteresis: any n within `min_gain` of the best
+Candidates n reach from n_min (grows take free pages only, so fewer offloaded than n_now - free/P is not
+reachable) to every expert the limits allow. Allowed n: copies hide (copy(n) - overlap compute(n) <=
+exposed_copy_share compute(n)) or, with a TPOT SLO, step(n) <= tpot_slo_s. The best allowed n maximises tput.
+Forced offloading (no SLO, and even n_min exposes copies: the experts do not all fit, e.g. Qwen3-30B-A3B at
+48 GiB) allows every n: copies show whatever the split, so the most tokens per second decides.
+Hysteresis: any n within `min_gain` of the best
 is good enough; while the scheduler is short of pages the adjuster keeps the current count if it is good
 enough and otherwise aims for the best (stability), and when it is not short it aims for the smallest good n
 (experts come home once it costs no throughput).
@@ -154,10 +158,15 @@ class CostAdjuster:
         grows = pick_grows(state, n_now)  # every non-resident expert, most popular first
         evicts = pick_evictions(state, sum(state.limit(layer) for layer in range(len(state.resident))))
         order = grows[::-1] + evicts  # offloaded(n) = order[:n]
-        cands = self._candidates(len(order), n_now)
-        tput, step_s = self._model(state, order, n_now, compute, cands)
-        allowed = tput > 0
-        if not allowed.any():  # nothing allowed (an SLO nothing meets): the fastest step
+        # grows can only take free pages (running requests keep theirs): fewer offloaded than n_min is not reachable
+        n_min = max(0, n_now - max(0, F - cfg.grow_reserve_mid) // P)
+        cands = self._candidates(len(order), n_now, n_min)
+        tput, step_s, allowed = self._model(state, order, n_now, compute, cands)
+        if not allowed.any() and cfg.tpot_slo_s is None:
+            # forced offloading (the experts do not all fit): every reachable split exposes copies, so hiding them
+            # is no criterion; the split that serves the most tokens per second is
+            allowed = np.ones_like(allowed)
+        if not allowed.any():  # an SLO nothing meets: the fastest step
             i_best = int(np.argmin(step_s))
             good = np.zeros_like(allowed)
             good[i_best] = True
@@ -170,10 +179,11 @@ class CostAdjuster:
             target = n_now if good[i_now[0]] else best
         else:  # not short: the fewest offloaded experts that cost no throughput
             target = int(cands[np.flatnonzero(good).min()])
-        max_allowed = int(cands[np.flatnonzero(allowed).max()]) if allowed.any() else best
+        # stalls may wait for evictions up to the best split (the smallest of equals: a tie offloads no more)
+        max_allowed = max(n_now, best)
         self.last = CostEstimate(offloaded=n_now, target=target, best=best, compute_s=compute,
-                                 candidates=cands.tolist(), throughput=tput.tolist(), step_s=step_s.tolist(),
-                                 max_allowed=max_allowed)
+                                 candidates=cands.tolist(), throughput=np.where(allowed, tput, 0.0).tolist(),
+                                 step_s=step_s.tolist(), max_allowed=max_allowed)
         direction = int(np.sign(target - n_now))
         if direction == 0:
             return AdjustPlan()
@@ -185,16 +195,16 @@ class CostAdjuster:
         n = min(n_now - target, cfg.max_grow_per_step, room)
         return self._moved(AdjustPlan(grow=grows[:n])) if n > 0 else AdjustPlan()
 
-    def _candidates(self, n_max: int, n_now: int) -> np.ndarray:
-        """The offloaded counts the model evaluates: all of 0..n_max when few, else a window around n_now
-        (where the rate-limited moves go next) and a geometric grid (1, 2, 3, 4, 6, 8, 11, ...) up to n_max."""
+    def _candidates(self, n_max: int, n_now: int, n_min: int = 0) -> np.ndarray:
+        """The offloaded counts the model evaluates, all in [n_min, n_max]: every one when few, else a window
+        around n_now (where the rate-limited moves go next) and a geometric grid (n_min + 0, 1, 2, 3, 5, 7, ...)."""
         dense = self.config.dense_candidates
-        if n_max + 1 <= dense:
-            return np.arange(n_max + 1)
+        if n_max - n_min + 1 <= dense:
+            return np.arange(n_min, n_max + 1)
         half = dense // 4
-        near = np.arange(max(0, n_now - half), min(n_max, n_now + half) + 1)
-        grid = np.unique(np.round(np.geomspace(1, n_max, dense - len(near))).astype(np.int64))
-        return np.union1d(np.union1d(near, grid), [0, n_max])
+        near = np.arange(max(n_min, n_now - half), min(n_max, n_now + half) + 1)
+        steps = np.round(np.geomspace(1, n_max - n_min + 1, dense - len(near))).astype(np.int64) - 1
+        return np.union1d(np.union1d(near, n_min + np.unique(steps)), [n_min, n_max])
 
     def _moved(self, plan: AdjustPlan) -> AdjustPlan:
         if not plan.is_empty:
@@ -203,8 +213,9 @@ class CostAdjuster:
         return plan
 
     def _model(self, state: AdjusterState, order: list[Expert], n_now: int, compute: float,
-               cands: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per candidate n in `cands`: modelled throughput (0 where not allowed) and step time."""
+               cands: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per candidate n in `cands`: modelled throughput, step time, and whether the split is allowed (its
+        copies hide, or with an SLO its step meets it)."""
         cfg = self.config
         P = cfg.pages_per_expert
         running = max(1, state.num_running)
@@ -227,5 +238,4 @@ class CostAdjuster:
             ok = step_s <= cfg.tpot_slo_s
         else:
             ok = exposed <= cfg.exposed_copy_share * comp + 1e-12
-        tput = np.where(ok, conc / step_s, 0.0)
-        return tput, step_s
+        return conc / step_s, step_s, ok
