@@ -193,6 +193,27 @@ def test_max_offloaded_is_the_best_reachable_count() -> None:
     assert long.last is not None and long.last.hard and long.max_offloaded() == 4
 
 
+def test_piecewise_overhead_is_charged_to_offloading() -> None:
+    # The long-queue case offloads all four (10 ms compute hides every copy; 102 -> 114 requests, +12 %). A pass
+    # with any expert offloaded runs piecewise graphs: 2 ms more per step (+20 %) is worth more than +12 %
+    # concurrency, so nothing is offloaded.
+    a = adjuster(10 * MS)
+    a.piecewise_overhead_s = 2 * MS
+    assert a.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).is_empty
+    assert a.last is not None and a.last.step_s[:2] == pytest.approx([10 * MS, 12 * MS])
+    # 0.5 ms (+5 %) is worth it: all four go
+    b = adjuster(10 * MS)
+    b.piecewise_overhead_s = 0.5 * MS
+    assert b.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).evict == ORDER
+    # with experts offloaded now, the measured compute (12 ms) includes the overhead: it is taken out (10 ms) and
+    # charged to n > 0 only
+    c = adjuster(12 * MS)
+    c.piecewise_overhead_s = 2 * MS
+    c.plan(state(R=4, F=12, running=100, waiting=50, kv=100, resident=[3, 4]))
+    assert c.last is not None and c.last.candidates[:2] == [0, 1]
+    assert c.last.step_s[:2] == pytest.approx([10 * MS, 12 * MS])
+
+
 def test_forced_offloading_maximises_throughput() -> None:
     # Two experts are out and no page is free, so they cannot come back (n >= 2); at 1 ms of compute even those
     # two copies show (1.2 ms of copy, 0.8 ms hidden). Hiding is no criterion then: the split of most tokens per

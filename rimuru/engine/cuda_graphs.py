@@ -227,6 +227,38 @@ class StepGraphs:
             for m, p in zip(modules, saved, strict=True):
                 m.provider = p
 
+    def measure_piecewise_overhead(self, batch_size: int = 48, reps: int = 20) -> float | None:
+        """Seconds a decode pass of the piecewise graph takes beyond the whole graph of the same size, every
+        expert resident (the piecewise replay's fast path: no routing read, no copy). Wall time around `reps`
+        replays each, so host launch work counts where it outlasts the GPU. The replays read the static buffers
+        as capture left them (padding rows: slot -1, no KV write); their routing counts are discarded. None when
+        elastic's whole graphs are not captured or an expert is offloaded now."""
+        if self.resident_provider is None or self.boundaries is None or not self.boundaries.all_resident():
+            return None
+        bs = self.padded_size(min(batch_size, self.max_bs))
+        whole, piecewise = self.whole_graphs[bs], self.graphs[bs]
+        assert isinstance(piecewise, PiecewiseGraph)
+
+        def wall(replay) -> float:
+            replay()  # warm
+            torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                replay()
+            torch.cuda.synchronize(self.device)
+            return (time.perf_counter() - t0) / reps
+
+        waits = (self.boundaries.host_waits, self.boundaries.skipped_waits)
+        t_whole = wall(whole.replay)
+        t_piecewise = wall(lambda: self.boundaries.replay(piecewise))
+        # timing passes are not traffic: their routing counts and boundary counts are dropped
+        self.boundaries.host_waits, self.boundaries.skipped_waits = waits
+        if self.counter is not None:
+            self.counter.snapshot_and_reset()
+        logger.info("piecewise graphs: %.2f ms per decode pass of %d rows beyond the whole graph (%.2f ms)",
+                    1e3 * max(0.0, t_piecewise - t_whole), bs, 1e3 * t_whole)
+        return max(0.0, t_piecewise - t_whole)
+
     # ---- which graph a step can use ------------------------------------------------------------------
     def can_run(self, sched: SchedulerOutput) -> bool:
         """A decode graph: every scheduled request decodes one token."""

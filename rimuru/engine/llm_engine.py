@@ -74,6 +74,7 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
         if isinstance(parts.provider, OffloadExpertProvider):
             self.runner.expert_provider = parts.provider
+        self.piecewise_overhead_s: float | None = None  # elastic with graphs: measured at start-up
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
         if self.device.type == "cuda":
@@ -110,6 +111,10 @@ class LLMEngine:
                 resident.counter = provider.counter
             self.runner.enable_cuda_graphs(*args, counter=provider.counter, boundaries=boundaries,
                                            resident_provider=resident)
+            overhead = self.runner.graphs.measure_piecewise_overhead() if resident is not None else None
+            self.piecewise_overhead_s = overhead
+            if overhead is not None and hasattr(self.elastic.adjuster, "piecewise_overhead_s"):
+                self.elastic.adjuster.piecewise_overhead_s = overhead  # the cost adjuster charges it to offloading
 
     def _check_workspace(self) -> None:
         """The budget reserved `workspace` for everything beyond weights and pool; say when the start alone
@@ -397,5 +402,6 @@ class LLMEngine:
             "forward_steps": self.forward_steps,
             "peak_running": self.peak_running,
             "preemptions": self.scheduler.num_preemptions,
+            "piecewise_overhead_ms": None if self.piecewise_overhead_s is None else 1e3 * self.piecewise_overhead_s,
             **self.parts.offload_stats(),  # expert_bytes_loaded, prefetch_hits, prefetch_misses
         }

@@ -11,8 +11,11 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
     compute(n)  = c (fixed + (1 - fixed) conc(n) / running)  c = measured compute EMA (step_cost.py)
     act(n)      = sum over the n offloaded e of 1 - (1 - p_e)^(top_k conc(n))   expected activated
     copy(n)     = act(n) expert_bytes / pcie_bandwidth
-    step(n)     = compute(n) + max(0, copy(n) - overlap compute(n))
+    step(n)     = compute(n) + max(0, copy(n) - overlap compute(n)) + [n > 0] piecewise_overhead
     tput(n)     = conc(n) / step(n)                      decode tokens per second
+
+piecewise_overhead (measured by the engine at start-up): what a pass with any expert offloaded costs beyond one
+with all resident (piecewise CUDA graphs instead of whole ones); taken out of the measured compute while n_now > 0.
 
 Candidates n reach from n_min (grows take free pages only, so fewer offloaded than n_now - free/P is not
 reachable) to every expert the limits allow. Allowed n: copies hide (copy(n) - overlap compute(n) <=
@@ -118,6 +121,10 @@ class CostAdjuster:
         self.expert_bytes = expert_bytes
         self.top_k = top_k
         self.compute_time = compute_time  # the measured step compute time (StepCostTracker), None before any
+        # What a pass with any expert offloaded costs beyond one with all resident, whatever it copies: the engine
+        # replays piecewise graphs then (host work and launches at every MoE layer) and whole graphs otherwise.
+        # Measured by the engine at start-up (StepGraphs.measure_piecewise_overhead); 0 without graphs.
+        self.piecewise_overhead_s = 0.0
         self.step = 0
         self._last_move_step = -(10**9)
         self._last_direction = 0  # +1 evicted, -1 grew
@@ -226,14 +233,18 @@ class CostAdjuster:
         room = kv + state.free_mid_pages + P * (n - n_now)
         conc = np.clip(np.minimum(float(demand), room / footprint), 0.0, None)
         conc = np.maximum(conc, 1.0) if demand > 0 else conc
-        comp = compute * (cfg.compute_fixed_share + (1.0 - cfg.compute_fixed_share) * conc / running)
+        # the measured compute includes the piecewise overhead while experts are offloaded: take it out, and charge
+        # it to every split that offloads any expert
+        overhead = self.piecewise_overhead_s
+        base = max(compute - (overhead if n_now > 0 else 0.0), 1e-9)
+        comp = base * (cfg.compute_fixed_share + (1.0 - cfg.compute_fixed_share) * conc / running)
         idx = np.asarray(order, dtype=np.int64).reshape(-1, 2)  # [(layer, expert)]
         probs = state.probabilities[idx[:, 0], idx[:, 1]].astype(np.float64)
         act = expected_activated(probs[None, :], conc[:, None], self.top_k)  # [candidates, order]
         act = np.cumsum(np.concatenate([np.zeros((len(n), 1)), act], axis=1), axis=1)[np.arange(len(n)), n]
         copy = act * self.expert_bytes / cfg.pcie_bandwidth
         exposed = np.maximum(0.0, copy - cfg.copy_overlap * comp)
-        step_s = comp + exposed
+        step_s = comp + exposed + np.where(n > 0, overhead, 0.0)
         if cfg.tpot_slo_s is not None:
             ok = step_s <= cfg.tpot_slo_s
         else:

@@ -31,6 +31,7 @@ GAUGES = {
     "total_experts": ("total_experts", "Routed experts of the model (all layers)."),
     "peak_running": ("num_requests_running_peak", "Most requests ever running at once."),
     "server_tracked_requests": ("server_tracked_requests", "Engine requests the server still routes."),
+    "piecewise_overhead_ms": ("piecewise_overhead_ms", "Elastic: measured extra time of a piecewise-graph pass."),
 }
 COUNTERS = {
     "forward_steps": ("forward_steps", "Engine forward steps."),
