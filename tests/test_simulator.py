@@ -97,7 +97,7 @@ def test_static_refuses_when_experts_do_not_fit() -> None:
 
 def test_cost_model_exact() -> None:
     hw = HardwareConfig(peak_flops=1e12, hbm_bandwidth=1e9, flops_efficiency=1.0, bandwidth_efficiency=1.0,
-                        pcie_bandwidth=1e8, copy_overlap=0.5, step_overhead_s=0.0)
+                        pcie_bandwidth=1e8, copy_overlap=0.5, step_overhead_s=0.0, piecewise_overhead_per_layer_s=1e-4)
     uniform = ExpertPopularity.uniform("tiny", 2, 8)
     cm = CostModel(TINY, uniform.probabilities, hw)
     # one token, top-2 of 8 uniform: each expert activated with probability 1/4, 2 per layer expected
@@ -111,4 +111,8 @@ def test_cost_model_exact() -> None:
     assert c.pcie_bytes == pytest.approx(2.0 * 3 * 64 * 64 * 2)
     copy = c.pcie_bytes / 1e8
     assert c.copy_s == pytest.approx(copy)
-    assert c.time_s == pytest.approx(c.compute_s + max(0.0, copy - 0.5 * c.compute_s))
+    # experts offloaded: the piecewise-graph overhead, 0.1 ms per MoE layer (2 layers), is in the step
+    assert c.piecewise_s == pytest.approx(2e-4)
+    assert c.time_s == pytest.approx(c.compute_s + max(0.0, copy - 0.5 * c.compute_s) + 2e-4)
+    every = cm.step([(0, 1)], num_sampled=1, resident=np.ones((2, 8), dtype=bool))
+    assert every.piecewise_s == 0.0 and every.time_s == pytest.approx(every.compute_s)

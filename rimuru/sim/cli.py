@@ -59,6 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth-efficiency", type=float)
     p.add_argument("--copy-overlap", type=float, help="share of compute time copies hide behind (0..1)")
     p.add_argument("--step-overhead-ms", type=float)
+    p.add_argument("--piecewise-overhead-us", type=float,
+                   help="per MoE layer, a pass with experts offloaded (piecewise graphs) over one with all resident")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--sweep-rates", default="2,5,10,15,20,30,40,60", help="comma list; empty: no sweep")
@@ -96,7 +98,8 @@ def hardware_from(args: argparse.Namespace):
                                     ("flops_efficiency", "flops_efficiency", 1.0),
                                     ("bandwidth_efficiency", "bandwidth_efficiency", 1.0),
                                     ("copy_overlap", "copy_overlap", 1.0),
-                                    ("step_overhead_ms", "step_overhead_s", 1e-3)):
+                                    ("step_overhead_ms", "step_overhead_s", 1e-3),
+                                    ("piecewise_overhead_us", "piecewise_overhead_per_layer_s", 1e-6)):
         value = getattr(args, flag)
         if value is not None:
             over[field_name] = value * scale

@@ -2,7 +2,9 @@
 
     compute = max(FLOPs / (peak_flops * flops_efficiency), HBM bytes / (hbm_bandwidth * bandwidth_efficiency))
     copies  = PCIe bytes / pcie_bandwidth
-    step    = step_overhead + compute + max(0, copies - copy_overlap * compute)
+    step    = step_overhead + compute + max(0, copies - copy_overlap * compute) + piecewise
+    piecewise = piecewise_overhead_per_layer * MoE layers when any expert is offloaded (the engine then replays
+                piecewise CUDA graphs, cut at every MoE layer, instead of whole ones), else 0
 
 FLOPs: 2 per weight per token for every non-embedding weight a token passes through (attention, shared
 expert, router, its top-k routed experts; lm_head only for rows that are sampled) plus attention scores
@@ -35,20 +37,26 @@ class HardwareConfig:
     pcie_bandwidth: float = 55e9  # pinned host-to-device, measured (50-55 GB/s)
     copy_overlap: float = 1.0  # copies hide behind this share of compute (1: a perfect side stream)
     step_overhead_s: float = 0.0  # per-step launch / scheduling time (CUDA graphs: ~0)
+    # per MoE layer, a pass with experts offloaded (piecewise graphs) against one with all resident (whole graphs):
+    # H200, Qwen1.5-MoE at 10 req/s, nothing offloaded yet piecewise: GPU forward 7.24 against static's 5.45 ms
+    # over 24 MoE layers (2026-11-29-s4-serve-issue8-{elastic-cost,static}-uniform-h200.json)
+    piecewise_overhead_per_layer_s: float = 75e-6
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bandwidth", "flops_efficiency", "bandwidth_efficiency", "pcie_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0.0 <= self.copy_overlap <= 1.0 or self.step_overhead_s < 0:
-            raise ValueError("copy_overlap must be in [0, 1] and step_overhead_s >= 0")
+        if not 0.0 <= self.copy_overlap <= 1.0 or self.step_overhead_s < 0 or self.piecewise_overhead_per_layer_s < 0:
+            raise ValueError("copy_overlap must be in [0, 1], step_overhead_s and piecewise_overhead_per_layer_s >= 0")
 
 
 HARDWARE = {
     "h200": HardwareConfig(),
     # RTX 5090 as the paper ran it (CUDA graphs off): 1.79 TB/s GDDR7, 209.5 TFLOP/s dense bf16, PCIe 5.0;
     # eager launch overhead 32 ms/step = our H200's eager TPOT (40 ms) minus its CUDA-graph TPOT (7.8 ms).
-    "rtx5090": HardwareConfig(name="rtx5090", peak_flops=209.5e12, hbm_bandwidth=1.79e12, step_overhead_s=0.032),
+    # eager: no graphs, so no piecewise overhead either
+    "rtx5090": HardwareConfig(name="rtx5090", peak_flops=209.5e12, hbm_bandwidth=1.79e12, step_overhead_s=0.032,
+                              piecewise_overhead_per_layer_s=0.0),
 }
 
 
@@ -62,6 +70,7 @@ class StepCost:
     pcie_bytes: float
     activated_experts: float  # expected, all layers
     offloaded_activated: float  # expected, all layers
+    piecewise_s: float = 0.0  # the piecewise-graph overhead in time_s (experts offloaded)
 
 
 class CostModel:
@@ -108,6 +117,12 @@ class CostModel:
         hw = self.hw
         compute = max(flops / (hw.peak_flops * hw.flops_efficiency), hbm / (hw.hbm_bandwidth * hw.bandwidth_efficiency))
         copy = pcie / hw.pcie_bandwidth
-        time = hw.step_overhead_s + compute + max(0.0, copy - hw.copy_overlap * compute)
+        piecewise = self.piecewise_overhead_s if not resident.all() else 0.0
+        time = hw.step_overhead_s + compute + max(0.0, copy - hw.copy_overlap * compute) + piecewise
         return StepCost(time_s=time, compute_s=compute, copy_s=copy, flops=flops, hbm_bytes=hbm, pcie_bytes=pcie,
-                        activated_experts=activated, offloaded_activated=offloaded)
+                        activated_experts=activated, offloaded_activated=offloaded, piecewise_s=piecewise)
+
+    @property
+    def piecewise_overhead_s(self) -> float:
+        """What a pass with any expert offloaded costs beyond one with all resident (whole model)."""
+        return self.hw.piecewise_overhead_per_layer_s * self.spec.num_moe_layers

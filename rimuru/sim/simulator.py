@@ -169,6 +169,7 @@ class Simulation:
         if adjuster is None and cfg.adjuster_kind == "cost":
             adjuster = CostAdjuster(cfg.cost, expert_bytes=int(self.cost.expert_bytes),
                                     top_k=spec.num_experts_per_tok, compute_time=self.step_cost)
+            adjuster.piecewise_overhead_s = self.cost.piecewise_overhead_s  # as the engine measures it at start-up
         self.adjuster = adjuster or PaperAdjuster(cfg.adjuster)
         self.smalls_per_mid = g.smalls_per_mid(KV, EXPERT)
         E = spec.num_experts
@@ -266,7 +267,7 @@ class Simulation:
             sampled = sum(s.samples for s in out.scheduled)
             cost = self.cost.step(chunks, sampled, self.residency.resident, grown)
             clock += cost.time_s
-            self.step_cost.observe_compute(cost.compute_s)
+            self.step_cost.observe_compute(cost.compute_s + cost.piecewise_s)  # the engine's measure includes it
             result.forward_steps += 1
             result.pcie_bytes += cost.pcie_bytes
             for s in out.scheduled:
