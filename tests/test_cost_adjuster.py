@@ -262,6 +262,27 @@ def test_candidate_grid_finds_nearly_the_dense_optimum() -> None:
         assert max(grid.last.throughput) >= 0.98 * max(dense.last.throughput)
 
 
+def test_queue_bound_and_stall_margin_after_pressure() -> None:
+    # pressure: requests wait (R = 4), the best split is 4 offloaded; that bound is what stalls may wait for
+    a = adjuster(10 * MS, replace(BASE, reverse_cooldown_steps=0))
+    a.plan(state(R=4, F=2, running=100, waiting=50, kv=100))
+    assert a.max_offloaded() == 4
+    # a calm step (nobody short, 2 out, free pages): the best without a queue is 0, but the bound made under
+    # pressure holds, so the first shortage after it may stall instead of preempting
+    calm = state(R=0, F=40, running=100, waiting=0, kv=100, resident=[3, 3])
+    assert a.plan(calm).grow and a.max_offloaded() == 4
+    # the same calm step with a request queued (one just preempted, say): its pages are not for experts
+    queued = state(R=0, F=40, running=99, waiting=1, kv=99, resident=[3, 3])
+    assert a.plan(queued).is_empty
+    # a stall of 3 pages with 2 out and the bound at 4: ceil((3 + 1) / 3) = 2 experts would overshoot the bound
+    # by none here, but with the bound at 3 the margin is dropped: ceil(3 / 3) = 1
+    b = adjuster(10 * MS)
+    b.plan(state(R=4, F=2, running=100, waiting=50, kv=100, resident=[3, 3]))
+    b._short_bound = 3
+    stalled = replace(state(R=3, F=0, running=10, waiting=0, kv=10, resident=[3, 3]), num_stalled=1)
+    assert len(b.plan(stalled).evict) == 1 and b.max_offloaded() == 3
+
+
 def test_no_compute_measured_yet_means_no_moves() -> None:
     a = adjuster(None)
     assert a.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).is_empty

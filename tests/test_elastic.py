@@ -174,7 +174,8 @@ def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
     assert all(n > 0 for n in graph_steps), graph_steps
     assert runner.graph_steps == engine.forward_steps  # no step fell back to eager
     bounds = runner.graphs.boundaries
-    assert bounds.host_waits > 0 and bounds.skipped_waits > 0  # offloaded layers read routing; resident ones not
+    assert bounds.host_waits > 0  # passes with offloaded experts read the routing of those layers
+    # (fully resident passes replay the whole graphs now, so boundaries that skip the read are no longer certain)
     # passes with every expert resident (the start, before the first eviction) replayed the whole graphs,
     # the others the piecewise ones
     assert 0 < runner.graphs.whole_replays < runner.graph_steps

@@ -132,6 +132,9 @@ class CostAdjuster:
         self.step = 0
         self._last_move_step = -(10**9)
         self._last_direction = 0  # +1 evicted, -1 grew
+        # the stall bound of the last plan made while requests waited for pages: a calm step (R = 0) keeps it, so
+        # the first shortage after a calm spell may stall for evictions instead of preempting
+        self._short_bound: int | None = None
         self.last: CostEstimate | None = None
 
     def max_offloaded(self) -> int | None:
@@ -150,16 +153,19 @@ class CostAdjuster:
         # stuck (nothing ran), or running requests stalled for pages: only evicting lets them go on. Stalls
         # happen only within max_offloaded (the scheduler preempts beyond), so these evictions stay in budget.
         if R > 0 and (state.num_batched_tokens == 0 or state.num_stalled > 0):
-            evict = pick_evictions(state, -(-(R + cfg.evict_margin) // P))
+            k = -(-(R + cfg.evict_margin) // P)
+            bound = self._short_bound
+            if state.num_batched_tokens > 0 and bound is not None:  # a stall: the margin stays within the bound
+                k = min(k, max(-(-R // P), bound - n_now))
+            evict = pick_evictions(state, k)
             n = n_now + len(evict)
-            bound = self.last.max_allowed if self.last is not None and self.last.max_allowed is not None else n
             self.last = CostEstimate(offloaded=n_now, target=n, best=n, compute_s=self.compute_time(),
-                                     max_allowed=max(bound, n), hard=True)
+                                     max_allowed=max(bound if bound is not None else n, n), hard=True)
             return self._moved(AdjustPlan(evict=evict))
         if R == 0 and n_now == 0:
             # nothing offloaded and nobody short of pages: no grow is possible and no eviction can pay (with R = 0
             # the model's n = 0 has the full concurrency and no copies); skip the model, keep its last bound
-            bound = self.last.max_allowed if self.last is not None and self.last.max_allowed is not None else 0
+            bound = self._short_bound if self._short_bound is not None else 0
             self.last = CostEstimate(offloaded=0, target=0, best=0, compute_s=self.compute_time(), max_allowed=bound)
             return AdjustPlan()
         compute = self.compute_time()
@@ -187,10 +193,17 @@ class CostAdjuster:
         best = int(cands[i_best])
         if R > 0:  # requests wait for pages: evict towards the best split (never grow while short)
             target = max(n_now, best)
+        elif state.num_waiting > 0:  # a queue (e.g. a request just preempted): its pages are not for experts
+            target = max(n_now, int(cands[np.flatnonzero(good).min()]))
         else:  # not short: the fewest offloaded experts that cost no throughput
             target = int(cands[np.flatnonzero(good).min()])
-        # stalls may wait for evictions up to the best split (the smallest of equals: a tie offloads no more)
+        # stalls may wait for evictions up to the best split (the smallest of equals: a tie offloads no more);
+        # with nobody short the best is computed without a queue, so the last bound made under pressure holds
         max_allowed = max(n_now, best)
+        if R > 0:
+            self._short_bound = max_allowed
+        elif self._short_bound is not None:
+            max_allowed = max(max_allowed, self._short_bound)
         self.last = CostEstimate(offloaded=n_now, target=target, best=best, compute_s=compute,
                                  candidates=cands.tolist(), throughput=np.where(allowed, tput, 0.0).tolist(),
                                  step_s=step_s.tolist(), max_allowed=max_allowed)
