@@ -212,3 +212,55 @@ def test_fully_resident_elastic_replays_whole_graphs(ckpt: Path) -> None:
     static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", enforce_eager=True,
                  max_num_batched_tokens=64)
     assert [o.outputs[0].token_ids for o in static.generate(batch, params)] == got
+
+
+def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller feeds the cost tracker each pass's time minus the piecewise-graph overhead when that pass had
+    an expert offloaded (it replayed piecewise graphs), so the compute estimate does not depend on which graphs
+    ran; with async scheduling the flag travels with its pass, one step late like the pass's time."""
+    from types import SimpleNamespace
+
+    from rimuru.experts.adjuster import AdjustPlan
+    from rimuru.experts.elastic import ElasticController
+    from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
+    from rimuru.experts.step_cost import StepCostTracker
+
+    clock = [0.0]
+    monkeypatch.setattr("rimuru.experts.elastic.time", SimpleNamespace(monotonic=lambda: clock[0]))
+    host_tables = torch.zeros(2, 4, 3, dtype=torch.int32)  # every expert resident
+    cache = SimpleNamespace(
+        num_experts=4, host_tables=host_tables, planned_resident=lambda: [set(range(4)), set(range(4))],
+        allocator=SimpleNamespace(mid_capacity=lambda kind: 0, num_used=lambda kind: 0),
+        finish_evictions=lambda: None)
+    loader = SimpleNamespace(counters=SimpleNamespace(bytes_loaded=0))
+    adjuster = SimpleNamespace(plan=lambda state: AdjustPlan(), max_offloaded=lambda: None)
+
+    def controller(async_steps: bool) -> tuple[ElasticController, StepCostTracker]:
+        tracker = StepCostTracker(alpha=1.0, copy_overlap=0.8)
+        c = ElasticController(cache, loader, adjuster, OnlinePopularity(ExpertPopularity.uniform("m", 2, 4)),
+                              offload_limit=2, smalls_per_mid=1, step_cost=tracker)
+        c.piecewise_overhead_s = 0.002
+        c.async_steps = async_steps
+        return c, tracker
+
+    def step(c: ElasticController, offloaded: bool) -> None:
+        host_tables[0, 3, 0] = -1 if offloaded else 0
+        c.adjust(0, num_batched_tokens=8)
+        clock[0] += 0.010  # every pass takes 10 ms of wall time
+        c.after_forward()
+
+    sync, tracker = controller(async_steps=False)
+    step(sync, offloaded=True)
+    assert tracker() == pytest.approx(0.008)
+    step(sync, offloaded=False)
+    assert tracker() == pytest.approx(0.010)
+
+    # async: call k times pass k-1 (the host waited for it in step k); the first two calls observe nothing
+    asyn, tracker = controller(async_steps=True)
+    step(asyn, offloaded=True)
+    step(asyn, offloaded=True)
+    assert tracker() is None
+    step(asyn, offloaded=False)  # times pass 2 (offloaded)
+    assert tracker() == pytest.approx(0.008)
+    step(asyn, offloaded=False)  # times pass 3 (all resident)
+    assert tracker() == pytest.approx(0.010)

@@ -46,6 +46,10 @@ logger = logging.getLogger("rimuru")
 # Mixed-step token buckets: fine steps where prefill chunks are short, coarser (x1.5) above 1024.
 _TOKEN_LADDER = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 MAX_MIXED_GRAPH_TOKENS = _TOKEN_LADDER[-1]  # larger steps run eagerly (activation memory of the graph pool)
+# Per MoE layer, what a piecewise pass costs beyond a whole one, where it cannot be measured at start-up (elastic
+# starting with experts offloaded). H200, Qwen1.5-MoE at 10 req/s, nothing offloaded but piecewise: GPU forward
+# 7.24 against static's 5.45 ms over 24 MoE layers (2026-11-29-s4-serve-issue8-{elastic-cost,static}-uniform-h200.json).
+PIECEWISE_OVERHEAD_PER_LAYER_S = 75e-6
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rimuru.config import EngineConfig, format_bytes
+from rimuru.engine.cuda_graphs import PIECEWISE_OVERHEAD_PER_LAYER_S
 from rimuru.engine.detokenizer import detokenize_incrementally
 from rimuru.engine.model_runner import ModelRunner, SampledTokens
 from rimuru.engine.outputs import CompletionOutput, RequestOutput
@@ -111,10 +112,17 @@ class LLMEngine:
                 resident.counter = provider.counter
             self.runner.enable_cuda_graphs(*args, counter=provider.counter, boundaries=boundaries,
                                            resident_provider=resident)
-            overhead = self.runner.graphs.measure_piecewise_overhead() if resident is not None else None
-            self.piecewise_overhead_s = overhead
-            if overhead is not None and hasattr(self.elastic.adjuster, "piecewise_overhead_s"):
-                self.elastic.adjuster.piecewise_overhead_s = overhead  # the cost adjuster charges it to offloading
+            if resident is not None:
+                overhead = self.runner.graphs.measure_piecewise_overhead()
+                if overhead is None:  # experts offloaded at start: the H200's figure per MoE layer
+                    overhead = PIECEWISE_OVERHEAD_PER_LAYER_S * provider.cache.num_layers
+                    logger.info("piecewise graphs: not measurable at start (experts offloaded); assuming %.2f ms",
+                                1e3 * overhead)
+                self.piecewise_overhead_s = overhead
+                # step times are measured without it; the cost adjuster charges it to offloading
+                self.elastic.piecewise_overhead_s = overhead
+                if hasattr(self.elastic.adjuster, "piecewise_overhead_s"):
+                    self.elastic.adjuster.piecewise_overhead_s = overhead
 
     def _check_workspace(self) -> None:
         """The budget reserved `workspace` for everything beyond weights and pool; say when the start alone

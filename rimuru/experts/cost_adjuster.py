@@ -18,7 +18,8 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
     tput(n)     = conc(n) / step(n)                      decode tokens per second
 
 piecewise_overhead (measured by the engine at start-up): what a pass with any expert offloaded costs beyond one
-with all resident (piecewise CUDA graphs instead of whole ones); taken out of the measured compute while n_now > 0.
+with all resident (piecewise CUDA graphs instead of whole ones); the elastic controller takes it out of the step
+times of piecewise passes before they reach the compute estimate.
 
 Candidates n reach from n_min (grows take free pages only, so fewer offloaded than n_now - free/P is not
 reachable) to every expert the limits allow. Allowed n: copies hide (copy(n) - overlap compute(n) <=
@@ -257,11 +258,10 @@ class CostAdjuster:
             conc = np.minimum(float(demand), (kv + state.free_mid_pages + freed) / footprint)
         conc = np.clip(conc, 0.0, None)
         conc = np.maximum(conc, 1.0) if demand > 0 else conc
-        # the measured compute includes the piecewise overhead while experts are offloaded: take it out, and charge
-        # it to every split that offloads any expert
+        # the measured compute excludes the piecewise overhead (the elastic controller takes it out of piecewise
+        # passes' times); charge it to every split that offloads any expert
         overhead = self.piecewise_overhead_s
-        base = max(compute - (overhead if n_now > 0 else 0.0), 1e-9)
-        comp = base * (cfg.compute_fixed_share + (1.0 - cfg.compute_fixed_share) * conc / running)
+        comp = compute * (cfg.compute_fixed_share + (1.0 - cfg.compute_fixed_share) * conc / running)
         idx = np.asarray(order, dtype=np.int64).reshape(-1, 2)  # [(layer, expert)]
         probs = state.probabilities[idx[:, 0], idx[:, 1]].astype(np.float64)
         act = expected_activated(probs[None, :], conc[:, None], self.top_k)  # [candidates, order]

@@ -71,6 +71,12 @@ class ElasticController:
         self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._last_after_forward: tuple[float, int] | None = None
         self._copy_bytes: int | None = None  # bytes loaded for the pass in flight (async)
+        # A pass with any expert offloaded replays piecewise graphs, which cost this much more than whole ones
+        # (the engine measures it at start-up; 0 without graphs). Step times are fed to the cost tracker without
+        # it, so the compute estimate is the same whichever graphs ran; the cost adjuster charges it to n > 0.
+        self.piecewise_overhead_s = 0.0
+        self._launch_piecewise = False  # the pass launched this step: some expert offloaded (set in adjust)
+        self._piecewise_in_flight = False  # async: the same for the pass launched one step earlier
 
     def reclaimable_kv_pages(self) -> int:
         """KV pages that evicting the experts the limits and the adjuster still allow would free (after the
@@ -122,6 +128,8 @@ class ElasticController:
         self.counters.evictions += len(plan.evict)
         self.counters.grows += len(grown)
         self.counters.last_plan = AdjustPlan(evict=list(plan.evict), grow=grown)
+        # the predicate the graph replay uses (tables change only between passes; evictions begun here still read)
+        self._launch_piecewise = bool((self.cache.host_tables[:, :, 0] < 0).any())
         self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded) if num_batched_tokens > 0
                                else None)
         return self.counters.last_plan
@@ -136,7 +144,8 @@ class ElasticController:
         if self.step_cost is not None and self._forward_start is not None:
             t0, bytes0 = self._forward_start
             copy_s = (self.loader.counters.bytes_loaded - bytes0) / self.pcie_bandwidth
-            self.step_cost.observe_forward(time.monotonic() - t0, copy_s)
+            overhead = self.piecewise_overhead_s if self._launch_piecewise else 0.0
+            self.step_cost.observe_forward(time.monotonic() - t0 - overhead, copy_s)
         self._forward_start = None
         if self.counter is not None:
             self.observe(self.counter.snapshot_and_reset().numpy())
@@ -150,8 +159,10 @@ class ElasticController:
         if ran and self._last_after_forward is not None:
             t0, bytes0 = self._last_after_forward
             if self.step_cost is not None and self._copy_bytes is not None:
-                self.step_cost.observe_forward(now - t0, self._copy_bytes / self.pcie_bandwidth)
+                overhead = self.piecewise_overhead_s if self._piecewise_in_flight else 0.0
+                self.step_cost.observe_forward(now - t0 - overhead, self._copy_bytes / self.pcie_bandwidth)
             self._copy_bytes = loaded - bytes0
+        self._piecewise_in_flight = self._launch_piecewise and ran
         self._last_after_forward = (now, loaded) if ran else None
         if not ran:
             self._copy_bytes = None

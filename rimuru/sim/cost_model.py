@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rimuru.engine.cuda_graphs import PIECEWISE_OVERHEAD_PER_LAYER_S
 from rimuru.model_spec import ModelSpec, dtype_bytes
 
 
@@ -37,10 +38,9 @@ class HardwareConfig:
     pcie_bandwidth: float = 55e9  # pinned host-to-device, measured (50-55 GB/s)
     copy_overlap: float = 1.0  # copies hide behind this share of compute (1: a perfect side stream)
     step_overhead_s: float = 0.0  # per-step launch / scheduling time (CUDA graphs: ~0)
-    # per MoE layer, a pass with experts offloaded (piecewise graphs) against one with all resident (whole graphs):
-    # H200, Qwen1.5-MoE at 10 req/s, nothing offloaded yet piecewise: GPU forward 7.24 against static's 5.45 ms
-    # over 24 MoE layers (2026-11-29-s4-serve-issue8-{elastic-cost,static}-uniform-h200.json)
-    piecewise_overhead_per_layer_s: float = 75e-6
+    # per MoE layer, a pass with experts offloaded (piecewise graphs) against one with all resident (whole graphs);
+    # the H200 figure is the engine's own fallback (engine/cuda_graphs.py)
+    piecewise_overhead_per_layer_s: float = PIECEWISE_OVERHEAD_PER_LAYER_S
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bandwidth", "flops_efficiency", "bandwidth_efficiency", "pcie_bandwidth"):
