@@ -283,6 +283,15 @@ def test_queue_bound_and_stall_margin_after_pressure() -> None:
     assert len(b.plan(stalled).evict) == 1 and b.max_offloaded() == 3
 
 
+def test_concurrency_is_capped_by_max_num_seqs() -> None:
+    # the long-queue case offloads all four for 100 -> 109 requests; with max_num_seqs 100 no eviction can add a
+    # request, so none pays
+    a = adjuster(10 * MS)
+    capped = replace(state(R=4, F=2, running=100, waiting=50, kv=100), max_num_seqs=100)
+    assert a.plan(capped).is_empty
+    assert a.last is not None and a.last.throughput == pytest.approx([10_000] * 5)
+
+
 def test_no_compute_measured_yet_means_no_moves() -> None:
     a = adjuster(None)
     assert a.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).is_empty

@@ -219,7 +219,7 @@ class LLMEngine:
         plan = None
         if self.elastic is not None:
             plan = self.elastic.adjust(sched.shortfall_pages, num_tokens, running, len(self.scheduler.waiting),
-                                       num_stalled=len(sched.stalled))
+                                       num_stalled=len(sched.stalled), max_num_seqs=self.scheduler.max_num_seqs)
         if prof is not None:
             prof.mark("adjust")
         previous: tuple[SchedulerOutput, SampledTokens] | None = None

@@ -96,6 +96,7 @@ class AdjusterState:
     num_running: int = 0
     num_waiting: int = 0
     num_stalled: int = 0  # running requests sitting out this step until evictions free their pages
+    max_num_seqs: int | None = None  # the scheduler's cap on running requests (None: none)
     kv_mid_pages: float = 0.0  # KV pages in use, in mid-page units (KV pages / smalls per mid)
 
     def limit(self, layer: int) -> int:

@@ -248,6 +248,8 @@ class CostAdjuster:
         kv = float(state.kv_mid_pages)
         footprint = kv / running if state.num_running > 0 and kv > 0 else float(max(1, state.shortfall_mid_pages))
         demand = state.num_running + (state.num_waiting if state.shortfall_mid_pages > 0 else 0)
+        if state.max_num_seqs is not None:  # the scheduler never runs more, whatever room evictions make
+            demand = min(demand, max(state.max_num_seqs, state.num_running))
         n = cands
         R = state.shortfall_mid_pages
         freed = P * (n - n_now)

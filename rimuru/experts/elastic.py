@@ -102,7 +102,7 @@ class ElasticController:
         self.counters.reranks += len(self.popularity.maybe_rerank())
 
     def adjust(self, shortfall_kv_pages: int, num_batched_tokens: int = 0, num_running: int = 0,
-               num_waiting: int = 0, num_stalled: int = 0) -> AdjustPlan:
+               num_waiting: int = 0, num_stalled: int = 0, max_num_seqs: int | None = None) -> AdjustPlan:
         allocator = self.cache.allocator
         state = AdjusterState(
             shortfall_mid_pages=shortfall_mid_pages(max(0, shortfall_kv_pages), self.smalls_per_mid),
@@ -112,7 +112,7 @@ class ElasticController:
             rankings=self.popularity.rankings,
             offload_limit=self.offload_limit,
             num_batched_tokens=num_batched_tokens, num_running=num_running, num_waiting=num_waiting,
-            num_stalled=num_stalled,
+            num_stalled=num_stalled, max_num_seqs=max_num_seqs,
             kv_mid_pages=allocator.num_used("kv") / self.smalls_per_mid,
         )
         plan = self.adjuster.plan(state)

@@ -220,6 +220,7 @@ class Simulation:
                              rankings=self.popularity.rankings, offload_limit=self.offload_limit,
                              num_batched_tokens=num_batched_tokens, num_running=len(self.scheduler.running),
                              num_waiting=len(self.scheduler.waiting), num_stalled=num_stalled,
+                             max_num_seqs=self.scheduler.max_num_seqs,
                              kv_mid_pages=self.kv.pages_in_use / self.smalls_per_mid)
 
     # ------------------------------------------------------------------ the loop
