@@ -107,7 +107,11 @@ class LLMEngine:
         elif isinstance(provider, OffloadExpertProvider):
             boundaries = ExpertTableBoundaries(provider, _moe_modules(model))
             resident = None
-            if self.elastic is not None:  # elastic passes are often fully resident: whole graphs for those
+            # elastic passes are often fully resident: whole graphs for those, unless every expert can never be
+            # resident at once (the free pool at start, before any KV, cannot take the offloaded ones back)
+            offloaded = self.experts.total_experts - self.experts.num_resident
+            can_all_fit = offloaded * 3 <= self.pool.allocator.mid_capacity(EXPERT)
+            if self.elastic is not None and can_all_fit:
                 resident = StaticExpertProvider(provider.expert_view, provider.cache.tables)
                 resident.counter = provider.counter
             self.runner.enable_cuda_graphs(*args, counter=provider.counter, boundaries=boundaries,
