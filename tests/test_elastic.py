@@ -65,6 +65,8 @@ def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
     assert st["expert_bytes_loaded"] > 0  # evicted experts that were routed to came from host memory
     after_heavy = experts.num_resident
     assert after_heavy < start_resident
+    # the O(1) check the graph replay uses agrees with the tables
+    assert experts.all_resident() is False and not bool((experts.host_tables[:, :, 0] >= 0).all())
     got_light = [o.outputs[0].token_ids for o in llm.generate(light, params)]
     st = llm.stats()
     # the light batch leaves pages free: experts come back
@@ -230,6 +232,7 @@ def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyP
     host_tables = torch.zeros(2, 4, 3, dtype=torch.int32)  # every expert resident
     cache = SimpleNamespace(
         num_experts=4, host_tables=host_tables, planned_resident=lambda: [set(range(4)), set(range(4))],
+        all_resident=lambda: bool((host_tables[:, :, 0] >= 0).all()),
         allocator=SimpleNamespace(mid_capacity=lambda kind: 0, num_used=lambda kind: 0),
         finish_evictions=lambda: None)
     loader = SimpleNamespace(counters=SimpleNamespace(bytes_loaded=0))

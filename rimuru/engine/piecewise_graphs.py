@@ -122,7 +122,7 @@ class ExpertTableBoundaries:
     def all_resident(self) -> bool:
         """Every expert of every layer is in the pool now (tables change only between passes): a whole graph
         over the resident tables computes the same pass (engine/cuda_graphs.py)."""
-        return bool((self.provider.cache.host_tables[:, :, 0] >= 0).all())
+        return self.provider.cache.all_resident()
 
     def replay(self, graph: PiecewiseGraph) -> None:
         provider = self.provider

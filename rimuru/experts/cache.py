@@ -96,6 +96,11 @@ class ExpertCache:
     def total_experts(self) -> int:
         return self.num_layers * self.num_experts
 
+    def all_resident(self) -> bool:
+        """Every expert is in the tables now (`_pages` holds exactly the rows that are not -1): a pass over them
+        reads no host memory. O(1): asked once per step."""
+        return len(self._pages) == self.total_experts
+
     def resident_per_layer(self) -> list[int]:
         counts = [0] * self.num_layers
         for layer, _ in self._pages:

@@ -129,7 +129,7 @@ class ElasticController:
         self.counters.grows += len(grown)
         self.counters.last_plan = AdjustPlan(evict=list(plan.evict), grow=grown)
         # the predicate the graph replay uses (tables change only between passes; evictions begun here still read)
-        self._launch_piecewise = bool((self.cache.host_tables[:, :, 0] < 0).any())
+        self._launch_piecewise = not self.cache.all_resident()
         self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded) if num_batched_tokens > 0
                                else None)
         return self.counters.last_plan

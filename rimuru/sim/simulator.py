@@ -209,10 +209,8 @@ class Simulation:
                 self.residency.load(grow)
 
     def _reclaimable_kv_pages(self) -> int:
-        E = self.spec.num_experts
-        offloaded = [E - int(n) for n in self.residency.resident.sum(axis=1)]
-        experts = reclaimable_experts(offloaded, self.offload_limit, self.adjuster.max_offloaded())
-        return experts * PAGES_PER_EXPERT * self.smalls_per_mid
+        """What stalls may wait for: evictions within the limits and the adjuster's bound (as the engine)."""
+        return self._evictable_kv_pages(self.adjuster.max_offloaded())
 
     def _state(self, shortfall: int, free: int, num_batched_tokens: int = 0, num_stalled: int = 0) -> AdjusterState:
         return AdjusterState(shortfall_mid_pages=shortfall, free_mid_pages=free,
@@ -302,13 +300,13 @@ class Simulation:
         live[idx] = r
         self.scheduler.add(req)
 
-    def _evictable_kv_pages(self) -> int:
+    def _evictable_kv_pages(self, bound: int | None = None) -> int:
+        """KV pages that evicting every expert the limits (and `bound` offloaded in all) allow would free."""
         if self.cfg.mode != "elastic":
             return 0
         E = self.spec.num_experts
-        per_layer = self.residency.resident.sum(axis=1)
-        extra = sum(max(0, int(n) - (E - self.offload_limit)) for n in per_layer)
-        return extra * PAGES_PER_EXPERT * self.smalls_per_mid
+        offloaded = [E - int(n) for n in self.residency.resident.sum(axis=1)]
+        return reclaimable_experts(offloaded, self.offload_limit, bound) * PAGES_PER_EXPERT * self.smalls_per_mid
 
     def _advance(self, req: Request, computed: int, samples: bool, now: float,
                  live: dict[int, SimRequest], result: SimResult) -> None:
