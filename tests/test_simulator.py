@@ -116,3 +116,18 @@ def test_cost_model_exact() -> None:
     assert c.time_s == pytest.approx(c.compute_s + max(0.0, copy - 0.5 * c.compute_s) + 2e-4)
     every = cm.step([(0, 1)], num_sampled=1, resident=np.ones((2, 8), dtype=bool))
     assert every.piecewise_s == 0.0 and every.time_s == pytest.approx(every.compute_s)
+
+
+def test_bad_hardware_flag_is_a_clear_error() -> None:
+    import argparse
+
+    from rimuru.sim.cli import hardware_from
+
+    flags = dict.fromkeys(("peak_tflops", "hbm_bandwidth", "pcie_bandwidth", "flops_efficiency",
+                           "bandwidth_efficiency", "copy_overlap", "step_overhead_ms", "piecewise_overhead_us"))
+    ok = hardware_from(argparse.Namespace(hardware="h200", **dict(flags, piecewise_overhead_us=100.0)))
+    assert ok.piecewise_overhead_per_layer_s == pytest.approx(1e-4)
+    with pytest.raises(SystemExit, match="piecewise_overhead_per_layer_s must be >= 0"):
+        hardware_from(argparse.Namespace(hardware="h200", **dict(flags, piecewise_overhead_us=-5.0)))
+    with pytest.raises(SystemExit, match="copy_overlap must be in"):
+        hardware_from(argparse.Namespace(hardware="h200", **dict(flags, copy_overlap=2.0)))

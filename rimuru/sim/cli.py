@@ -103,7 +103,10 @@ def hardware_from(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None:
             over[field_name] = value * scale
-    return replace(hw, **over)
+    try:
+        return replace(hw, **over)
+    except ValueError as e:  # a bad --copy-overlap, --piecewise-overhead-us, ...: say which, no traceback
+        raise SystemExit(f"rimuru simulate: bad hardware setting: {e}") from None
 
 
 def sustained_rate(run_at, rates: list[float], slo: float) -> tuple[float | None, list[dict[str, float]]]:

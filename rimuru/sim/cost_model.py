@@ -46,8 +46,11 @@ class HardwareConfig:
         for name in ("peak_flops", "hbm_bandwidth", "flops_efficiency", "bandwidth_efficiency", "pcie_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0.0 <= self.copy_overlap <= 1.0 or self.step_overhead_s < 0 or self.piecewise_overhead_per_layer_s < 0:
-            raise ValueError("copy_overlap must be in [0, 1], step_overhead_s and piecewise_overhead_per_layer_s >= 0")
+        if not 0.0 <= self.copy_overlap <= 1.0:
+            raise ValueError(f"copy_overlap must be in [0, 1], got {self.copy_overlap}")
+        for name in ("step_overhead_s", "piecewise_overhead_per_layer_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 HARDWARE = {
