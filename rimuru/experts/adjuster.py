@@ -24,9 +24,9 @@ implements the rules above; `CostAdjuster` (cost_adjuster.py, issue 8) also read
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol
 
 import numpy as np
@@ -145,49 +145,89 @@ def decide(state: AdjusterState, config: AdjusterConfig) -> AdjustPlan:
     return AdjustPlan()
 
 
+def _resident_mask(state: AdjusterState, L: int, E: int) -> tuple[np.ndarray, np.ndarray]:
+    """[L * E] bool, flat: expert e resident in layer l at l * E + e; and per layer its number of residents."""
+    counts = np.fromiter((len(r) for r in state.resident), dtype=np.int64, count=L)
+    if E <= 256:  # ids fit a byte: bytes() walks each set in C, faster than fromiter
+        ids = np.frombuffer(b"".join(map(bytes, state.resident)), dtype=np.uint8).astype(np.int64)
+    else:
+        ids = np.fromiter(chain.from_iterable(state.resident), dtype=np.int64, count=int(counts.sum()))
+    mask = np.zeros(L * E, dtype=bool)
+    mask[np.repeat(np.arange(L, dtype=np.int64) * E, counts) + ids] = True
+    return mask, counts
+
+
+def _sequences(state: AdjusterState, L: int, E: int, least_first: bool) -> tuple[np.ndarray, ...]:
+    """Per layer its experts in committed ranking order (least popular first when asked), as flat (l * E + e)
+    [L, E]; the flat residency mask; the residents per layer; the probabilities, flat, as float64."""
+    rankings = state.rankings[:L, ::-1] if least_first else state.rankings[:L]
+    seq = rankings.astype(np.int64) + np.arange(0, L * E, E, dtype=np.int64)[:, None]
+    mask, residents = _resident_mask(state, L, E)
+    prob = np.asarray(state.probabilities[:L], dtype=np.float64).ravel()
+    return seq, mask, residents, prob
+
+
+def _merge(keep: np.ndarray, seq: np.ndarray, first: np.ndarray, second: np.ndarray, n: int) -> list[Expert]:
+    """The first n items of a k-way heap merge of the layers' sequences (each layer nominating its next item).
+
+    `keep` [L, E] marks each layer's items, `seq` [L, E] holds their flat ids (l * E + e) in sequence order
+    (row-major positions of `keep` are the sequence order). An item's heap key is (first, second, layer, expert):
+    `first` (float) indexed by flat id, `second` (int) [L, E] aligned to `seq`, with 0 <= second + E < 3E.
+    The heap pops its smallest head, so a layer's items leave in blocks, each led by a prefix maximum of the
+    layer's keys (a record) and holding the smaller items behind it; blocks leave in the order of their records.
+    Keys are unique ((layer, expert)), so ranks of the full tuples order them exactly, and the merge is a stable
+    sort by each item's prefix-maximum rank within its layer."""
+    L, E = seq.shape
+    at = np.flatnonzero(keep)  # row-major: grouped by layer, each in sequence order
+    m = len(at)
+    if n <= 0 or m == 0:
+        return []
+    flat = seq.ravel()[at]
+    layer = at // E
+    # (second, layer, expert) in one exact integer (a float64 mantissa holds it); complex numbers sort
+    # lexicographically by (real, imaginary): one sort by the whole key
+    tail = (second.ravel()[at] + E) * (L * E) + flat
+    rank = np.empty(m, dtype=np.int64)
+    rank[np.argsort(first[flat] + 1j * tail.astype(np.float64))] = np.arange(m, dtype=np.int64)
+    # prefix max per layer in one pass: shift layer l's ranks above every earlier layer's
+    shift = layer * m
+    record = np.maximum.accumulate(rank + shift) - shift
+    out = np.argsort(record, kind="stable")[:n]
+    flat = flat[out]
+    layer = layer[out]
+    return list(zip(layer.tolist(), (flat - layer * E).tolist(), strict=True))
+
+
 def pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
-    """Up to n (layer, expert): globally least popular lowest-ranked residents of layers under their limit."""
+    """Up to n (layer, expert): globally least popular lowest-ranked residents of layers under their limit.
+
+    The order of a heap merge: each layer nominates its residents from the least popular up in the committed
+    ranking, keyed (probability, -residents now, layer, expert), and stops once its offloaded count reaches its
+    limit; the least key goes next (`_merge` computes that order at once)."""
+    L = len(state.resident)
     E = state.rankings.shape[1]
-    resident = [set(r) for r in state.resident]
-    # per layer: its residents from the least popular up (a prefix's tail first)
-    order = [[int(e) for e in state.rankings[layer][::-1] if e in resident[layer]] for layer in range(len(resident))]
-    heap: list[tuple[float, int, int, int]] = []
-
-    def nominate(layer: int) -> None:
-        if order[layer] and E - len(resident[layer]) < state.limit(layer):
-            e = order[layer][0]
-            heapq.heappush(heap, (float(state.probabilities[layer, e]), -len(resident[layer]), layer, e))
-
-    for layer in range(len(resident)):
-        nominate(layer)
-    out: list[Expert] = []
-    while heap and len(out) < n:
-        _, _, layer, e = heapq.heappop(heap)
-        out.append((layer, e))
-        order[layer].pop(0)
-        resident[layer].discard(e)
-        nominate(layer)
-    return out
+    if n <= 0 or L == 0:
+        return []
+    seq, mask, residents, prob = _sequences(state, L, E, least_first=True)
+    keep = mask[seq]
+    j = np.cumsum(keep, axis=1) - 1  # position in the layer's sequence (where keep)
+    limits = np.asarray(state.offload_limit, dtype=np.int64)
+    limits = np.full(L, limits) if limits.ndim == 0 else limits[:L]
+    room = np.minimum(residents, limits - (E - residents))  # evictions before the layer reaches its limit
+    keep &= j < room[:, None]
+    return _merge(keep, seq, prob, j - residents[:, None], n)
 
 
 def pick_grows(state: AdjusterState, n: int) -> list[Expert]:
-    """Up to n (layer, expert): the globally most popular highest-ranked non-resident experts."""
-    resident = [set(r) for r in state.resident]
-    order = [[int(e) for e in state.rankings[layer] if e not in resident[layer]] for layer in range(len(resident))]
-    heap: list[tuple[float, int, int, int]] = []
+    """Up to n (layer, expert): the globally most popular highest-ranked non-resident experts.
 
-    def nominate(layer: int) -> None:
-        if order[layer]:
-            e = order[layer][0]
-            heapq.heappush(heap, (-float(state.probabilities[layer, e]), len(resident[layer]), layer, e))
-
-    for layer in range(len(resident)):
-        nominate(layer)
-    out: list[Expert] = []
-    while heap and len(out) < n:
-        _, _, layer, e = heapq.heappop(heap)
-        out.append((layer, e))
-        order[layer].pop(0)
-        resident[layer].add(e)
-        nominate(layer)
-    return out
+    The order of a heap merge: each layer nominates its non-residents in committed ranking order, keyed
+    (-probability, residents now, layer, expert); the least key goes next (`_merge`)."""
+    L = len(state.resident)
+    E = state.rankings.shape[1]
+    if n <= 0 or L == 0:
+        return []
+    seq, mask, residents, prob = _sequences(state, L, E, least_first=False)
+    keep = ~mask[seq]
+    j = np.cumsum(keep, axis=1) - 1
+    return _merge(keep, seq, -prob, j + residents[:, None], n)
