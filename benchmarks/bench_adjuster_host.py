@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -168,6 +169,16 @@ def cpu_name() -> str:
     return f"cpu {name} ({os.cpu_count()} cores)"
 
 
+def uncommitted_sources() -> list[str]:
+    """Files under rimuru/ that differ from the recorded commit (the timed code is the working tree's)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", "rimuru"], capture_output=True, text=True,
+                             timeout=5, cwd=Path(__file__).resolve().parent.parent).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return sorted(line[3:] for line in out.splitlines() if line.strip())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=15)
@@ -176,6 +187,7 @@ def main() -> None:
     args = ap.parse_args()
     meta = metadata("adjuster_host", compute_time_s=COMPUTE_S, samples=args.samples, sample_ms=args.sample_ms)
     meta["device"] = cpu_name()
+    meta["uncommitted_sources"] = uncommitted_sources()
     print(f"{meta['device']}  numpy {np.__version__}  commit {str(meta['git_commit'])[:10]}  {meta['date']}")
     results = {s.name: bench_shape(s, args.samples, args.sample_ms / 1e3) for s in SHAPES}
     print(f"{'shape':<15} {'call':<15} {'old ms':>9} {'new ms':>9} {'speedup':>8}")
