@@ -13,7 +13,6 @@ import pytest
 from rimuru.config import EngineConfig, add_engine_args
 from rimuru.experts.adjuster import AdjusterState
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig, expected_activated
-from rimuru.experts.step_cost import StepCostTracker
 
 # Two layers, 4 experts. Layer 0 ranking [2, 0, 3, 1]; layer 1 ranking [1, 3, 2, 0].
 # With every expert resident and a limit of 2 per layer the eviction order is (1,0) .04, (0,1) .05,
@@ -63,6 +62,19 @@ def test_no_offload_when_copies_cannot_hide() -> None:
     a = adjuster(1 * MS)
     assert a.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).is_empty
     assert a.last is not None and a.last.best == 0 and a.last.throughput[1:] == [0.0] * 4
+
+
+def test_measured_copy_slowdown_makes_copies_costlier() -> None:
+    # as in the test below: 10 ms of compute hides 8 ms of copies, and the four experts' nominal copies (1 ms each,
+    # all activated at this concurrency) hide, so all four go. Measured three times slower (3 ms each), two hide
+    # (6 ms), three show (9 ms); the best allowed split is two, and four would make a 10 + 12 - 8 = 14 ms step
+    slow = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+                        copy_slowdown=lambda: 3.0)
+    plan = slow.plan(state(R=4, F=2, running=100, waiting=50, kv=100))
+    assert plan.evict == ORDER[:2]
+    assert slow.last is not None and (slow.last.best, slow.last.max_allowed) == (2, 2)
+    assert slow.last.step_s[4] == pytest.approx(14 * MS, rel=1e-3)
+    assert slow.last.throughput[3:] == [0.0, 0.0]
 
 
 def test_offloads_when_queue_long_and_compute_long() -> None:
@@ -313,32 +325,6 @@ def test_config_validation() -> None:
             CostAdjusterConfig(**bad)
     with pytest.raises(ValueError):
         CostAdjuster(BASE, expert_bytes=0, top_k=2, compute_time=lambda: None)
-
-
-def test_step_cost_tracker_exact() -> None:
-    t = StepCostTracker(alpha=0.5, copy_overlap=0.8)
-    assert t() is None
-    t.observe_compute(10 * MS)
-    t.observe_compute(20 * MS)
-    assert t() == pytest.approx(15 * MS)
-    # copies hidden (4 ms <= 0.8 x 15 ms): the forward time is the compute time
-    t.observe_forward(forward_s=16 * MS, copy_s=4 * MS)
-    assert t() == pytest.approx(15.5 * MS)
-    # copy-bound: 30 ms copy, forward 31 ms; exposed = 30 - 0.8 x 15.5 = 17.6 ms -> sample 13.4 ms
-    t.observe_forward(forward_s=31 * MS, copy_s=30 * MS)
-    assert t() == pytest.approx((15.5 + 13.4) / 2 * MS)
-    with pytest.raises(ValueError):
-        StepCostTracker(alpha=0)
-
-
-def test_step_cost_tracker_converges_on_copy_bound_steps() -> None:
-    # true compute 10 ms, copies 40 ms: forward = 10 + 40 - 8 = 42 ms; the estimate converges to 10 ms
-    t = StepCostTracker(alpha=1.0, copy_overlap=0.8)
-    for _ in range(200):
-        c = t() or 0.0
-        assert c <= 42 * MS
-        t.observe_forward(forward_s=42 * MS, copy_s=40 * MS)
-    assert t() == pytest.approx(10 * MS, rel=1e-6)
 
 
 def test_engine_config_fields_and_flags() -> None:

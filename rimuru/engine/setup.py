@@ -249,7 +249,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             cost_cfg = CostAdjusterConfig(tpot_slo_s=slo)
             step_cost = StepCostTracker(copy_overlap=cost_cfg.copy_overlap)  # measured forward times
             adjuster = CostAdjuster(cost_cfg, expert_bytes=3 * geometry.size(EXPERT), top_k=spec.num_experts_per_tok,
-                                    compute_time=step_cost)
+                                    compute_time=step_cost, copy_slowdown=step_cost.copy_slowdown,
+                                    copy_overlap=step_cost.copy_overlap_share)
         online = OnlinePopularity(popularity)
         provider.popularity = online.probabilities  # type: ignore[attr-defined]
         elastic = ElasticController(experts, loader, adjuster, online,

@@ -11,11 +11,14 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
                                                          requests wait, the first needs R more pages than are
                                                          free (FIFO: nobody behind it starts before it), the
                                                          next ones a footprint each
-    compute(n)  = c (fixed + (1 - fixed) conc(n) / running)  c = measured compute EMA (step_cost.py)
+    compute(n)  = c (fixed + (1 - fixed) conc(n) / running)  c = compute measured on copy-free passes (step_cost.py)
     act(n)      = sum over the n offloaded e of 1 - (1 - p_e)^(top_k conc(n))   expected activated
-    copy(n)     = act(n) expert_bytes / pcie_bandwidth
+    copy(n)     = act(n) expert_bytes / pcie_bandwidth x slowdown   slowdown >= 1, measured (step_cost.py)
     step(n)     = compute(n) + max(0, copy(n) - overlap compute(n)) + [n > 0] piecewise_overhead
     tput(n)     = conc(n) / step(n)                      decode tokens per second
+
+slowdown and overlap are measured from the engine's passes with copies (step_cost.py): how much longer its copies
+take than nominal, and how much of the compute they hide behind (at most `copy_overlap`, where they start).
 
 piecewise_overhead (measured by the engine at start-up): what a pass with any expert offloaded costs beyond one
 with all resident (piecewise CUDA graphs instead of whole ones); the elastic controller takes it out of the step
@@ -119,13 +122,19 @@ def expected_activated(p: np.ndarray, tokens: float, top_k: int) -> np.ndarray:
 
 class CostAdjuster:
     def __init__(self, config: CostAdjusterConfig, expert_bytes: int, top_k: int,
-                 compute_time: Callable[[], float | None]) -> None:
+                 compute_time: Callable[[], float | None],
+                 copy_slowdown: Callable[[], float] | None = None,
+                 copy_overlap: Callable[[], float] | None = None) -> None:
         if expert_bytes <= 0 or top_k < 1:
             raise ValueError(f"need expert_bytes > 0 and top_k >= 1, got {expert_bytes}, {top_k}")
         self.config = config
         self.expert_bytes = expert_bytes
         self.top_k = top_k
         self.compute_time = compute_time  # the measured step compute time (StepCostTracker), None before any
+        # how much longer the engine's expert copies take than bytes / pcie_bandwidth (StepCostTracker, >= 1)
+        self.copy_slowdown = copy_slowdown or (lambda: 1.0)
+        # the share of compute copies hide behind, as measured (StepCostTracker; at most config.copy_overlap)
+        self.copy_overlap = copy_overlap or (lambda: config.copy_overlap)
         # What a pass with any expert offloaded costs beyond one with all resident, whatever it copies: the engine
         # replays piecewise graphs then (host work and launches at every MoE layer) and whole graphs otherwise.
         # Measured by the engine at start-up (StepGraphs.measure_piecewise_overhead); 0 without graphs.
@@ -268,8 +277,8 @@ class CostAdjuster:
         probs = state.probabilities[idx[:, 0], idx[:, 1]].astype(np.float64)
         act = expected_activated(probs[None, :], conc[:, None], self.top_k)  # [candidates, order]
         act = np.cumsum(np.concatenate([np.zeros((len(n), 1)), act], axis=1), axis=1)[np.arange(len(n)), n]
-        copy = act * self.expert_bytes / cfg.pcie_bandwidth
-        exposed = np.maximum(0.0, copy - cfg.copy_overlap * comp)
+        copy = act * self.expert_bytes / cfg.pcie_bandwidth * self.copy_slowdown()
+        exposed = np.maximum(0.0, copy - self.copy_overlap() * comp)
         step_s = comp + exposed + np.where(n > 0, overhead, 0.0)
         if cfg.tpot_slo_s is not None:
             ok = step_s <= cfg.tpot_slo_s

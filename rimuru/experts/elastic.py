@@ -64,6 +64,8 @@ class ElasticController:
         self.step_cost = step_cost
         self.pcie_bandwidth = pcie_bandwidth
         self._forward_start: tuple[float, int] | None = None  # (monotonic time, loader bytes) when tokens ran
+        self._tokens = 0  # batched tokens of the pass launched this step (the compute estimate is per batch size)
+        self._tokens_in_flight = 0  # async: the same for the pass launched one step earlier
         # async scheduling (LLMEngine sets it): after_forward runs while the pass it follows is still in flight,
         # so routing counts are read one step late (non-blocking copy) and a step's time is the interval
         # between consecutive after_forward calls (the loop runs at the GPU's pace)
@@ -132,6 +134,7 @@ class ElasticController:
         self._launch_piecewise = not self.cache.all_resident()
         self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded) if num_batched_tokens > 0
                                else None)
+        self._tokens = num_batched_tokens
         return self.counters.last_plan
 
     def after_forward(self) -> None:
@@ -145,7 +148,7 @@ class ElasticController:
             t0, bytes0 = self._forward_start
             copy_s = (self.loader.counters.bytes_loaded - bytes0) / self.pcie_bandwidth
             overhead = self.piecewise_overhead_s if self._launch_piecewise else 0.0
-            self.step_cost.observe_forward(time.monotonic() - t0 - overhead, copy_s)
+            self.step_cost.observe_forward(max(0.0, time.monotonic() - t0 - overhead), copy_s, self._tokens)
         self._forward_start = None
         if self.counter is not None:
             self.observe(self.counter.snapshot_and_reset().numpy())
@@ -160,9 +163,11 @@ class ElasticController:
             t0, bytes0 = self._last_after_forward
             if self.step_cost is not None and self._copy_bytes is not None:
                 overhead = self.piecewise_overhead_s if self._piecewise_in_flight else 0.0
-                self.step_cost.observe_forward(now - t0 - overhead, self._copy_bytes / self.pcie_bandwidth)
+                self.step_cost.observe_forward(max(0.0, now - t0 - overhead), self._copy_bytes / self.pcie_bandwidth,
+                                               self._tokens_in_flight)
             self._copy_bytes = loaded - bytes0
         self._piecewise_in_flight = self._launch_piecewise and ran
+        self._tokens_in_flight = self._tokens if ran else 0
         self._last_after_forward = (now, loaded) if ran else None
         if not ran:
             self._copy_bytes = None

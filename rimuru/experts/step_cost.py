@@ -1,39 +1,112 @@
-"""The measured compute time of a forward pass: an EMA the cost-aware adjuster reads every step.
+"""What a forward pass costs, as the cost-aware adjuster reads it every step: the compute time of the batch, and
+how much slower than the nominal link the expert copies turn out in the engine.
 
-Two ways in:
-  * `observe_compute(s)`: the compute time is known (the simulator's cost model);
-  * `observe_forward(forward_s, copy_s)`: the engine measured the wall time of a forward pass during which
-    `copy_s` of expert copies (bytes loaded / bandwidth) were issued. Copies hide behind up to
-    `copy_overlap` of compute, so forward = c + max(0, copy - overlap * c). The sample subtracts the copy
-    time that the current estimate says was exposed: exact when the copies hid (forward = c), and a
-    contraction towards c (factor `overlap`) when they did not:
-        sample = forward - max(0, copy - overlap * c_prev)   ->   (1 - overlap) c + overlap c_prev
-    so a copy-bound step is never mistaken for a long compute step (which would make copies look hideable).
+Compute. A pass that copied nothing (`copy_s == 0`) is a clean measure of the batch's compute time. Those samples
+feed an EMA per batch size (buckets of batched tokens, powers of two), and `compute_s` is the estimate for the
+bucket of the latest pass, or the nearest measured bucket below (above when none is below): a smaller batch's
+time underestimates, which makes copies look less hideable, the safe direction.
+Passes with copies do not feed the compute estimate once any clean pass was seen. The earlier estimator
+subtracted the copy time its model said was exposed, `forward - max(0, copy - overlap c)`. Every cost the model
+misses then returns to the estimate multiplied by 1 / (1 - overlap) = 5. Examples: copies that hide less than
+`overlap`, on-demand misses, the host's per-layer routing reads. A fivefold compute estimate made 80 ms of
+copies look hideable. Measured on the H200 on 2026-11-29, fifth session: from 25 req/s the cost adjuster
+offloaded its whole limit, 240 experts, and served 1,682 output tok/s against static's ~3,500.
+Forced offloading (the experts never all fit, e.g. Qwen3-30B-A3B at 48 GiB) has no clean pass. There the sample is
+`forward - copy_s`, the compute time if the copies hid behind nothing.
+
+Copies. Against a clean estimate c of the same bucket, a pass with copies shows what they really cost: exposed
+X = forward - c. The adjuster's model is X = max(0, slowdown x copy - overlap x c), with copy = bytes / nominal
+bandwidth; both parameters are learned here (EMAs), from passes whose copies are at least `min_copy_share` of c:
+  * X >= copy: nothing hid and the copies took longer than nominal: overlap 0, slowdown X / copy;
+  * 0 < X < copy: part hid: overlap (copy - X) / c, slowdown 1;
+  * X <= 0: all hid: the overlap is at least copy / c (raised to it when below), the slowdown 1.
+The overlap stays within [0, the configured `copy_overlap`] (it starts there) and the slowdown within
+[1, max_slowdown] (it starts at 1): never more hiding than configured, never faster than the link. Without clean
+passes both keep their starting values.
 """
 
 from __future__ import annotations
 
+import math
+
 
 class StepCostTracker:
-    def __init__(self, alpha: float = 0.1, copy_overlap: float = 0.8) -> None:
+    def __init__(self, alpha: float = 0.1, copy_overlap: float = 0.8, min_copy_share: float = 0.25,
+                 max_slowdown: float = 10.0) -> None:
         if not 0.0 < alpha <= 1.0 or not 0.0 <= copy_overlap <= 1.0:
             raise ValueError(f"need 0 < alpha <= 1 and 0 <= copy_overlap <= 1, got {alpha}, {copy_overlap}")
+        if min_copy_share <= 0 or max_slowdown < 1:
+            raise ValueError(f"need min_copy_share > 0 and max_slowdown >= 1, got {min_copy_share}, {max_slowdown}")
         self.alpha = alpha
         self.copy_overlap = copy_overlap
-        self.compute_s: float | None = None  # EMA of the step compute time; None before the first step
+        self.min_copy_share = min_copy_share
+        self.max_slowdown = max_slowdown
+        self._clean: dict[int, float] = {}  # token bucket -> EMA of copy-free pass times
+        self._forced: float | None = None  # EMA of forward - copy while no clean pass was ever seen
+        self._bucket = 0  # bucket of the latest pass
+        self.overlap = copy_overlap  # EMA: share of compute the copies hide behind (<= copy_overlap)
+        self.slowdown = 1.0  # EMA: real copy time / nominal copy time (>= 1)
+        self.compute_s: float | None = None  # the estimate for the latest pass's batch; None before any pass
         self.steps = 0
 
-    def observe_compute(self, compute_s: float) -> None:
+    @staticmethod
+    def bucket(tokens: int) -> int:
+        """Batched tokens -> bucket: 0 for 0-1 tokens, k for 2^(k-1) < tokens <= 2^k."""
+        return 0 if tokens <= 1 else math.ceil(math.log2(tokens))
+
+    def _ema(self, old: float | None, sample: float) -> float:
+        return sample if old is None else self.alpha * sample + (1.0 - self.alpha) * old
+
+    def _clean_estimate(self, bucket: int) -> float | None:
+        if not self._clean:
+            return None
+        below = [b for b in self._clean if b <= bucket]
+        return self._clean[max(below)] if below else self._clean[min(self._clean)]
+
+    def observe_compute(self, compute_s: float, tokens: int = 0) -> None:
+        """A pass whose compute time is known (a copy-free pass, or the simulator's cost model)."""
         if compute_s < 0:
             raise ValueError(f"compute time must be >= 0, got {compute_s}")
-        self.compute_s = compute_s if self.compute_s is None else (
-            self.alpha * compute_s + (1.0 - self.alpha) * self.compute_s)
+        b = self.bucket(tokens)
+        self._clean[b] = self._ema(self._clean.get(b), compute_s)
+        self._bucket = b
+        self.compute_s = self._clean_estimate(b)
         self.steps += 1
 
-    def observe_forward(self, forward_s: float, copy_s: float = 0.0) -> None:
-        prev = self.compute_s if self.compute_s is not None else 0.0
-        exposed = max(0.0, copy_s - self.copy_overlap * prev)
-        self.observe_compute(max(0.0, forward_s - exposed))
+    def observe_forward(self, forward_s: float, copy_s: float = 0.0, tokens: int = 0) -> None:
+        """A pass of `tokens` batched tokens took `forward_s` (piecewise overhead already taken out) while
+        `copy_s` of expert copies (bytes / nominal bandwidth) were issued for it."""
+        if forward_s < 0 or copy_s < 0:
+            raise ValueError(f"need forward_s >= 0 and copy_s >= 0, got {forward_s}, {copy_s}")
+        if copy_s == 0:
+            self.observe_compute(forward_s, tokens)
+            return
+        b = self.bucket(tokens)
+        self._bucket = b
+        self.steps += 1
+        ref = self._clean_estimate(b)
+        if ref is None:  # forced offloading: no clean pass to compare with
+            self._forced = self._ema(self._forced, max(0.0, forward_s - copy_s))
+            self.compute_s = self._forced
+            return
+        self.compute_s = ref
+        if ref <= 0 or copy_s < self.min_copy_share * ref:
+            return  # too small a copy to tell its cost from the batch's noise
+        exposed = forward_s - ref
+        if exposed >= copy_s:
+            overlap, slowdown = 0.0, exposed / copy_s
+        elif exposed > 0:
+            overlap, slowdown = (copy_s - exposed) / ref, 1.0
+        else:
+            overlap, slowdown = max(self.overlap, copy_s / ref), 1.0
+        self.overlap = self._ema(self.overlap, min(self.copy_overlap, overlap))
+        self.slowdown = self._ema(self.slowdown, min(self.max_slowdown, max(1.0, slowdown)))
+
+    def copy_slowdown(self) -> float:
+        return self.slowdown
+
+    def copy_overlap_share(self) -> float:
+        return self.overlap
 
     def __call__(self) -> float | None:
         return self.compute_s

@@ -164,11 +164,13 @@ class Simulation:
                                    reclaimable=self._reclaimable_kv_pages if cfg.mode == "elastic" else None)
         self.residency = SimResidency(self.allocator, spec.num_moe_layers, spec.num_experts)
         self.cost = CostModel(spec, popularity.probabilities, cfg.hardware, cfg.dtype)
-        # the cost adjuster reads the compute time of recent steps; here the cost model's, as an EMA
+        # the cost adjuster reads the compute time and copy slowdown of recent steps, measured from their times
         self.step_cost = StepCostTracker(copy_overlap=cfg.cost.copy_overlap)
         if adjuster is None and cfg.adjuster_kind == "cost":
             adjuster = CostAdjuster(cfg.cost, expert_bytes=int(self.cost.expert_bytes),
-                                    top_k=spec.num_experts_per_tok, compute_time=self.step_cost)
+                                    top_k=spec.num_experts_per_tok, compute_time=self.step_cost,
+                                    copy_slowdown=self.step_cost.copy_slowdown,
+                                    copy_overlap=self.step_cost.copy_overlap_share)
             adjuster.piecewise_overhead_s = self.cost.piecewise_overhead_s  # as the engine measures it at start-up
         self.adjuster = adjuster or PaperAdjuster(cfg.adjuster)
         self.smalls_per_mid = g.smalls_per_mid(KV, EXPERT)
@@ -266,7 +268,8 @@ class Simulation:
             sampled = sum(s.samples for s in out.scheduled)
             cost = self.cost.step(chunks, sampled, self.residency.resident, grown)
             clock += cost.time_s
-            self.step_cost.observe_compute(cost.compute_s)  # the engine's measure leaves the piecewise overhead out
+            # as the engine measures it: the pass's time without the piecewise overhead, and the copies issued
+            self.step_cost.observe_forward(cost.time_s - cost.piecewise_s, cost.copy_s, out.num_tokens)
             result.forward_steps += 1
             result.pcie_bytes += cost.pcie_bytes
             for s in out.scheduled:

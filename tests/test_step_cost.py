@@ -1,0 +1,124 @@
+"""The measured step cost the cost-aware adjuster reads: compute from copy-free passes per batch size, the copy
+slowdown from passes with copies, and the runaway the earlier estimator had (measured on the H200)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rimuru.experts.step_cost import StepCostTracker
+
+MS = 1e-3
+
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [StepCostTracker.bucket(t) for t in (0, 1, 2, 3, 4, 5, 64, 65, 8192)] == [0, 0, 1, 2, 2, 3, 6, 7, 13]
+
+
+def test_clean_passes_give_the_compute_time_per_batch_size() -> None:
+    t = StepCostTracker(alpha=0.5)
+    assert t() is None
+    t.observe_forward(10 * MS, 0.0, tokens=32)
+    t.observe_forward(20 * MS, 0.0, tokens=32)
+    assert t() == pytest.approx(15 * MS)
+    t.observe_forward(40 * MS, 0.0, tokens=500)  # a prefill-heavy pass: its own bucket
+    assert t() == pytest.approx(40 * MS)
+    t.observe_forward(16 * MS, 0.0, tokens=30)  # back to the 32-token bucket: 15 -> 15.5
+    assert t() == pytest.approx(15.5 * MS)
+    # a pass with copies at 100 tokens: no clean pass of that size; the nearest bucket below (32) is read
+    t.observe_forward(80 * MS, 10 * MS, tokens=100)
+    assert t() == pytest.approx(15.5 * MS)
+    # below every measured bucket: the smallest measured one
+    t.observe_forward(5 * MS, 1 * MS, tokens=2)
+    assert t() == pytest.approx(15.5 * MS)
+
+
+def test_passes_with_copies_never_raise_the_compute_estimate() -> None:
+    """The regression measured on the H200 (2026-11-29, fifth session): copies that hid nothing, plus host time the
+    model did not know, fed through the old estimator `forward - max(0, copy - overlap c)`, grow it by
+    `overlap` x the estimate each pass until the copies look hidden (copy <= overlap c); from then on the whole
+    pass counts as compute, which keeps them looking hidden. Here 52 ms for 10 ms of compute; on the H200, from
+    25 req/s, the cost adjuster offloaded all 240 experts its limit allowed."""
+    compute, extra, copy, overlap = 10 * MS, 2 * MS, 40 * MS, 0.8
+
+    def forward() -> float:  # what the engine measured: copies serialised with compute, plus host time
+        return compute + copy + extra
+
+    old = compute  # the old estimator, alpha = 1
+    for _ in range(200):
+        old = forward() - max(0.0, copy - overlap * old)
+    assert old == pytest.approx(forward())  # 52 ms: the whole pass, 5.2x the true compute
+    assert copy <= overlap * old  # and so the 40 ms of copies look hidden
+
+    t = StepCostTracker(alpha=1.0, copy_overlap=overlap)
+    t.observe_forward(compute, 0.0, tokens=64)  # the batch ran clean before anything was offloaded
+    for _ in range(200):
+        t.observe_forward(forward(), copy, tokens=64)
+        assert t() == pytest.approx(compute)
+    # the copies' real cost is learned instead: nothing hid (exposed 42 ms >= 40 ms of copy), and they took
+    # 42 / 40 of their nominal time
+    assert t.copy_overlap_share() == 0.0
+    assert t.copy_slowdown() == pytest.approx((forward() - compute) / copy)
+
+
+def test_overlap_and_slowdown_are_learned_from_passes_with_copies() -> None:
+    t = StepCostTracker(alpha=1.0, copy_overlap=0.8)
+    assert (t.copy_overlap_share(), t.copy_slowdown()) == (0.8, 1.0)  # the configured start
+    t.observe_forward(10 * MS, 0.0, tokens=16)
+    # 20 ms of nominal copies, the pass took 35 ms: 25 ms exposed, more than the copies: none hid, 1.25x slower
+    t.observe_forward(35 * MS, 20 * MS, tokens=16)
+    assert (t.copy_overlap_share(), t.copy_slowdown()) == (0.0, pytest.approx(1.25))
+    # 10 ms of copies, 6 ms exposed: 4 ms hid behind 10 ms of compute
+    t.observe_forward(16 * MS, 10 * MS, tokens=16)
+    assert (t.copy_overlap_share(), t.copy_slowdown()) == (pytest.approx(0.4), 1.0)
+    # 5 ms of copies that hid completely: the overlap is at least 0.5
+    t.observe_forward(10 * MS, 5 * MS, tokens=16)
+    assert t.copy_overlap_share() == pytest.approx(0.5)
+    # 9 ms that hid: at least 0.9, but never more than the configured 0.8
+    t.observe_forward(9.5 * MS, 9 * MS, tokens=16)
+    assert t.copy_overlap_share() == pytest.approx(0.8)
+    # too small a copy (1 ms < 0.25 x 10 ms) to tell from noise: no sample, even if the pass was slow
+    t.observe_forward(30 * MS, 1 * MS, tokens=16)
+    assert (t.copy_overlap_share(), t.copy_slowdown()) == (pytest.approx(0.8), 1.0) and t() == pytest.approx(10 * MS)
+
+
+def test_forced_offloading_estimates_compute_as_if_copies_hid_nothing() -> None:
+    # no pass is ever copy-free (the experts do not all fit): compute = forward - copy, the slowdown stays 1
+    t = StepCostTracker(alpha=0.5)
+    t.observe_forward(114 * MS, 98 * MS, tokens=27)
+    assert t() == pytest.approx(16 * MS)
+    t.observe_forward(100 * MS, 110 * MS, tokens=27)  # copies longer than the pass: clipped at 0
+    assert t() == pytest.approx(8 * MS)
+    assert (t.copy_slowdown(), t.copy_overlap_share()) == (1.0, 0.8)
+    # the first clean pass takes over
+    t.observe_forward(12 * MS, 0.0, tokens=27)
+    assert t() == pytest.approx(12 * MS)
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.integers(0, 4096)), min_size=1, max_size=60))
+def test_estimates_stay_within_what_was_measured(passes: list[tuple[float, float, int]]) -> None:
+    """Whatever the passes: the compute estimate is one of the measured clean times' convex mixes (never above
+    the longest clean pass once one was seen), the slowdown stays in [1, max_slowdown] and the overlap in
+    [0, copy_overlap]."""
+    t = StepCostTracker(alpha=0.3)
+    longest_clean = None
+    for forward, copy, tokens in passes:
+        t.observe_forward(forward, copy, tokens)
+        if copy == 0:
+            longest_clean = forward if longest_clean is None else max(longest_clean, forward)
+        if longest_clean is not None:
+            assert t() is not None and t() <= longest_clean + 1e-12
+        assert 1.0 <= t.copy_slowdown() <= t.max_slowdown
+        assert 0.0 <= t.copy_overlap_share() <= t.copy_overlap
+
+
+def test_bad_input_is_refused() -> None:
+    for bad in ({"alpha": 0}, {"copy_overlap": 1.5}, {"min_copy_share": 0}, {"max_slowdown": 0.5}):
+        with pytest.raises(ValueError):
+            StepCostTracker(**bad)
+    t = StepCostTracker()
+    with pytest.raises(ValueError):
+        t.observe_forward(-1.0)
+    with pytest.raises(ValueError):
+        t.observe_compute(-1.0)
