@@ -77,6 +77,56 @@ def test_measured_copy_slowdown_makes_copies_costlier() -> None:
     assert slow.last.throughput[3:] == [0.0, 0.0]
 
 
+def test_a_pool_full_of_kv_is_not_forced_offloading() -> None:
+    # copies measured to hide nothing (overlap 0): with 2 experts out and the pool full of KV, no reachable split
+    # hides its copies. Offloading is not forced (the 2 experts' 6 pages are a fraction of the KV's 12), so no
+    # split above n_now is allowed, though 4 out would admit 2.7 requests and serve more tokens per second
+    measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+                            copy_overlap=lambda: 0.0)
+    full = state(R=4, F=0, running=10, waiting=100, kv=12, resident=[3, 3])
+    assert measured.plan(full).is_empty
+    assert measured.last is not None and (measured.last.best, measured.last.max_allowed) == (2, 2)
+    # 10 ms + 1 ms per expected activated expert; 4 out admits 1 + 2 / 1.2 requests
+    probs = np.array([P[0, 1], P[1, 0], P[0, 3], P[1, 2]])
+    conc = np.array([10.0, 10.0, 10 + 1 + 2 / 1.2])
+    step = [10 * MS + expected_activated(probs[:n], c, 2).sum() * MS for n, c in zip((2, 3, 4), conc, strict=True)]
+    assert measured.last.candidates == [2, 3, 4] and measured.last.step_s == pytest.approx(step)
+    assert conc[2] / step[2] > conc[0] / step[0]  # 4 out would serve more tokens/s, with exposed copies
+    # forced offloading (the experts out need more pages than KV and free pages hold): every split is allowed
+    forced = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+                          copy_overlap=lambda: 0.0)
+    assert forced.plan(state(R=4, F=0, running=10, waiting=100, kv=5, resident=[3, 3])).evict == ORDER[2:]
+
+
+def test_grows_while_short_when_clearly_better() -> None:
+    # the same measured copies, and 15 free pages (2 experts' worth beyond the 9 kept free) while the head of the
+    # queue lacks 4 more: bringing both experts home makes the step 10 instead of 12 ms for the same batch
+    measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+                            copy_overlap=lambda: 0.0)
+    plan = measured.plan(state(R=4, F=15, running=10, waiting=100, kv=12, resident=[3, 3]))
+    assert plan.grow == [(0, 1), (1, 0)] and plan.evict == []
+    # with the configured overlap the copies hide: nothing to gain, and nothing grows while requests wait
+    hidden = adjuster(10 * MS)
+    assert hidden.plan(state(R=4, F=15, running=10, waiting=100, kv=12, resident=[3, 3])).grow == []
+
+
+def test_experts_come_home_through_a_reserve_while_requests_wait() -> None:
+    # 2 experts out, copies measured to hide nothing, and no free page (KV fills the pool; 100 requests of 10
+    # pages each, more waiting). Bringing both home costs 0.6 of a request in the long run (6 pages) and saves
+    # ~2 ms of a 12 ms step: it pays, so the adjuster asks the scheduler to keep 2 x 3 + 9 pages from admissions
+    measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+                            copy_overlap=lambda: 0.0)
+    assert measured.plan(state(R=4, F=0, running=100, waiting=50, kv=1000, resident=[3, 3])).is_empty
+    assert measured.grow_reserve() == 2 * 3 + 9
+    # once those pages are free the grows take them, and the reserve is released
+    assert measured.plan(state(R=0, F=15, running=99, waiting=50, kv=990, resident=[3, 3])).grow == [(0, 1), (1, 0)]
+    assert measured.grow_reserve() == 0
+    # with the configured overlap the copies hide: the other two go too (the head of the queue gets in), no reserve
+    hidden = adjuster(10 * MS)
+    assert hidden.plan(state(R=4, F=0, running=100, waiting=50, kv=1000, resident=[3, 3])).evict == ORDER[2:]
+    assert hidden.grow_reserve() == 0
+
+
 def test_offloads_when_queue_long_and_compute_long() -> None:
     # 10 ms of compute hides 8 ms of copies; each evicted expert frees 3 pages (footprint 1 page a request); the
     # head of the queue needs R = 4 pages beyond the free ones, so one eviction admits nobody, two admit 1 + 2

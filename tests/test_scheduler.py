@@ -78,6 +78,33 @@ def test_shortfall_reported_when_pages_run_out() -> None:
     assert b.status == RequestStatus.WAITING and b.kv_pages == []
 
 
+def test_admissions_leave_the_reserve_free() -> None:
+    # 16 KV pages (8 blocks); r0 takes 2 blocks (4 pages), 12 are free. A reserve of 10 pages (the elastic
+    # adjuster's grows wait for them) keeps r1 (4 pages) out, and reports no shortfall: it would fit
+    reserve = [10]
+    geo = PageGeometry.custom(mid_sizes={"expert": 64}, small_sizes={"kv": 16})
+    kv = KVCacheManager(PageAllocator(geo, 4), num_attention_layers=2, block_size=4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, admission_reserve=lambda: reserve[0])
+    r0, r1, r2 = req(0, 8), req(1, 8), req(2, 40)
+    s.add(r0)
+    reserve[0] = 0
+    assert [x.request.request_id for x in s.schedule().scheduled] == ["r0"]
+    reserve[0] = 10
+    s.add(r1)
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["r0"] and out.shortfall_pages == 0
+    assert r1.status == RequestStatus.WAITING and kv.capacity_pages() == 12
+    # a reserve of 8 leaves room for r1 (12 - 4 >= 8); then r2 (10 blocks) lacks pages beyond the reserve: the
+    # shortfall is what it lacks beyond the free pages (20 - 8 = 12), as without a reserve
+    reserve[0] = 8
+    s.add(r2)
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["r0", "r1"] and out.shortfall_pages == 12
+    # running requests are never held back by the reserve
+    reserve[0] = 100
+    assert [x.request.request_id for x in s.schedule().scheduled] == ["r0", "r1"]
+
+
 def test_preemption_frees_latest_running_request_and_requeues_it_first() -> None:
     s, kv = make(num_huge=2)  # 8 KV pages = 4 blocks
     a, b = req(0, 4), req(1, 8)  # a: 1 block (2 pages), b: 2 blocks (4 pages): 6 of 8 used

@@ -62,7 +62,8 @@ class LLMEngine:
         self.kv = parts.kv
         self.elastic = parts.elastic
         self.scheduler = Scheduler(parts.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   reclaimable=self.elastic.reclaimable_kv_pages if self.elastic else None)
+                                   reclaimable=self.elastic.reclaimable_kv_pages if self.elastic else None,
+                                   admission_reserve=self.elastic.admission_reserve_kv_pages if self.elastic else None)
         self.runner = ModelRunner(parts.model, parts.device, parts.num_attention_layers, config.block_size,
                                   Sampler(parts.device, config.seed))
         # Async scheduling: step n+1 is launched before step n's tokens are read. A page freed meanwhile may still

@@ -9,7 +9,9 @@ Each step (vLLM v1 style, no separate prefill/decode phases):
      (pages freed, back to the front of the queue, recomputed later) until it can;
   2. then waiting requests in FIFO order while budget, `max_num_seqs` and pages allow; the first one
      that does not fit stops admission and its missing pages are reported as the shortfall (the
-     elastic adjuster turns this into expert evictions).
+     elastic adjuster turns this into expert evictions). Admissions leave `admission_reserve` pages
+     free (elastic mode: pages the adjuster's grows wait for); a request held back only by the reserve
+     reports no shortfall.
 The scheduler decides allocation and never touches tensors; the runner turns its output into tensors.
 With async scheduling a running request may have a pending token (sampled by the step in flight, not read
 yet): it is scheduled on as if known (its input comes from the device), unless that token is its last.
@@ -58,9 +60,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 reclaimable: Callable[[], int] | None = None) -> None:
+                 reclaimable: Callable[[], int] | None = None,
+                 admission_reserve: Callable[[], int] | None = None) -> None:
         self.kv = kv
         self.reclaimable = reclaimable  # KV pages that evicting experts could free (elastic mode)
+        self.admission_reserve = admission_reserve  # KV pages admissions leave free (elastic mode: for grows)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -105,11 +109,15 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 i += 1
         # Admit waiting requests only when no running request lacked pages: then the pool is full.
+        reserve = self.admission_reserve() if self.admission_reserve is not None and self.waiting else 0
         while (not out.preempted and not out.stalled and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             assert not req.num_pending_tokens  # a preempted request's token is read in the step that preempted it
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if reserve and self.kv.pages_needed(req, n) > self.kv.capacity_pages() - reserve:
+                out.shortfall_pages = max(0, self.kv.pages_needed(req, n) - self.kv.capacity_pages())
+                break
             if not self.kv.allocate(req, n):
                 out.shortfall_pages = self.kv.pages_needed(req, n) - self.kv.capacity_pages()
                 break

@@ -121,6 +121,10 @@ class Adjuster(Protocol):
         wait for evictions only up to it, and are preempted beyond. None: only the per-layer limits bound it."""
         ...
 
+    def grow_reserve(self) -> int:
+        """Free mid pages the scheduler keeps from new admissions so that the adjuster's grows can take them."""
+        ...
+
 
 class PaperAdjuster:
     """The paper's threshold rules (module docstring)."""
@@ -130,6 +134,9 @@ class PaperAdjuster:
 
     def max_offloaded(self) -> int | None:
         return None  # the paper evicts whenever the scheduler is short, up to the per-layer limits
+
+    def grow_reserve(self) -> int:
+        return 0  # the paper grows only from pages nobody waits for
 
     def plan(self, state: AdjusterState) -> AdjustPlan:
         return decide(state, self.config)

@@ -29,11 +29,18 @@ reachable) to every expert the limits allow. Allowed n: copies hide (copy(n) - o
 exposed_copy_share compute(n)) or, with a TPOT SLO, step(n) <= tpot_slo_s. The best allowed n maximises tput.
 Forced offloading (no SLO, and even n_min exposes copies: the experts do not all fit, e.g. Qwen3-30B-A3B at
 48 GiB) allows every n: copies show whatever the split, so the most tokens per second decides.
-Direction: while the scheduler is short of pages (requests wait) the adjuster evicts towards the best n and never
-grows; when it is not short it aims for the smallest n within `min_gain` of the best (experts come home once it
-costs no throughput). (An earlier rule also held still while short when the current n was within `min_gain`:
-simulated Qwen3-30B at 48 GiB then left requests waiting seconds for a +2 % split, TTFT p99 4.4 s at 1 req/s
-against 0.56 s with the paper's rules.)
+Forced offloading is told apart from a pool that is merely full of KV: n_now - (F + KV pages) / P > 0. When KV
+fills the pool and no reachable split hides its copies (they were measured costlier after the evictions), no
+split above n_now is allowed.
+Direction: while the scheduler is short of pages (requests wait) the adjuster evicts towards the best n; when it is
+not short it aims for the smallest n within `min_gain` of the best (experts come home once it costs no throughput).
+Either way, experts also come home when fewer offloaded serve more tokens per second in the long run, with the
+pages they take counted as requests not admitted (`_home_target`): copies measured to hide less than assumed when
+the experts were evicted. While requests wait, the pool's free pages go to those grows first: the adjuster asks
+the scheduler to keep them from new admissions (`grow_reserve`).
+(An earlier rule also held still while short when the current n was within `min_gain`: simulated Qwen3-30B at
+48 GiB then left requests waiting seconds for a +2 % split, TTFT p99 4.4 s at 1 req/s against 0.56 s with the
+paper's rules.)
 A grow needs `reverse_cooldown_steps` steps since the last eviction (evictions never wait), and each step
 moves at most `max_evict_per_step` / `max_grow_per_step` experts; grows keep `grow_reserve_mid` pages free.
 
@@ -57,7 +64,7 @@ O(candidates x offloadable experts) per step; 24 layers x 10 offloadable experts
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -145,6 +152,7 @@ class CostAdjuster:
         # the stall bound of the last plan made while requests waited for pages: a calm step (R = 0) keeps it, so
         # the first shortage after a calm spell may stall for evictions instead of preempting
         self._short_bound: int | None = None
+        self._reserve_mid = 0  # mid pages kept from admissions for the last plan's grows (grow_reserve)
         self.last: CostEstimate | None = None
 
     def max_offloaded(self) -> int | None:
@@ -156,6 +164,7 @@ class CostAdjuster:
     def plan(self, state: AdjusterState) -> AdjustPlan:
         cfg = self.config
         self.step += 1
+        self._reserve_mid = 0
         P = cfg.pages_per_expert
         E = state.rankings.shape[1]
         n_now = sum(E - len(r) for r in state.resident)
@@ -190,9 +199,15 @@ class CostAdjuster:
         cands = self._candidates(len(order), n_now, n_min)
         tput, step_s, allowed = self._model(state, order, n_now, compute, cands)
         if not allowed.any() and cfg.tpot_slo_s is None:
-            # forced offloading (the experts do not all fit): every reachable split exposes copies, so hiding them
-            # is no criterion; the split that serves the most tokens per second is
-            allowed = np.ones_like(allowed)
+            if n_now - (F + int(state.kv_mid_pages)) // P > 0:
+                # forced offloading (the experts do not all fit even without any KV): every split exposes copies,
+                # so hiding them is no criterion; the split that serves the most tokens per second is
+                allowed = np.ones_like(allowed)
+            else:
+                # every reachable split exposes copies only because KV fills the pool (e.g. the copies were
+                # measured slower than the model assumed when they were evicted): evict no more; bring experts
+                # home where that serves more tokens per second
+                allowed = cands <= n_now
         if not allowed.any():  # an SLO nothing meets: the fastest step
             i_best = int(np.argmin(step_s))
             good = np.zeros_like(allowed)
@@ -217,6 +232,9 @@ class CostAdjuster:
         self.last = CostEstimate(offloaded=n_now, target=target, best=best, compute_s=compute,
                                  candidates=cands.tolist(), throughput=np.where(allowed, tput, 0.0).tolist(),
                                  step_s=step_s.tolist(), max_allowed=max_allowed)
+        if target <= n_now:
+            # experts home where that pays in the long run, even while requests wait (see _home_target)
+            target = min(target, self._home_target(state, order, n_now, compute))
         direction = int(np.sign(target - n_now))
         if direction == 0:
             return AdjustPlan()
@@ -227,8 +245,30 @@ class CostAdjuster:
         if direction > 0:
             return self._moved(AdjustPlan(evict=evicts[:min(target - n_now, cfg.max_evict_per_step)]))
         room = max(0, (F - cfg.grow_reserve_mid) // P)
-        n = min(n_now - target, cfg.max_grow_per_step, room)
+        want = min(n_now - target, cfg.max_grow_per_step)
+        if room < want:  # keep new admissions out of the pages these grows need (the scheduler reads it)
+            self._reserve_mid = P * want + cfg.grow_reserve_mid
+        n = min(want, room)
         return self._moved(AdjustPlan(grow=grows[:n])) if n > 0 else AdjustPlan()
+
+    def grow_reserve(self) -> int:
+        """Free mid pages the scheduler keeps from new admissions so that the last plan's grows can happen (the
+        adjuster brings experts home while requests wait, where its model says that pays); 0 otherwise."""
+        return self._reserve_mid
+
+    def _home_target(self, state: AdjusterState, order: list[Expert], n_now: int, compute: float) -> int:
+        """The fewest offloaded experts, down to `max_grow_per_step` fewer than now, that serve more than `min_gain`
+        more tokens per second than n_now in the long run. The model is evaluated with nobody short (R = 0):
+        concurrency is what KV, free pages and the pages moved hold, (kv + F + P (n - n_now)) / footprint, so a
+        grow costs the requests its pages would have held. Measured copies that hide less than when the experts
+        were evicted make this pay; nominal ones, never (fewer copies then save no time)."""
+        cfg = self.config
+        if n_now == 0 or cfg.max_grow_per_step == 0:
+            return n_now
+        ks = np.arange(max(0, n_now - cfg.max_grow_per_step), n_now + 1)
+        tput, _, _ = self._model(replace(state, shortfall_mid_pages=0), order, n_now, compute, ks)
+        i = int(np.argmax(tput))
+        return int(ks[i]) if tput[i] > (1.0 + cfg.min_gain) * tput[-1] else n_now
 
     def _candidates(self, n_max: int, n_now: int, n_min: int = 0) -> np.ndarray:
         """The offloaded counts the model evaluates, all in [n_min, n_max]: every one when few, else a window

@@ -89,6 +89,10 @@ class ElasticController:
         experts = reclaimable_experts(offloaded, self.offload_limit, self.adjuster.max_offloaded())
         return experts * 3 * self.smalls_per_mid
 
+    def admission_reserve_kv_pages(self) -> int:
+        """KV pages the scheduler keeps free from new admissions: the pages the adjuster's grows are waiting for."""
+        return self.adjuster.grow_reserve() * self.smalls_per_mid
+
     def commit_grows(self) -> None:
         """Grows whose copies were issued in an earlier step enter the tables. The compute stream first waits
         for each copy event, so no kernel queued after this can read a half-copied expert."""

@@ -159,9 +159,12 @@ class Simulation:
         g = self.mem.geometry
         self.allocator = PageAllocator(g, self.mem.num_huge_pages)
         self.kv = KVCacheManager(self.allocator, len(spec.attention_layer_ids), cfg.block_size)
-        # elastic: running requests short of pages wait for evictions the adjuster allows (as in the engine)
+        # elastic: running requests short of pages wait for evictions the adjuster allows, and admissions leave
+        # the pages its grows wait for (as in the engine)
+        elastic = cfg.mode == "elastic"
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   reclaimable=self._reclaimable_kv_pages if cfg.mode == "elastic" else None)
+                                   reclaimable=self._reclaimable_kv_pages if elastic else None,
+                                   admission_reserve=self._admission_reserve_kv_pages if elastic else None)
         self.residency = SimResidency(self.allocator, spec.num_moe_layers, spec.num_experts)
         self.cost = CostModel(spec, popularity.probabilities, cfg.hardware, cfg.dtype)
         # the cost adjuster reads the compute time and copy slowdown of recent steps, measured from their times
@@ -213,6 +216,9 @@ class Simulation:
     def _reclaimable_kv_pages(self) -> int:
         """What stalls may wait for: evictions within the limits and the adjuster's bound (as the engine)."""
         return self._evictable_kv_pages(self.adjuster.max_offloaded())
+
+    def _admission_reserve_kv_pages(self) -> int:
+        return self.adjuster.grow_reserve() * self.smalls_per_mid
 
     def _state(self, shortfall: int, free: int, num_batched_tokens: int = 0, num_stalled: int = 0) -> AdjusterState:
         return AdjusterState(shortfall_mid_pages=shortfall, free_mid_pages=free,
