@@ -39,7 +39,13 @@ import numpy as np  # noqa: E402
 
 import rimuru.experts.cost_adjuster as cost_adjuster  # noqa: E402
 from benchmarks.common import metadata  # noqa: E402
-from rimuru.experts.adjuster import AdjusterState, pick_evictions, pick_grows  # noqa: E402
+from rimuru.experts.adjuster import (  # noqa: E402
+    AdjusterState,
+    eviction_order,
+    grow_order,
+    pick_evictions,
+    pick_grows,
+)
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig  # noqa: E402
 from tests.test_adjuster_picks import _reference_pick_evictions, _reference_pick_grows  # noqa: E402
 
@@ -85,16 +91,22 @@ def make_state(shape: Shape, seed: int = 0) -> AdjusterState:
                          num_waiting=12, num_stalled=0, max_num_seqs=256, kv_mid_pages=float(3 * n_off))
 
 
+def _flat(experts: list[tuple[int, int]], num_experts: int) -> np.ndarray:
+    return np.asarray([layer * num_experts + e for layer, e in experts], dtype=np.int64)
+
+
 @contextmanager
 def picks(old: bool) -> Iterator[None]:
-    """CostAdjuster.plan with the reference picks (old) or the current ones."""
-    saved = cost_adjuster.pick_evictions, cost_adjuster.pick_grows
+    """CostAdjuster.plan with the reference picks (old: heap merges, as flat ids) or the current ones."""
+    saved = cost_adjuster.pick_evictions, cost_adjuster.eviction_order, cost_adjuster.grow_order
     if old:
-        cost_adjuster.pick_evictions, cost_adjuster.pick_grows = _reference_pick_evictions, _reference_pick_grows
+        cost_adjuster.pick_evictions = _reference_pick_evictions
+        cost_adjuster.eviction_order = lambda st, n: _flat(_reference_pick_evictions(st, n), st.rankings.shape[1])
+        cost_adjuster.grow_order = lambda st, n: _flat(_reference_pick_grows(st, n), st.rankings.shape[1])
     try:
         yield
     finally:
-        cost_adjuster.pick_evictions, cost_adjuster.pick_grows = saved
+        cost_adjuster.pick_evictions, cost_adjuster.eviction_order, cost_adjuster.grow_order = saved
 
 
 def time_call(fn: Callable[[], Any], samples: int, sample_s: float) -> float:
@@ -133,7 +145,7 @@ def bench_shape(shape: Shape, samples: int, sample_s: float) -> dict[str, Any]:
     assert old_plan == new_plan, "old and new plans differ"
     assert new_a.last is not None and not new_a.last.hard and new_a.last.candidates, "the model did not run"
 
-    order = pick_grows(state, n_now)[::-1] + pick_evictions(state, n_lim)
+    order = np.concatenate([grow_order(state, n_now)[::-1], eviction_order(state, n_lim)])
     cands = new_a._candidates(len(order), n_now, 0)
     rows: dict[str, dict[str, float]] = {}
 

@@ -174,8 +174,9 @@ def _sequences(state: AdjusterState, L: int, E: int, least_first: bool) -> tuple
     return seq, mask, residents, prob
 
 
-def _merge(keep: np.ndarray, seq: np.ndarray, first: np.ndarray, second: np.ndarray, n: int) -> list[Expert]:
-    """The first n items of a k-way heap merge of the layers' sequences (each layer nominating its next item).
+def _merge(keep: np.ndarray, seq: np.ndarray, first: np.ndarray, second: np.ndarray, n: int) -> np.ndarray:
+    """The flat ids (l * E + e) of the first n items of a k-way heap merge of the layers' sequences (each layer
+    nominating its next item).
 
     `keep` [L, E] marks each layer's items, `seq` [L, E] holds their flat ids (l * E + e) in sequence order
     (row-major positions of `keep` are the sequence order). An item's heap key is (first, second, layer, expert):
@@ -188,7 +189,7 @@ def _merge(keep: np.ndarray, seq: np.ndarray, first: np.ndarray, second: np.ndar
     at = np.flatnonzero(keep)  # row-major: grouped by layer, each in sequence order
     m = len(at)
     if n <= 0 or m == 0:
-        return []
+        return np.zeros(0, dtype=np.int64)
     flat = seq.ravel()[at]
     layer = at // E
     # (second, layer, expert) in one exact integer (a float64 mantissa holds it); complex numbers sort
@@ -199,14 +200,29 @@ def _merge(keep: np.ndarray, seq: np.ndarray, first: np.ndarray, second: np.ndar
     # prefix max per layer in one pass: shift layer l's ranks above every earlier layer's
     shift = layer * m
     record = np.maximum.accumulate(rank + shift) - shift
-    out = np.argsort(record, kind="stable")[:n]
-    flat = flat[out]
-    layer = layer[out]
-    return list(zip(layer.tolist(), (flat - layer * E).tolist(), strict=True))
+    return flat[np.argsort(record, kind="stable")[:n]]
+
+
+def as_experts(flat: np.ndarray, num_experts: int) -> list[Expert]:
+    """Flat ids (l * E + e) -> [(layer, expert)] as Python ints."""
+    layer, expert = np.divmod(np.asarray(flat, dtype=np.int64), num_experts)
+    return list(zip(layer.tolist(), expert.tolist(), strict=True))
 
 
 def pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
     """Up to n (layer, expert): globally least popular lowest-ranked residents of layers under their limit.
+    (`eviction_order`: the same as flat ids.)"""
+    return as_experts(eviction_order(state, n), state.rankings.shape[1])
+
+
+def pick_grows(state: AdjusterState, n: int) -> list[Expert]:
+    """Up to n (layer, expert): the globally most popular highest-ranked non-resident experts.
+    (`grow_order`: the same as flat ids.)"""
+    return as_experts(grow_order(state, n), state.rankings.shape[1])
+
+
+def eviction_order(state: AdjusterState, n: int) -> np.ndarray:
+    """Up to n flat ids (l * E + e): globally least popular lowest-ranked residents of layers under their limit.
 
     The order of a heap merge: each layer nominates its residents from the least popular up in the committed
     ranking, keyed (probability, -residents now, layer, expert), and stops once its offloaded count reaches its
@@ -214,7 +230,7 @@ def pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
     L = len(state.resident)
     E = state.rankings.shape[1]
     if n <= 0 or L == 0:
-        return []
+        return np.zeros(0, dtype=np.int64)
     seq, mask, residents, prob = _sequences(state, L, E, least_first=True)
     keep = mask[seq]
     j = np.cumsum(keep, axis=1) - 1  # position in the layer's sequence (where keep)
@@ -225,15 +241,15 @@ def pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
     return _merge(keep, seq, prob, j - residents[:, None], n)
 
 
-def pick_grows(state: AdjusterState, n: int) -> list[Expert]:
-    """Up to n (layer, expert): the globally most popular highest-ranked non-resident experts.
+def grow_order(state: AdjusterState, n: int) -> np.ndarray:
+    """Up to n flat ids (l * E + e): the globally most popular highest-ranked non-resident experts.
 
     The order of a heap merge: each layer nominates its non-residents in committed ranking order, keyed
     (-probability, residents now, layer, expert); the least key goes next (`_merge`)."""
     L = len(state.resident)
     E = state.rankings.shape[1]
     if n <= 0 or L == 0:
-        return []
+        return np.zeros(0, dtype=np.int64)
     seq, mask, residents, prob = _sequences(state, L, E, least_first=False)
     keep = ~mask[seq]
     j = np.cumsum(keep, axis=1) - 1

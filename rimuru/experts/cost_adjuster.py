@@ -68,7 +68,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rimuru.experts.adjuster import AdjusterState, AdjustPlan, Expert, pick_evictions, pick_grows
+from rimuru.experts.adjuster import AdjusterState, AdjustPlan, as_experts, eviction_order, grow_order, pick_evictions
 
 
 @dataclass(frozen=True)
@@ -191,9 +191,10 @@ class CostAdjuster:
         if compute is None or compute <= 0:
             self.last = CostEstimate(offloaded=n_now, target=n_now, best=n_now, compute_s=compute, max_allowed=n_now)
             return AdjustPlan()
-        grows = pick_grows(state, n_now)  # every non-resident expert, most popular first
-        evicts = pick_evictions(state, sum(state.limit(layer) for layer in range(len(state.resident))))
-        order = grows[::-1] + evicts  # offloaded(n) = order[:n]
+        # flat ids (l * E + e): every non-resident expert, most popular first; every evictable one, least first
+        grows = grow_order(state, n_now)
+        evicts = eviction_order(state, sum(state.limit(layer) for layer in range(len(state.resident))))
+        order = np.concatenate([grows[::-1], evicts])  # offloaded(n) = order[:n]
         # grows can only take free pages (running requests keep theirs): fewer offloaded than n_min is not reachable
         n_min = max(0, n_now - max(0, F - cfg.grow_reserve_mid) // P)
         cands = self._candidates(len(order), n_now, n_min)
@@ -243,20 +244,20 @@ class CostAdjuster:
         if direction < 0 < self._last_direction and self.step - self._last_move_step < cfg.reverse_cooldown_steps:
             return AdjustPlan()
         if direction > 0:
-            return self._moved(AdjustPlan(evict=evicts[:min(target - n_now, cfg.max_evict_per_step)]))
+            return self._moved(AdjustPlan(evict=as_experts(evicts[:min(target - n_now, cfg.max_evict_per_step)], E)))
         room = max(0, (F - cfg.grow_reserve_mid) // P)
         want = min(n_now - target, cfg.max_grow_per_step)
         if room < want:  # keep new admissions out of the pages these grows need (the scheduler reads it)
             self._reserve_mid = P * want + cfg.grow_reserve_mid
         n = min(want, room)
-        return self._moved(AdjustPlan(grow=grows[:n])) if n > 0 else AdjustPlan()
+        return self._moved(AdjustPlan(grow=as_experts(grows[:n], E))) if n > 0 else AdjustPlan()
 
     def grow_reserve(self) -> int:
         """Free mid pages the scheduler keeps from new admissions so that the last plan's grows can happen (the
         adjuster brings experts home while requests wait, where its model says that pays); 0 otherwise."""
         return self._reserve_mid
 
-    def _home_target(self, state: AdjusterState, order: list[Expert], n_now: int, compute: float) -> int:
+    def _home_target(self, state: AdjusterState, order: np.ndarray, n_now: int, compute: float) -> int:
         """The fewest offloaded experts, down to `max_grow_per_step` fewer than now, that serve more than `min_gain`
         more tokens per second than n_now in the long run. The model is evaluated with nobody short (R = 0):
         concurrency is what KV, free pages and the pages moved hold, (kv + F + P (n - n_now)) / footprint, so a
@@ -287,7 +288,7 @@ class CostAdjuster:
             self._last_direction = 1 if plan.evict else -1
         return plan
 
-    def _model(self, state: AdjusterState, order: list[Expert], n_now: int, compute: float,
+    def _model(self, state: AdjusterState, order: np.ndarray, n_now: int, compute: float,
                cands: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per candidate n in `cands`: modelled throughput, step time, and whether the split is allowed (its
         copies hide, or with an SLO its step meets it)."""
@@ -313,10 +314,9 @@ class CostAdjuster:
         # passes' times); charge it to every split that offloads any expert
         overhead = self.piecewise_overhead_s
         comp = compute * (cfg.compute_fixed_share + (1.0 - cfg.compute_fixed_share) * conc / running)
-        idx = np.asarray(order, dtype=np.int64).reshape(-1, 2)  # [(layer, expert)]
-        probs = state.probabilities[idx[:, 0], idx[:, 1]].astype(np.float64)
-        act = expected_activated(probs[None, :], conc[:, None], self.top_k)  # [candidates, order]
-        act = np.cumsum(np.concatenate([np.zeros((len(n), 1)), act], axis=1), axis=1)[np.arange(len(n)), n]
+        probs = np.asarray(state.probabilities, dtype=np.float64).reshape(-1)[order]
+        act = np.cumsum(expected_activated(probs[None, :], conc[:, None], self.top_k), axis=1)  # [cands, order]
+        act = np.where(n > 0, act[np.arange(len(n)), np.maximum(n - 1, 0)], 0.0) if len(order) else np.zeros(len(n))
         copy = act * self.expert_bytes / cfg.pcie_bandwidth * self.copy_slowdown()
         exposed = np.maximum(0.0, copy - self.copy_overlap() * comp)
         step_s = comp + exposed + np.where(n > 0, overhead, 0.0)
