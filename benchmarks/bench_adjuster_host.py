@@ -127,7 +127,7 @@ def time_call(fn: Callable[[], Any], samples: int, sample_s: float) -> float:
 
 def adjuster(shape: Shape) -> CostAdjuster:
     return CostAdjuster(CostAdjusterConfig(), expert_bytes=shape.expert_bytes, top_k=shape.top_k,
-                        compute_time=lambda: COMPUTE_S)
+                        compute_time=lambda _: COMPUTE_S)
 
 
 def bench_shape(shape: Shape, samples: int, sample_s: float) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def state(R: int, F: int, running: int, waiting: int, kv: float, resident: list[
 
 
 def adjuster(compute_s: float | None, cfg: CostAdjusterConfig = BASE) -> CostAdjuster:
-    return CostAdjuster(cfg, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: compute_s)
+    return CostAdjuster(cfg, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: compute_s)
 
 
 def test_expected_activated_exact() -> None:
@@ -68,7 +68,7 @@ def test_measured_copy_slowdown_makes_copies_costlier() -> None:
     # as in the test below: 10 ms of compute hides 8 ms of copies, and the four experts' nominal copies (1 ms each,
     # all activated at this concurrency) hide, so all four go. Measured three times slower (3 ms each), two hide
     # (6 ms), three show (9 ms); the best allowed split is two, and four would make a 10 + 12 - 8 = 14 ms step
-    slow = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+    slow = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
                         copy_slowdown=lambda: 3.0)
     plan = slow.plan(state(R=4, F=2, running=100, waiting=50, kv=100))
     assert plan.evict == ORDER[:2]
@@ -81,7 +81,7 @@ def test_a_pool_full_of_kv_is_not_forced_offloading() -> None:
     # copies measured to hide nothing (overlap 0): with 2 experts out and the pool full of KV, no reachable split
     # hides its copies. Offloading is not forced (the 2 experts' 6 pages are a fraction of the KV's 12), so no
     # split above n_now is allowed, though 4 out would admit 2.7 requests and serve more tokens per second
-    measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+    measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
                             copy_overlap=lambda: 0.0)
     full = state(R=4, F=0, running=10, waiting=100, kv=12, resident=[3, 3])
     assert measured.plan(full).is_empty
@@ -93,7 +93,7 @@ def test_a_pool_full_of_kv_is_not_forced_offloading() -> None:
     assert measured.last.candidates == [2, 3, 4] and measured.last.step_s == pytest.approx(step)
     assert conc[2] / step[2] > conc[0] / step[0]  # 4 out would serve more tokens/s, with exposed copies
     # forced offloading (the experts out need more pages than KV and free pages hold): every split is allowed
-    forced = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+    forced = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
                           copy_overlap=lambda: 0.0)
     assert forced.plan(state(R=4, F=0, running=10, waiting=100, kv=5, resident=[3, 3])).evict == ORDER[2:]
 
@@ -101,7 +101,7 @@ def test_a_pool_full_of_kv_is_not_forced_offloading() -> None:
 def test_grows_while_short_when_clearly_better() -> None:
     # the same measured copies, and 15 free pages (2 experts' worth beyond the 9 kept free) while the head of the
     # queue lacks 4 more: bringing both experts home makes the step 10 instead of 12 ms for the same batch
-    measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+    measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
                             copy_overlap=lambda: 0.0)
     plan = measured.plan(state(R=4, F=15, running=10, waiting=100, kv=12, resident=[3, 3]))
     assert plan.grow == [(0, 1), (1, 0)] and plan.evict == []
@@ -114,7 +114,7 @@ def test_experts_come_home_through_a_reserve_while_requests_wait() -> None:
     # 2 experts out, copies measured to hide nothing, and no free page (KV fills the pool; 100 requests of 10
     # pages each, more waiting). Bringing both home costs 0.6 of a request in the long run (6 pages) and saves
     # ~2 ms of a 12 ms step: it pays, so the adjuster asks the scheduler to keep 2 x 3 + 9 pages from admissions
-    measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda: 10 * MS,
+    measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
                             copy_overlap=lambda: 0.0)
     assert measured.plan(state(R=4, F=0, running=100, waiting=50, kv=1000, resident=[3, 3])).is_empty
     assert measured.grow_reserve() == 2 * 3 + 9
@@ -312,9 +312,9 @@ def test_candidate_grid_finds_nearly_the_dense_optimum() -> None:
                           probabilities=p, rankings=ranks, offload_limit=10, num_batched_tokens=64,
                           num_running=64, num_waiting=40, kv_mid_pages=400.0)
         cfg = CostAdjusterConfig(compute_fixed_share=0.8, min_gain=0.0)
-        grid = CostAdjuster(cfg, expert_bytes=17_301_504, top_k=4, compute_time=lambda: 12 * MS)
+        grid = CostAdjuster(cfg, expert_bytes=17_301_504, top_k=4, compute_time=lambda _: 12 * MS)
         dense = CostAdjuster(replace(cfg, dense_candidates=10_000), expert_bytes=17_301_504, top_k=4,
-                             compute_time=lambda: 12 * MS)
+                             compute_time=lambda _: 12 * MS)
         grid.plan(s)
         dense.plan(s)
         assert grid.last is not None and dense.last is not None
@@ -374,7 +374,7 @@ def test_config_validation() -> None:
         with pytest.raises(ValueError):
             CostAdjusterConfig(**bad)
     with pytest.raises(ValueError):
-        CostAdjuster(BASE, expert_bytes=0, top_k=2, compute_time=lambda: None)
+        CostAdjuster(BASE, expert_bytes=0, top_k=2, compute_time=lambda _: None)
 
 
 def test_engine_config_fields_and_flags() -> None:

@@ -32,6 +32,11 @@ def test_clean_passes_give_the_compute_time_per_batch_size() -> None:
     # below every measured bucket: the smallest measured one
     t.observe_forward(5 * MS, 1 * MS, tokens=2)
     assert t() == pytest.approx(15.5 * MS)
+    # asked for a batch size (the cost adjuster: a decode step of the running requests), whatever ran last
+    t.observe_forward(40 * MS, 0.0, tokens=500)
+    assert t() == pytest.approx(40 * MS)
+    assert (t(30), t(2), t(200), t(5000)) == (pytest.approx(15.5 * MS), pytest.approx(15.5 * MS),
+                                              pytest.approx(15.5 * MS), pytest.approx(40 * MS))
 
 
 def test_passes_with_copies_never_raise_the_compute_estimate() -> None:

@@ -129,7 +129,7 @@ def expected_activated(p: np.ndarray, tokens: float, top_k: int) -> np.ndarray:
 
 class CostAdjuster:
     def __init__(self, config: CostAdjusterConfig, expert_bytes: int, top_k: int,
-                 compute_time: Callable[[], float | None],
+                 compute_time: Callable[[int], float | None],
                  copy_slowdown: Callable[[], float] | None = None,
                  copy_overlap: Callable[[], float] | None = None) -> None:
         if expert_bytes <= 0 or top_k < 1:
@@ -137,7 +137,8 @@ class CostAdjuster:
         self.config = config
         self.expert_bytes = expert_bytes
         self.top_k = top_k
-        self.compute_time = compute_time  # the measured step compute time (StepCostTracker), None before any
+        # the measured compute time of a pass of that many batched tokens (StepCostTracker), None before any
+        self.compute_time = compute_time
         # how much longer the engine's expert copies take than bytes / pcie_bandwidth (StepCostTracker, >= 1)
         self.copy_slowdown = copy_slowdown or (lambda: 1.0)
         # the share of compute copies hide behind, as measured (StepCostTracker; at most config.copy_overlap)
@@ -178,16 +179,17 @@ class CostAdjuster:
                 k = min(k, max(-(-R // P), bound - n_now))
             evict = pick_evictions(state, k)
             n = n_now + len(evict)
-            self.last = CostEstimate(offloaded=n_now, target=n, best=n, compute_s=self.compute_time(),
+            self.last = CostEstimate(offloaded=n_now, target=n, best=n, compute_s=self.compute_time(state.num_running),
                                      max_allowed=max(bound if bound is not None else n, n), hard=True)
             return self._moved(AdjustPlan(evict=evict))
         if R == 0 and n_now == 0:
             # nothing offloaded and nobody short of pages: no grow is possible and no eviction can pay (with R = 0
             # the model's n = 0 has the full concurrency and no copies); skip the model, keep its last bound
             bound = self._short_bound if self._short_bound is not None else 0
-            self.last = CostEstimate(offloaded=0, target=0, best=0, compute_s=self.compute_time(), max_allowed=bound)
+            self.last = CostEstimate(offloaded=0, target=0, best=0, compute_s=self.compute_time(state.num_running),
+                                     max_allowed=bound)
             return AdjustPlan()
-        compute = self.compute_time()
+        compute = self.compute_time(state.num_running)  # a decode step of the running batch
         if compute is None or compute <= 0:
             self.last = CostEstimate(offloaded=n_now, target=n_now, best=n_now, compute_s=compute, max_allowed=n_now)
             return AdjustPlan()

@@ -3,14 +3,17 @@ how much slower than the nominal link the expert copies turn out in the engine.
 
 Compute. A pass that copied nothing (`copy_s == 0`) is a clean measure of the batch's compute time. Those samples
 feed an EMA per batch size (buckets of batched tokens, powers of two), and `compute_s` is the estimate for the
-bucket of the latest pass, or the nearest measured bucket below (above when none is below): a smaller batch's
-time underestimates, which makes copies look less hideable, the safe direction.
+bucket asked for (the cost adjuster asks for a decode step of the running batch: tokens = running requests; else
+the latest pass's), or the nearest measured bucket below (above when none is below): a smaller batch's time
+underestimates, which makes copies look less hideable, the safe direction. (The latest pass's bucket alone made
+the estimate jump to a prefill-heavy step's time after each one, ~19 against ~8 ms in the simulator.)
 Passes with copies do not feed the compute estimate once any clean pass was seen. The earlier estimator
-subtracted the copy time its model said was exposed, `forward - max(0, copy - overlap c)`. Every cost the model
-misses then returns to the estimate multiplied by 1 / (1 - overlap) = 5. Examples: copies that hide less than
-`overlap`, on-demand misses, the host's per-layer routing reads. A fivefold compute estimate made 80 ms of
-copies look hideable. Measured on the H200 on 2026-11-29, fifth session: from 25 req/s the cost adjuster
-offloaded its whole limit, 240 experts, and served 1,682 output tok/s against static's ~3,500.
+subtracted the copy time its model said was exposed, `forward - max(0, copy - overlap c)`: every cost the model
+missed (copies hiding less than `overlap`, on-demand misses, the host's per-layer routing reads) came back into
+the estimate multiplied by up to 1 / (1 - overlap) = 5, until the copies looked hidden; from then on the whole
+pass counted as compute, which kept them looking hidden. Measured on the H200 (2026-11-29, fifth session): from
+25 req/s the cost adjuster offloaded its whole limit, 240 experts, and served 1,682 output tok/s against vLLM's
+3,627 in the same run (benchmarks/sim_step_cost_regression.py reproduces it in the simulator).
 Forced offloading (the experts never all fit, e.g. Qwen3-30B-A3B at 48 GiB) has no clean pass. There the sample is
 `forward - copy_s`, the compute time if the copies hid behind nothing.
 
@@ -108,5 +111,9 @@ class StepCostTracker:
     def copy_overlap_share(self) -> float:
         return self.overlap
 
-    def __call__(self) -> float | None:
-        return self.compute_s
+    def __call__(self, tokens: int | None = None) -> float | None:
+        """The compute estimate for a pass of `tokens` batched tokens (the cost adjuster asks for a decode step of
+        the running batch); without `tokens`, for the latest pass's batch."""
+        if tokens is None or not self._clean:
+            return self.compute_s
+        return self._clean_estimate(self.bucket(tokens))
