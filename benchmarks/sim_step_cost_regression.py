@@ -62,6 +62,9 @@ def old_tracker_class() -> type:
         def observe_forward(self, forward_s: float, copy_s: float = 0.0, tokens: int = 0) -> None:
             super().observe_forward(forward_s, copy_s)
 
+        def __call__(self, tokens: int | None = None) -> float | None:
+            return self.compute_s  # one EMA over every pass, whatever the batch
+
         def copy_slowdown(self) -> float:
             return 1.0
 
