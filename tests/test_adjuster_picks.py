@@ -1,7 +1,7 @@
 """The vectorised `pick_evictions` / `pick_grows` against the heap merges they replaced, on random states.
 
-The references below are the heap implementations as they were (kept verbatim): each layer nominates its next
-item, the least key (probability, -residents now, layer, expert) for evictions / (-probability, residents now,
+The reference below is the heap implementation as it was (its two loops merged into one): each layer nominates
+its next item, the least key (probability, -residents now, layer, expert) for evictions / (-probability, residents now,
 layer, expert) for grows leaves first. Random states draw arbitrary resident sets (not only ranking prefixes),
 probabilities from a few values (many ties) that need not follow the committed rankings, and per-layer limits.
 """
@@ -18,16 +18,21 @@ from hypothesis import strategies as st
 from rimuru.experts.adjuster import AdjusterState, Expert, pick_evictions, pick_grows
 
 
-def _reference_pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
+def _reference_merge(state: AdjusterState, n: int, evict: bool) -> list[Expert]:
+    """The heap merge as it was: each layer nominates its next item; evictions take residents from the least
+    popular up while the layer is under its limit, grows non-residents in ranking order."""
     E = state.rankings.shape[1]
     resident = [set(r) for r in state.resident]
-    order = [[int(e) for e in state.rankings[layer][::-1] if e in resident[layer]] for layer in range(len(resident))]
+    ranks = [state.rankings[layer][::-1] if evict else state.rankings[layer] for layer in range(len(resident))]
+    order = [[int(e) for e in ranks[layer] if (e in resident[layer]) == evict] for layer in range(len(resident))]
     heap: list[tuple[float, int, int, int]] = []
 
     def nominate(layer: int) -> None:
-        if order[layer] and E - len(resident[layer]) < state.limit(layer):
+        if order[layer] and (not evict or E - len(resident[layer]) < state.limit(layer)):
             e = order[layer][0]
-            heapq.heappush(heap, (float(state.probabilities[layer, e]), -len(resident[layer]), layer, e))
+            p = float(state.probabilities[layer, e])
+            k = len(resident[layer])
+            heapq.heappush(heap, (p, -k, layer, e) if evict else (-p, k, layer, e))
 
     for layer in range(len(resident)):
         nominate(layer)
@@ -36,31 +41,20 @@ def _reference_pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
         _, _, layer, e = heapq.heappop(heap)
         out.append((layer, e))
         order[layer].pop(0)
-        resident[layer].discard(e)
+        if evict:
+            resident[layer].discard(e)
+        else:
+            resident[layer].add(e)
         nominate(layer)
     return out
+
+
+def _reference_pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
+    return _reference_merge(state, n, evict=True)
 
 
 def _reference_pick_grows(state: AdjusterState, n: int) -> list[Expert]:
-    resident = [set(r) for r in state.resident]
-    order = [[int(e) for e in state.rankings[layer] if e not in resident[layer]] for layer in range(len(resident))]
-    heap: list[tuple[float, int, int, int]] = []
-
-    def nominate(layer: int) -> None:
-        if order[layer]:
-            e = order[layer][0]
-            heapq.heappush(heap, (-float(state.probabilities[layer, e]), len(resident[layer]), layer, e))
-
-    for layer in range(len(resident)):
-        nominate(layer)
-    out: list[Expert] = []
-    while heap and len(out) < n:
-        _, _, layer, e = heapq.heappop(heap)
-        out.append((layer, e))
-        order[layer].pop(0)
-        resident[layer].add(e)
-        nominate(layer)
-    return out
+    return _reference_merge(state, n, evict=False)
 
 
 @st.composite
