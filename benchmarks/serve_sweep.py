@@ -128,7 +128,12 @@ _TIMELINE = {  # timeline key -> metric names (first present wins)
     "pool_free_bytes": ("rimuru:pool_free_bytes",),
     "kv_bytes_used": ("rimuru:kv_bytes_used",),
     "expert_bytes_used": ("rimuru:expert_bytes_used",),
-    "resident_experts": ("rimuru:resident_experts_total",),
+    "resident_experts": ("rimuru:resident_experts_total", "rimuru:resident_experts"),
+    "cost_compute_ms": ("rimuru:cost_compute_ms",),
+    "cost_copy_overlap": ("rimuru:cost_copy_overlap",),
+    "cost_copy_slowdown": ("rimuru:cost_copy_slowdown",),
+    "cost_target_offloaded": ("rimuru:cost_target_offloaded",),
+    "cost_grow_reserve_mid_pages": ("rimuru:cost_grow_reserve_mid_pages",),
     "expert_bytes_loaded": ("rimuru:expert_bytes_loaded",),
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
 }

@@ -267,3 +267,42 @@ def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyP
     assert tracker() == pytest.approx(0.008)
     step(asyn, offloaded=False)  # times pass 3 (all resident)
     assert tracker() == pytest.approx(0.010)
+
+
+def test_cost_stats_reach_metrics() -> None:
+    """The cost adjuster's view (compute estimate, measured copy overlap and slowdown, target, stall bound, grow
+    reserve) goes from the elastic controller's stats to /metrics; the paper's adjuster exports none of it."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rimuru.experts.adjuster import AdjusterState, PaperAdjuster
+    from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
+    from rimuru.experts.elastic import ElasticController
+    from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
+    from rimuru.experts.step_cost import StepCostTracker
+    from rimuru.server.metrics import ServerMetrics
+
+    tracker = StepCostTracker(alpha=1.0, copy_overlap=0.8)
+    tracker.observe_forward(0.010, 0.0, tokens=8)  # a clean pass: 10 ms of compute
+    tracker.observe_forward(0.035, 0.020, tokens=8)  # 25 ms exposed of 20 ms of copies: overlap 0, slowdown 1.25
+    adjuster = CostAdjuster(CostAdjusterConfig(), expert_bytes=1_000_000, top_k=2, compute_time=tracker,
+                            copy_slowdown=tracker.copy_slowdown, copy_overlap=tracker.copy_overlap_share)
+    pop = OnlinePopularity(ExpertPopularity.uniform("m", 2, 4))
+    cache = SimpleNamespace(num_experts=4)
+    c = ElasticController(cache, SimpleNamespace(), adjuster, pop, offload_limit=2, smalls_per_mid=1,
+                          step_cost=tracker)
+    ranks = np.tile(np.arange(4), (2, 1))
+    adjuster.plan(AdjusterState(shortfall_mid_pages=0, free_mid_pages=0, resident=[{0, 1, 2, 3}, {0, 1, 2}],
+                                probabilities=np.full((2, 4), 0.25), rankings=ranks, offload_limit=2,
+                                num_batched_tokens=8, num_running=8, kv_mid_pages=8))
+    stats = c.cost_stats()
+    assert stats["cost_compute_ms"] == pytest.approx(10.0)
+    assert (stats["cost_copy_overlap"], stats["cost_copy_slowdown"]) == (0.0, pytest.approx(1.25))
+    assert stats["cost_target_offloaded"] >= 0 and stats["cost_max_offloaded"] >= 1
+    assert stats["cost_grow_reserve_mid_pages"] >= 0
+    text = ServerMetrics(lambda: stats).render().decode()
+    for name, value in stats.items():
+        assert f"rimuru:{name} {float(value)}" in text
+    paper = ElasticController(cache, SimpleNamespace(), PaperAdjuster(), pop, offload_limit=2, smalls_per_mid=1)
+    assert paper.cost_stats() == {}

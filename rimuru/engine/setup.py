@@ -88,11 +88,12 @@ class EngineParts:
     max_kv_pages: int = 0  # KV pages requests could ever get: free now + what evicting allowed experts frees
     mode: str = "static"  # the offload mode in force
 
-    def offload_stats(self) -> dict[str, int]:
+    def offload_stats(self) -> dict[str, float]:
         c = self.loader.counters if self.loader is not None else LoadCounters()
         e = self.elastic.counters if self.elastic is not None else ElasticCounters()
         return {"expert_bytes_loaded": c.bytes_loaded, "prefetch_hits": c.hits, "prefetch_misses": c.misses,
-                "expert_evictions": e.evictions, "expert_grows": e.grows, "expert_reranks": e.reranks}
+                "expert_evictions": e.evictions, "expert_grows": e.grows, "expert_reranks": e.reranks,
+                **(self.elastic.cost_stats() if self.elastic is not None else {})}
 
 
 def resolve_device(name: str) -> torch.device:

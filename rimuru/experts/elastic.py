@@ -89,6 +89,24 @@ class ElasticController:
         experts = reclaimable_experts(offloaded, self.offload_limit, self.adjuster.max_offloaded())
         return experts * 3 * self.smalls_per_mid
 
+    def cost_stats(self) -> dict[str, float]:
+        """The cost adjuster's view, for /metrics and the sweeps' timelines: the compute estimate of its last plan,
+        the copies' measured overlap and slowdown, the split it aims for and its stall bound, and the mid pages it
+        keeps from admissions. Empty with the paper's adjuster."""
+        if self.step_cost is None:
+            return {}
+        out = {"cost_copy_overlap": self.step_cost.copy_overlap_share(),
+               "cost_copy_slowdown": self.step_cost.copy_slowdown(),
+               "cost_grow_reserve_mid_pages": float(self.adjuster.grow_reserve())}
+        last = getattr(self.adjuster, "last", None)
+        if last is not None:
+            out["cost_target_offloaded"] = float(last.target)
+            if last.compute_s is not None:
+                out["cost_compute_ms"] = 1e3 * last.compute_s
+            if last.max_allowed is not None:
+                out["cost_max_offloaded"] = float(last.max_allowed)
+        return out
+
     def admission_reserve_kv_pages(self) -> int:
         """KV pages the scheduler keeps free from new admissions: the pages the adjuster's grows are waiting for."""
         return self.adjuster.grow_reserve() * self.smalls_per_mid

@@ -32,6 +32,13 @@ GAUGES = {
     "peak_running": ("num_requests_running_peak", "Most requests ever running at once."),
     "server_tracked_requests": ("server_tracked_requests", "Engine requests the server still routes."),
     "piecewise_overhead_ms": ("piecewise_overhead_ms", "Elastic: measured extra time of a piecewise-graph pass."),
+    "cost_compute_ms": ("cost_compute_ms", "Cost adjuster: compute estimate of its last plan (copy-free passes)."),
+    "cost_copy_overlap": ("cost_copy_overlap", "Cost adjuster: measured share of compute the copies hide behind."),
+    "cost_copy_slowdown": ("cost_copy_slowdown", "Cost adjuster: measured copy time over nominal (>= 1)."),
+    "cost_target_offloaded": ("cost_target_offloaded", "Cost adjuster: offloaded experts its last plan aims for."),
+    "cost_max_offloaded": ("cost_max_offloaded", "Cost adjuster: most offloaded experts stalls may wait for."),
+    "cost_grow_reserve_mid_pages": ("cost_grow_reserve_mid_pages",
+                                    "Cost adjuster: mid pages kept from admissions for grows."),
 }
 COUNTERS = {
     "forward_steps": ("forward_steps", "Engine forward steps."),
