@@ -100,14 +100,19 @@ def test_a_pool_full_of_kv_is_not_forced_offloading() -> None:
 
 def test_grows_while_short_when_clearly_better() -> None:
     # the same measured copies, and 15 free pages (2 experts' worth beyond the 9 kept free) while the head of the
-    # queue lacks 4 more: bringing both experts home makes the step 10 instead of 12 ms for the same batch
+    # queue lacks 4 more; requests hold 100 pages each. Bringing both experts home makes the step ~10 instead of
+    # ~11.3 ms and costs 0.06 of a request's pages
     measured = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
                             copy_overlap=lambda: 0.0)
-    plan = measured.plan(state(R=4, F=15, running=10, waiting=100, kv=12, resident=[3, 3]))
+    plan = measured.plan(state(R=4, F=15, running=10, waiting=100, kv=1000, resident=[3, 3]))
     assert plan.grow == [(0, 1), (1, 0)] and plan.evict == []
+    # requests of 1.2 pages each: the 6 pages would hold 5 more requests of the queue, which pays more
+    small = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
+                         copy_overlap=lambda: 0.0)
+    assert small.plan(state(R=4, F=15, running=10, waiting=100, kv=12, resident=[3, 3])).grow == []
     # with the configured overlap the copies hide: nothing to gain, and nothing grows while requests wait
     hidden = adjuster(10 * MS)
-    assert hidden.plan(state(R=4, F=15, running=10, waiting=100, kv=12, resident=[3, 3])).grow == []
+    assert hidden.plan(state(R=4, F=15, running=10, waiting=100, kv=1000, resident=[3, 3])).grow == []
 
 
 def test_experts_come_home_through_a_reserve_while_requests_wait() -> None:
@@ -121,10 +126,33 @@ def test_experts_come_home_through_a_reserve_while_requests_wait() -> None:
     # once those pages are free the grows take them, and the reserve is released
     assert measured.plan(state(R=0, F=15, running=99, waiting=50, kv=990, resident=[3, 3])).grow == [(0, 1), (1, 0)]
     assert measured.grow_reserve() == 0
+    # the reserve is patient for 50 plans without a grow (the pages never come free here), then admissions get
+    # 50 plans, then it reserves again
+    reserves = [measured.plan(state(R=4, F=0, running=100, waiting=50, kv=1000, resident=[3, 3])) is not None
+                and measured.grow_reserve() for _ in range(150)]
+    assert reserves == [15] * 50 + [0] * 50 + [15] * 50
     # with the configured overlap the copies hide: the other two go too (the head of the queue gets in), no reserve
     hidden = adjuster(10 * MS)
     assert hidden.plan(state(R=4, F=0, running=100, waiting=50, kv=1000, resident=[3, 3])).evict == ORDER[2:]
     assert hidden.grow_reserve() == 0
+
+
+def test_compute_is_asked_for_a_decode_step_of_the_running_batch() -> None:
+    asked: list[int] = []
+    a = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda n: asked.append(n) or 10 * MS)
+    a.plan(state(R=4, F=2, running=100, waiting=50, kv=100, tokens=700))  # a prefill chunk in this step
+    assert asked and set(asked) == {100}
+
+
+def test_forced_offloading_boundary() -> None:
+    # 2 experts out need 6 pages: with F + KV = 6 they would all fit (not forced: no split above n_now), with 5
+    # they could not (forced: every split allowed, the most tokens per second decides)
+    def plan(kv: int):
+        a = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
+                         copy_overlap=lambda: 0.0)
+        return a.plan(state(R=4, F=0, running=10, waiting=100, kv=kv, resident=[3, 3]))
+
+    assert plan(6).evict == [] and plan(5).evict == ORDER[2:]
 
 
 def test_offloads_when_queue_long_and_compute_long() -> None:

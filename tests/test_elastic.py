@@ -246,10 +246,12 @@ def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyP
         c.async_steps = async_steps
         return c, tracker
 
-    def step(c: ElasticController, offloaded: bool) -> None:
+    def step(c: ElasticController, offloaded: bool, tokens: int = 8, launched: int | None = None,
+             seconds: float = 0.010) -> None:
         host_tables[0, 3, 0] = -1 if offloaded else 0
-        c.adjust(0, num_batched_tokens=8)
-        clock[0] += 0.010  # every pass takes 10 ms of wall time
+        c.adjust(0, num_batched_tokens=tokens)
+        c.launching(tokens if launched is None else launched)
+        clock[0] += seconds  # the pass's wall time
         c.after_forward()
 
     sync, tracker = controller(async_steps=False)
@@ -267,6 +269,20 @@ def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyP
     assert tracker() == pytest.approx(0.008)
     step(asyn, offloaded=False)  # times pass 3 (all resident)
     assert tracker() == pytest.approx(0.010)
+    # each interval is the time of the pass launched one step earlier, and goes to that pass's batch size
+    step(asyn, offloaded=False, tokens=300, seconds=0.040)  # launches pass 5 (300 tokens); times pass 4 (8)
+    step(asyn, offloaded=False, tokens=8)  # times pass 5
+    assert (tracker(8), tracker(300)) == (pytest.approx(0.040), pytest.approx(0.010))  # alpha 1: last samples
+    # a step whose planned requests all finished before the launch runs no pass: nothing is timed, and the next
+    # interval (no pass in flight before it) is not taken for one either
+    sync, tracker = controller(async_steps=False)
+    step(sync, offloaded=False, launched=0, seconds=0.0005)
+    assert tracker() is None
+    asyn, tracker = controller(async_steps=True)
+    for launched in (8, 8, 8, 0, 8, 8, 8):
+        step(asyn, offloaded=False, launched=launched, seconds=0.0005 if launched == 0 else 0.010)
+    # timed: pass 2 (by call 3) and pass 6 (by call 7); never the 0.5 ms of host time of call 4
+    assert tracker.steps == 2 and tracker(8) == pytest.approx(0.010)
 
 
 def test_cost_stats_reach_metrics() -> None:
@@ -286,21 +302,24 @@ def test_cost_stats_reach_metrics() -> None:
     tracker = StepCostTracker(alpha=1.0, copy_overlap=0.8)
     tracker.observe_forward(0.010, 0.0, tokens=8)  # a clean pass: 10 ms of compute
     tracker.observe_forward(0.035, 0.020, tokens=8)  # 25 ms exposed of 20 ms of copies: overlap 0, slowdown 1.25
-    adjuster = CostAdjuster(CostAdjusterConfig(), expert_bytes=1_000_000, top_k=2, compute_time=tracker,
+    # one expert out (52 MB: 1 ms of nominal copy, 1.25 ms measured, hiding nothing), no free page, a queue,
+    # requests of 100 mid pages: bringing it home pays, so its 3 pages + 9 are kept from admissions
+    adjuster = CostAdjuster(CostAdjusterConfig(), expert_bytes=52_000_000, top_k=2, compute_time=tracker,
                             copy_slowdown=tracker.copy_slowdown, copy_overlap=tracker.copy_overlap_share)
     pop = OnlinePopularity(ExpertPopularity.uniform("m", 2, 4))
     cache = SimpleNamespace(num_experts=4)
-    c = ElasticController(cache, SimpleNamespace(), adjuster, pop, offload_limit=2, smalls_per_mid=1,
+    c = ElasticController(cache, SimpleNamespace(), adjuster, pop, offload_limit=2, smalls_per_mid=4,
                           step_cost=tracker)
     ranks = np.tile(np.arange(4), (2, 1))
     adjuster.plan(AdjusterState(shortfall_mid_pages=0, free_mid_pages=0, resident=[{0, 1, 2, 3}, {0, 1, 2}],
                                 probabilities=np.full((2, 4), 0.25), rankings=ranks, offload_limit=2,
-                                num_batched_tokens=8, num_running=8, kv_mid_pages=8))
+                                num_batched_tokens=8, num_running=8, num_waiting=5, kv_mid_pages=800))
     stats = c.cost_stats()
     assert stats["cost_compute_ms"] == pytest.approx(10.0)
     assert (stats["cost_copy_overlap"], stats["cost_copy_slowdown"]) == (0.0, pytest.approx(1.25))
-    assert stats["cost_target_offloaded"] >= 0 and stats["cost_max_offloaded"] >= 1
-    assert stats["cost_grow_reserve_mid_pages"] >= 0
+    assert (stats["cost_target_offloaded"], stats["cost_max_offloaded"]) == (0.0, 1.0)  # home; stalls: 1
+    assert stats["cost_grow_reserve_mid_pages"] == 3 + 9
+    assert c.admission_reserve_kv_pages() == 12 * 4  # mid pages -> KV pages
     text = ServerMetrics(lambda: stats).render().decode()
     for name, value in stats.items():
         assert f"rimuru:{name} {float(value)}" in text

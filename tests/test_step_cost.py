@@ -80,6 +80,13 @@ def test_overlap_and_slowdown_are_learned_from_passes_with_copies() -> None:
     # 5 ms of copies that hid completely: the overlap is at least 0.5
     t.observe_forward(10 * MS, 5 * MS, tokens=16)
     assert t.copy_overlap_share() == pytest.approx(0.5)
+    # 3 ms of copies, the pass 0.3 ms longer than the clean one: within the 5 % noise band, so they hid; the
+    # overlap is at least 0.3 and stays 0.5 (not lowered to 0.3, nor to (3 - 0.3) / 10)
+    t.observe_forward(10.3 * MS, 3 * MS, tokens=16)
+    assert t.copy_overlap_share() == pytest.approx(0.5)
+    # a batch size with no clean pass of its own (64 tokens): its compute is not known well enough to learn from
+    t.observe_forward(60 * MS, 20 * MS, tokens=64)
+    assert (t.copy_overlap_share(), t.copy_slowdown()) == (pytest.approx(0.5), 1.0)
     # 9 ms that hid: at least 0.9, but never more than the configured 0.8
     t.observe_forward(9.5 * MS, 9 * MS, tokens=16)
     assert t.copy_overlap_share() == pytest.approx(0.8)
@@ -95,6 +102,9 @@ def test_forced_offloading_estimates_compute_as_if_copies_hid_nothing() -> None:
     assert t() == pytest.approx(16 * MS)
     t.observe_forward(100 * MS, 110 * MS, tokens=27)  # copies longer than the pass: clipped at 0
     assert t() == pytest.approx(8 * MS)
+    # per batch size: a prefill-heavy pass has its own bucket and leaves the decode estimate alone
+    t.observe_forward(300 * MS, 100 * MS, tokens=2000)
+    assert (t(), t(27), t(2000)) == (pytest.approx(200 * MS), pytest.approx(8 * MS), pytest.approx(200 * MS))
     assert (t.copy_slowdown(), t.copy_overlap_share()) == (1.0, 0.8)
     # the first clean pass takes over
     t.observe_forward(12 * MS, 0.0, tokens=27)
@@ -119,7 +129,8 @@ def test_estimates_stay_within_what_was_measured(passes: list[tuple[float, float
 
 
 def test_bad_input_is_refused() -> None:
-    for bad in ({"alpha": 0}, {"copy_overlap": 1.5}, {"min_copy_share": 0}, {"max_slowdown": 0.5}):
+    for bad in ({"alpha": 0}, {"copy_overlap": 1.5}, {"min_copy_share": 0}, {"max_slowdown": 0.5},
+                {"noise_share": -0.1}):
         with pytest.raises(ValueError):
             StepCostTracker(**bad)
     t = StepCostTracker()

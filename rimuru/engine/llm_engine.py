@@ -237,6 +237,8 @@ class LLMEngine:
                 outputs += self._process(previous[0], previous[1].tolist())
                 previous = None
                 sched.scheduled = [s for s in sched.scheduled if not s.request.status.finished]
+        if self.elastic is not None:
+            self.elastic.launching(sched.num_tokens)  # what runs now (finished requests may have left the batch)
         launched: tuple[SchedulerOutput, SampledTokens] | None = None
         if sched.scheduled:
             now = time.monotonic()

@@ -64,7 +64,7 @@ O(candidates x offloadable experts) per step; 24 layers x 10 offloadable experts
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -86,6 +86,7 @@ class CostAdjusterConfig:
     pages_per_expert: int = 3
     evict_margin: int = 1  # hard shortfall of R pages -> free R + margin pages
     dense_candidates: int = 64  # up to this many candidate counts: all evaluated; beyond: near n_now + a grid
+    reserve_patience_steps: int = 50  # most plans in a row that keep pages from admissions without a grow
 
     def __post_init__(self) -> None:
         if self.pcie_bandwidth <= 0:
@@ -101,6 +102,8 @@ class CostAdjusterConfig:
             raise ValueError("max_evict_per_step must be >= 1; max_grow_per_step, grow_reserve_mid >= 0")
         if self.pages_per_expert < 1 or self.evict_margin < 0:
             raise ValueError("pages_per_expert must be >= 1 and evict_margin >= 0")
+        if self.reserve_patience_steps < 1:
+            raise ValueError(f"reserve_patience_steps must be >= 1, got {self.reserve_patience_steps}")
         if self.dense_candidates < 8:
             raise ValueError(f"dense_candidates must be >= 8, got {self.dense_candidates}")
 
@@ -154,6 +157,7 @@ class CostAdjuster:
         # the first shortage after a calm spell may stall for evictions instead of preempting
         self._short_bound: int | None = None
         self._reserve_mid = 0  # mid pages kept from admissions for the last plan's grows (grow_reserve)
+        self._reserve_since: int | None = None  # the plan since which grows have waited for pages
         self.last: CostEstimate | None = None
 
     def max_offloaded(self) -> int | None:
@@ -232,13 +236,15 @@ class CostAdjuster:
             self._short_bound = max_allowed
         elif self._short_bound is not None:
             max_allowed = max(max_allowed, self._short_bound)
-        self.last = CostEstimate(offloaded=n_now, target=target, best=best, compute_s=compute,
-                                 candidates=cands.tolist(), throughput=np.where(allowed, tput, 0.0).tolist(),
-                                 step_s=step_s.tolist(), max_allowed=max_allowed)
         if target <= n_now:
             # experts home where that pays in the long run, even while requests wait (see _home_target)
             target = min(target, self._home_target(state, order, n_now, compute))
+        self.last = CostEstimate(offloaded=n_now, target=target, best=best, compute_s=compute,
+                                 candidates=cands.tolist(), throughput=np.where(allowed, tput, 0.0).tolist(),
+                                 step_s=step_s.tolist(), max_allowed=max_allowed)
         direction = int(np.sign(target - n_now))
+        if direction >= 0:
+            self._reserve_since = None  # no grow wanted: a later wish for one starts its patience afresh
         if direction == 0:
             return AdjustPlan()
         # a grow right after an eviction waits for the cooldown (no flapping); an eviction while requests wait
@@ -249,9 +255,17 @@ class CostAdjuster:
             return self._moved(AdjustPlan(evict=as_experts(evicts[:min(target - n_now, cfg.max_evict_per_step)], E)))
         room = max(0, (F - cfg.grow_reserve_mid) // P)
         want = min(n_now - target, cfg.max_grow_per_step)
-        if room < want:  # keep new admissions out of the pages these grows need (the scheduler reads it)
-            self._reserve_mid = P * want + cfg.grow_reserve_mid
         n = min(want, room)
+        # keep new admissions out of the pages these grows need (the scheduler reads it), but for at most
+        # `reserve_patience_steps` plans without a grow (e.g. the only running request holds the pages); then
+        # admit for as long again before reserving anew
+        if n > 0:
+            self._reserve_since = None
+        elif self._reserve_since is None or self.step - self._reserve_since >= 2 * cfg.reserve_patience_steps:
+            self._reserve_since = self.step
+        waited = 0 if self._reserve_since is None else self.step - self._reserve_since
+        if room < want and waited < cfg.reserve_patience_steps:
+            self._reserve_mid = P * want + cfg.grow_reserve_mid
         return self._moved(AdjustPlan(grow=as_experts(grows[:n], E))) if n > 0 else AdjustPlan()
 
     def grow_reserve(self) -> int:
@@ -261,15 +275,15 @@ class CostAdjuster:
 
     def _home_target(self, state: AdjusterState, order: np.ndarray, n_now: int, compute: float) -> int:
         """The fewest offloaded experts, down to `max_grow_per_step` fewer than now, that serve more than `min_gain`
-        more tokens per second than n_now in the long run. The model is evaluated with nobody short (R = 0):
-        concurrency is what KV, free pages and the pages moved hold, (kv + F + P (n - n_now)) / footprint, so a
-        grow costs the requests its pages would have held. Measured copies that hide less than when the experts
-        were evicted make this pay; nominal ones, never (fewer copies then save no time)."""
+        more tokens per second than n_now in the long run (`_model(steady=True)`): concurrency is what KV, free
+        pages and the pages moved hold, (kv + F + P (n - n_now)) / footprint, up to every running and waiting
+        request, so a grow costs the requests its pages would have held. Measured copies that hide less than when
+        the experts were evicted make this pay; nominal ones, never (fewer copies then save no time)."""
         cfg = self.config
         if n_now == 0 or cfg.max_grow_per_step == 0:
             return n_now
         ks = np.arange(max(0, n_now - cfg.max_grow_per_step), n_now + 1)
-        tput, _, _ = self._model(replace(state, shortfall_mid_pages=0), order, n_now, compute, ks)
+        tput, _, _ = self._model(state, order, n_now, compute, ks, steady=True)
         i = int(np.argmax(tput))
         return int(ks[i]) if tput[i] > (1.0 + cfg.min_gain) * tput[-1] else n_now
 
@@ -291,19 +305,22 @@ class CostAdjuster:
         return plan
 
     def _model(self, state: AdjusterState, order: np.ndarray, n_now: int, compute: float,
-               cands: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               cands: np.ndarray, steady: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per candidate n in `cands`: modelled throughput, step time, and whether the split is allowed (its
-        copies hide, or with an SLO its step meets it)."""
+        copies hide, or with an SLO its step meets it). `steady`: concurrency is what the pool holds in the long
+        run, (kv + F + P (n - n_now)) / footprint, up to every running and waiting request (no head of the queue,
+        no floor of one request)."""
         cfg = self.config
         P = cfg.pages_per_expert
         running = max(1, state.num_running)
         kv = float(state.kv_mid_pages)
         footprint = kv / running if state.num_running > 0 and kv > 0 else float(max(1, state.shortfall_mid_pages))
-        demand = state.num_running + (state.num_waiting if state.shortfall_mid_pages > 0 else 0)
+        queue = steady or state.shortfall_mid_pages > 0
+        demand = state.num_running + (state.num_waiting if queue else 0)
         if state.max_num_seqs is not None:  # the scheduler never runs more, whatever room evictions make
             demand = min(demand, max(state.max_num_seqs, state.num_running))
         n = cands
-        R = state.shortfall_mid_pages
+        R = 0 if steady else state.shortfall_mid_pages
         freed = P * (n - n_now)
         if R > 0:  # the head of the queue needs R more pages; the requests behind it a footprint each
             admitted = np.where(freed >= R, 1.0 + (freed - R) / footprint, 0.0)
@@ -311,7 +328,7 @@ class CostAdjuster:
         else:
             conc = np.minimum(float(demand), (kv + state.free_mid_pages + freed) / footprint)
         conc = np.clip(conc, 0.0, None)
-        conc = np.maximum(conc, 1.0) if demand > 0 else conc
+        conc = np.maximum(conc, 1.0) if demand > 0 and not steady else conc
         # the measured compute excludes the piecewise overhead (the elastic controller takes it out of piecewise
         # passes' times); charge it to every split that offloads any expert
         overhead = self.piecewise_overhead_s
@@ -321,7 +338,7 @@ class CostAdjuster:
         act = np.where(n > 0, act[np.arange(len(n)), np.maximum(n - 1, 0)], 0.0) if len(order) else np.zeros(len(n))
         copy = act * self.expert_bytes / cfg.pcie_bandwidth * self.copy_slowdown()
         exposed = np.maximum(0.0, copy - self.copy_overlap() * comp)
-        step_s = comp + exposed + np.where(n > 0, overhead, 0.0)
+        step_s = np.maximum(comp + exposed + np.where(n > 0, overhead, 0.0), 1e-9)  # > 0 whatever the config
         if cfg.tpot_slo_s is not None:
             ok = step_s <= cfg.tpot_slo_s
         else:

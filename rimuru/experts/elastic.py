@@ -159,6 +159,14 @@ class ElasticController:
         self._tokens = num_batched_tokens
         return self.counters.last_plan
 
+    def launching(self, num_tokens: int) -> None:
+        """The engine launches this step's pass with `num_tokens` batched tokens. Called after adjust(): with async
+        scheduling the engine may first drop requests that finished meanwhile, so the pass can be smaller than
+        planned, or not launched at all (0: no pass is timed this step)."""
+        self._tokens = num_tokens
+        if num_tokens == 0:
+            self._forward_start = None
+
     def after_forward(self) -> None:
         """The forward pass has finished: evicted experts leave the tables (the engine then completes the
         allocator's forward, which frees their pages), and its routing counts update the popularity."""

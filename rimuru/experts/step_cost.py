@@ -15,14 +15,16 @@ pass counted as compute, which kept them looking hidden. Measured on the H200 (2
 25 req/s the cost adjuster offloaded its whole limit, 240 experts, and served 1,682 output tok/s against vLLM's
 3,627 in the same run (benchmarks/sim_step_cost_regression.py reproduces it in the simulator).
 Forced offloading (the experts never all fit, e.g. Qwen3-30B-A3B at 48 GiB) has no clean pass. There the sample is
-`forward - copy_s`, the compute time if the copies hid behind nothing.
+`forward - copy_s`, the compute time if the copies hid behind nothing, per bucket as well.
 
-Copies. Against a clean estimate c of the same bucket, a pass with copies shows what they really cost: exposed
-X = forward - c. The adjuster's model is X = max(0, slowdown x copy - overlap x c), with copy = bytes / nominal
-bandwidth; both parameters are learned here (EMAs), from passes whose copies are at least `min_copy_share` of c:
+Copies. Against the clean estimate c of the same bucket (a neighbouring bucket's compute differs by more than
+what is measured: no sample then), a pass with copies shows what they really cost: exposed X = forward - c. The
+adjuster's model is X = max(0, slowdown x copy - overlap x c), with copy = bytes / nominal bandwidth; both
+parameters are learned here (EMAs), from passes whose copies are at least `min_copy_share` of c:
+  * X <= noise_share x c (passes of one bucket vary by a few per cent): the copies hid, so the overlap is at
+    least copy / c (raised to it when below), and the slowdown 1;
   * X >= copy: nothing hid and the copies took longer than nominal: overlap 0, slowdown X / copy;
-  * 0 < X < copy: part hid: overlap (copy - X) / c, slowdown 1;
-  * X <= 0: all hid: the overlap is at least copy / c (raised to it when below), the slowdown 1.
+  * in between: part hid: overlap (copy - X) / c, slowdown 1.
 The overlap stays within [0, the configured `copy_overlap`] (it starts there) and the slowdown within
 [1, max_slowdown] (it starts at 1): never more hiding than configured, never faster than the link. Without clean
 passes both keep their starting values.
@@ -35,17 +37,19 @@ import math
 
 class StepCostTracker:
     def __init__(self, alpha: float = 0.1, copy_overlap: float = 0.8, min_copy_share: float = 0.25,
-                 max_slowdown: float = 10.0) -> None:
+                 max_slowdown: float = 10.0, noise_share: float = 0.05) -> None:
         if not 0.0 < alpha <= 1.0 or not 0.0 <= copy_overlap <= 1.0:
             raise ValueError(f"need 0 < alpha <= 1 and 0 <= copy_overlap <= 1, got {alpha}, {copy_overlap}")
-        if min_copy_share <= 0 or max_slowdown < 1:
-            raise ValueError(f"need min_copy_share > 0 and max_slowdown >= 1, got {min_copy_share}, {max_slowdown}")
+        if min_copy_share <= 0 or max_slowdown < 1 or noise_share < 0:
+            raise ValueError(f"need min_copy_share > 0, max_slowdown >= 1 and noise_share >= 0, got "
+                             f"{min_copy_share}, {max_slowdown}, {noise_share}")
         self.alpha = alpha
         self.copy_overlap = copy_overlap
         self.min_copy_share = min_copy_share
         self.max_slowdown = max_slowdown
+        self.noise_share = noise_share  # exposed time within this share of compute counts as hidden
         self._clean: dict[int, float] = {}  # token bucket -> EMA of copy-free pass times
-        self._forced: float | None = None  # EMA of forward - copy while no clean pass was ever seen
+        self._forced: dict[int, float] = {}  # token bucket -> EMA of forward - copy while no clean pass was seen
         self._bucket = 0  # bucket of the latest pass
         self.overlap = copy_overlap  # EMA: share of compute the copies hide behind (<= copy_overlap)
         self.slowdown = 1.0  # EMA: real copy time / nominal copy time (>= 1)
@@ -60,11 +64,18 @@ class StepCostTracker:
     def _ema(self, old: float | None, sample: float) -> float:
         return sample if old is None else self.alpha * sample + (1.0 - self.alpha) * old
 
-    def _clean_estimate(self, bucket: int) -> float | None:
-        if not self._clean:
+    @staticmethod
+    def _nearest(table: dict[int, float], bucket: int) -> float | None:
+        """The bucket's estimate, else the nearest measured bucket below, else the smallest one above."""
+        if not table:
             return None
-        below = [b for b in self._clean if b <= bucket]
-        return self._clean[max(below)] if below else self._clean[min(self._clean)]
+        if bucket in table:
+            return table[bucket]
+        below = [b for b in table if b < bucket]
+        return table[max(below)] if below else table[min(table)]
+
+    def _clean_estimate(self, bucket: int) -> float | None:
+        return self._nearest(self._clean, bucket)
 
     def observe_compute(self, compute_s: float, tokens: int = 0) -> None:
         """A pass whose compute time is known (a copy-free pass, or the simulator's cost model)."""
@@ -87,21 +98,23 @@ class StepCostTracker:
         b = self.bucket(tokens)
         self._bucket = b
         self.steps += 1
-        ref = self._clean_estimate(b)
-        if ref is None:  # forced offloading: no clean pass to compare with
-            self._forced = self._ema(self._forced, max(0.0, forward_s - copy_s))
-            self.compute_s = self._forced
+        if not self._clean:  # forced offloading: no clean pass to compare with, per bucket as the clean ones
+            self._forced[b] = self._ema(self._forced.get(b), max(0.0, forward_s - copy_s))
+            self.compute_s = self._nearest(self._forced, b)
             return
-        self.compute_s = ref
-        if ref <= 0 or copy_s < self.min_copy_share * ref:
-            return  # too small a copy to tell its cost from the batch's noise
+        self.compute_s = self._clean_estimate(b)
+        ref = self._clean.get(b)
+        # the copies' cost is learned only against a clean pass of the same batch size (a neighbour's compute
+        # differs by more than what is measured), and only from copies large enough to tell from noise
+        if ref is None or ref <= 0 or copy_s < self.min_copy_share * ref:
+            return
         exposed = forward_s - ref
-        if exposed >= copy_s:
-            overlap, slowdown = 0.0, exposed / copy_s
-        elif exposed > 0:
-            overlap, slowdown = (copy_s - exposed) / ref, 1.0
-        else:
+        if exposed <= self.noise_share * ref:  # the copies hid (passes of one bucket vary by a few per cent)
             overlap, slowdown = max(self.overlap, copy_s / ref), 1.0
+        elif exposed >= copy_s:
+            overlap, slowdown = 0.0, exposed / copy_s
+        else:
+            overlap, slowdown = (copy_s - exposed) / ref, 1.0
         self.overlap = self._ema(self.overlap, min(self.copy_overlap, overlap))
         self.slowdown = self._ema(self.slowdown, min(self.max_slowdown, max(1.0, slowdown)))
 
@@ -114,6 +127,6 @@ class StepCostTracker:
     def __call__(self, tokens: int | None = None) -> float | None:
         """The compute estimate for a pass of `tokens` batched tokens (the cost adjuster asks for a decode step of
         the running batch); without `tokens`, for the latest pass's batch."""
-        if tokens is None or not self._clean:
+        if tokens is None:
             return self.compute_s
-        return self._clean_estimate(self.bucket(tokens))
+        return self._nearest(self._clean or self._forced, self.bucket(tokens))
