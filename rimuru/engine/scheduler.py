@@ -115,11 +115,9 @@ class Scheduler:
             req = self.waiting[0]
             assert not req.num_pending_tokens  # a preempted request's token is read in the step that preempted it
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if reserve and self.kv.pages_needed(req, n) > self.kv.capacity_pages() - reserve:
+            if (reserve and self.kv.pages_needed(req, n) > self.kv.capacity_pages() - reserve
+                    or not self.kv.allocate(req, n)):
                 out.shortfall_pages = max(0, self.kv.pages_needed(req, n) - self.kv.capacity_pages())
-                break
-            if not self.kv.allocate(req, n):
-                out.shortfall_pages = self.kv.pages_needed(req, n) - self.kv.capacity_pages()
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

@@ -64,7 +64,7 @@ class ElasticController:
         self.step_cost = step_cost
         self.pcie_bandwidth = pcie_bandwidth
         self._forward_start: tuple[float, int] | None = None  # (monotonic time, loader bytes) when tokens ran
-        self._tokens = 0  # batched tokens of the pass launched this step (the compute estimate is per batch size)
+        self._tokens = 0  # batched tokens of the pass launched this step (`launching`; compute is per batch size)
         self._tokens_in_flight = 0  # async: the same for the pass launched one step earlier
         # async scheduling (LLMEngine sets it): after_forward runs while the pass it follows is still in flight,
         # so routing counts are read one step late (non-blocking copy) and a step's time is the interval
@@ -156,7 +156,6 @@ class ElasticController:
         self._launch_piecewise = not self.cache.all_resident()
         self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded) if num_batched_tokens > 0
                                else None)
-        self._tokens = num_batched_tokens
         return self.counters.last_plan
 
     def launching(self, num_tokens: int) -> None:
