@@ -168,6 +168,22 @@ def test_provider_loads_misses_prefetches_hits_and_keeps_tables(checkpoints) -> 
         provider.table(1, torch.tensor([[0, 8]]))
 
 
+def test_predictor_applies_the_layers_own_routing(checkpoints) -> None:
+    """The predictor guesses with everything the layer's router adds to its gate: on the hidden states the layer
+    itself routes, its guesses are exactly the routed experts (a bias-blind guess prefetched a skewed router's cold
+    experts every step on the H200). A dummy skewed router adds a bias and a Gumbel transform of the logits."""
+    llm = fixed(checkpoints["qwen3_moe"], 0.5, load_format="dummy", dummy_routing="zipf:1.5")
+    predictor = llm.engine.parts.provider.predictor
+    hidden = torch.randn(7, predictor.routers[1][1].gate.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        norm, moe = predictor.routers[1]
+        _, ids = moe.route(norm(hidden))  # [T, k]
+        for t in range(hidden.shape[0]):
+            guessed = torch.nonzero(predictor.scores(1, hidden[t:t + 1])).flatten()
+            assert sorted(guessed.tolist()) == sorted(ids[t].tolist())
+        assert (moe.router_bias != 0).any() and moe.gumbel_routing
+
+
 def test_loader_reuses_slots_of_unneeded_prefetches(checkpoints) -> None:
     llm = fixed(checkpoints["qwen3_moe"], 2)
     parts = llm.engine.parts

@@ -49,6 +49,7 @@ from rimuru.experts.step_cost import StepCostTracker
 from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pool import PagePool
 from rimuru.model_spec import ModelSpec, dtype_bytes, load_model_spec
+from rimuru.models.dummy_routing import set_dummy_routing
 from rimuru.models.expert_provider import ExpertProvider, StaticExpertProvider
 from rimuru.models.loader import init_dummy_weights, load_checkpoint
 from rimuru.models.registry import build_model
@@ -263,7 +264,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         if config.dummy_routing is not None and config.dummy_routing.startswith("zipf:"):
             skew = ExpertPopularity.zipf(model_path, spec.num_moe_layers, spec.num_experts,
                                          float(config.dummy_routing.split(":")[1]), seed=config.seed)
-            set_router_bias(model, torch.log(torch.tensor(skew.probabilities, dtype=torch.float32)))
+            set_dummy_routing(model, skew.probabilities, seed=config.seed)
         if store is None:
             experts.fill_random(seed=config.seed + 1)
         else:  # the same draws as static mode's pages, so every mode serves the same random model
@@ -310,15 +311,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        experts=experts, kv=kv, model=model, max_model_len=max_model_len,
                        num_attention_layers=num_attn, budget_split=split, provider=provider, host_store=store,
                        loader=loader, elastic=elastic, max_kv_pages=max_kv_pages, mode=mode)
-
-
-def set_router_bias(model: torch.nn.Module, bias: torch.Tensor) -> None:
-    """bias [L_moe, E]: added to each MoE layer's router logits (a skewed routing for dummy weights)."""
-    layers = [m for m in model.modules() if hasattr(m, "router_bias")]
-    if bias.shape != (len(layers), layers[0].router_bias.shape[0] if layers else 0):
-        raise ValueError(f"router bias {tuple(bias.shape)} does not match {len(layers)} MoE layers")
-    for layer, m in enumerate(sorted(layers, key=lambda m: m.moe_idx)):
-        m.router_bias.copy_(bias[layer])
 
 
 def _elastic_start(experts: ExpertCache, pool: PagePool, limit: int) -> int:

@@ -37,18 +37,33 @@ class SparseMoE(nn.Module):
         self.renormalize = renormalize
         self.moe_idx = moe_idx  # ordinal among MoE layers: which expert table
         self.provider = experts  # a plain attribute: the provider's pages are not model state
-        # Added to the router logits (fp32); zeros unless a dummy model is given a skewed routing on purpose
-        # (EngineConfig.dummy_routing). Not checkpoint state; reset_buffers() sets it after meta-device builds.
+        # A skewed router for dummy weights (EngineConfig.dummy_routing, models/dummy_routing.py): the bias is added
+        # to the router logits (fp32), and with a nonzero noise scale the random logits are first made standard
+        # Gumbel. Zeros otherwise. Not checkpoint state; reset_buffers() sets them after meta-device builds.
         self.register_buffer("router_bias", torch.zeros(num_experts), persistent=False)
+        self.register_buffer("router_noise_scale", torch.zeros(num_experts), persistent=False)
+        self.gumbel_routing = False  # set with router_noise_scale (set_dummy_routing)
 
     def reset_buffers(self) -> None:
         """State that is not a weight: a model built on the meta device and moved with to_empty() holds
         garbage here until this runs (registry.build_model calls it)."""
         self.router_bias = torch.zeros(self.gate.out_features, dtype=torch.float32, device=self.gate.weight.device)
+        self.router_noise_scale = torch.zeros_like(self.router_bias)
+        self.gumbel_routing = False
+
+    def router_logits(self, x: Tensor) -> Tensor:  # [T, d] -> [T, E]
+        """The logits the top-k is taken over, before `router_bias` is added (the expert predictor applies the
+        same). A dummy skewed router maps each expert's random logit z to the standard Gumbel
+        -log(-log(Phi(z / noise_scale))) (models/dummy_routing.py)."""
+        logits = self.gate(x)
+        if not self.gumbel_routing:
+            return logits
+        u = torch.special.ndtr(logits.float() / self.router_noise_scale).clamp(1e-7, 1.0 - 1e-7)
+        return -torch.log(-torch.log(u))
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Top-k routing weights [T, k] fp32 and expert ids [T, k] int64 (one launch on CUDA)."""
-        return route_topk(self.gate(x), self.router_bias, self.top_k, self.renormalize)
+        return route_topk(self.router_logits(x), self.router_bias, self.top_k, self.renormalize)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
         weights, ids = self.route(x)  # [T, k]

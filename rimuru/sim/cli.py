@@ -26,6 +26,7 @@ from rimuru.experts.adjuster import AdjusterConfig
 from rimuru.experts.cost_adjuster import CostAdjusterConfig
 from rimuru.experts.popularity import ExpertPopularity
 from rimuru.model_spec import load_model_spec
+from rimuru.models.dummy_routing import cap_shares
 from rimuru.sim.cost_model import HARDWARE
 from rimuru.sim.simulator import ADJUSTERS, MODES, SimConfig, SimRequest, Simulation, SimulationError
 
@@ -131,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         routing = f"ranking file {args.ranking}"
     else:
         pop = ExpertPopularity.from_routing(str(args.model), args.routing, L, E, seed=args.seed)
+        # what the engine's dummy router realises: no expert above 1/top_k of the picks (models/dummy_routing.py)
+        pop = ExpertPopularity(pop.model, cap_shares(pop.probabilities, spec.num_experts_per_tok))
         routing = args.routing
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
