@@ -132,6 +132,7 @@ _TIMELINE = {  # timeline key -> metric names (first present wins)
     "cost_compute_ms": ("rimuru:cost_compute_ms",),
     "cost_copy_overlap": ("rimuru:cost_copy_overlap",),
     "cost_copy_slowdown": ("rimuru:cost_copy_slowdown",),
+    "cost_copy_excess": ("rimuru:cost_copy_excess",),
     "cost_target_offloaded": ("rimuru:cost_target_offloaded",),
     "cost_grow_reserve_mid_pages": ("rimuru:cost_grow_reserve_mid_pages",),
     "expert_bytes_loaded": ("rimuru:expert_bytes_loaded",),

@@ -64,12 +64,14 @@ def test_no_offload_when_copies_cannot_hide() -> None:
     assert a.last is not None and a.last.best == 0 and a.last.throughput[1:] == [0.0] * 4
 
 
-def test_measured_copy_slowdown_makes_copies_costlier() -> None:
+@pytest.mark.parametrize("measured", ["copy_slowdown", "copy_excess"])
+def test_measured_copy_slowdown_makes_copies_costlier(measured: str) -> None:
     # as in the test below: 10 ms of compute hides 8 ms of copies, and the four experts' nominal copies (1 ms each,
-    # all activated at this concurrency) hide, so all four go. Measured three times slower (3 ms each), two hide
-    # (6 ms), three show (9 ms); the best allowed split is two, and four would make a 10 + 12 - 8 = 14 ms step
+    # all activated at this concurrency) hide, so all four go. Measured three times slower (3 ms each), or three
+    # experts copied per routed one (wasted prefetches), two hide (6 ms), three show (9 ms); the best allowed split
+    # is two, and four would make a 10 + 12 - 8 = 14 ms step
     slow = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
-                        copy_slowdown=lambda: 3.0)
+                        **{measured: lambda: 3.0})
     plan = slow.plan(state(R=4, F=2, running=100, waiting=50, kv=100))
     assert plan.evict == ORDER[:2]
     assert slow.last is not None and (slow.last.best, slow.last.max_allowed) == (2, 2)

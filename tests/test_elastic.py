@@ -224,6 +224,7 @@ def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyP
 
     from rimuru.experts.adjuster import AdjustPlan
     from rimuru.experts.elastic import ElasticController
+    from rimuru.experts.loader import LoadCounters
     from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
     from rimuru.experts.step_cost import StepCostTracker
 
@@ -235,7 +236,7 @@ def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyP
         all_resident=lambda: bool((host_tables[:, :, 0] >= 0).all()),
         allocator=SimpleNamespace(mid_capacity=lambda kind: 0, num_used=lambda kind: 0),
         finish_evictions=lambda: None)
-    loader = SimpleNamespace(counters=SimpleNamespace(bytes_loaded=0))
+    loader = SimpleNamespace(counters=LoadCounters())
     adjuster = SimpleNamespace(plan=lambda state: AdjustPlan(), max_offloaded=lambda: None)
 
     def controller(async_steps: bool) -> tuple[ElasticController, StepCostTracker]:
@@ -317,6 +318,7 @@ def test_cost_stats_reach_metrics() -> None:
     stats = c.cost_stats()
     assert stats["cost_compute_ms"] == pytest.approx(10.0)
     assert (stats["cost_copy_overlap"], stats["cost_copy_slowdown"]) == (0.0, pytest.approx(1.25))
+    assert stats["cost_copy_excess"] == 1.0  # no loads seen
     assert (stats["cost_target_offloaded"], stats["cost_max_offloaded"]) == (0.0, 1.0)  # home; stalls: 1
     assert stats["cost_grow_reserve_mid_pages"] == 3 + 9
     assert c.admission_reserve_kv_pages() == 12 * 4  # mid pages -> KV pages
@@ -325,3 +327,25 @@ def test_cost_stats_reach_metrics() -> None:
         assert f"rimuru:{name} {float(value)}" in text
     paper = ElasticController(cache, SimpleNamespace(), PaperAdjuster(), pop, offload_limit=2, smalls_per_mid=1)
     assert paper.cost_stats() == {}
+
+
+def test_loads_after_each_pass_feed_the_copy_excess() -> None:
+    """after_forward hands the loader's routed (hits + misses) and copied (prefetched + on demand) experts since
+    the last pass to the cost tracker; grows are not copies for a pass."""
+    from types import SimpleNamespace
+
+    from rimuru.experts.elastic import ElasticController
+    from rimuru.experts.loader import LoadCounters
+    from rimuru.experts.step_cost import StepCostTracker
+
+    tracker = StepCostTracker(alpha=1.0)
+    counters = LoadCounters()
+    c = ElasticController(SimpleNamespace(finish_evictions=lambda: None), SimpleNamespace(counters=counters),
+                          adjuster=None, popularity=None, offload_limit=2, smalls_per_mid=4, step_cost=tracker)
+    counters.hits, counters.misses, counters.prefetched, counters.on_demand, counters.grown = 3, 1, 9, 1, 50
+    c.after_forward()
+    assert tracker.copy_excess() == pytest.approx(10 / 4)
+    counters.hits += 5
+    counters.prefetched += 5
+    c.after_forward()
+    assert tracker.copy_excess() == 1.0  # this pass: every copy routed (alpha 1: the latest pass only)

@@ -138,3 +138,24 @@ def test_bad_input_is_refused() -> None:
         t.observe_forward(-1.0)
     with pytest.raises(ValueError):
         t.observe_compute(-1.0)
+
+
+def test_copy_excess_is_copied_per_routed_expert() -> None:
+    t = StepCostTracker(alpha=0.5, max_excess=50.0)
+    assert t.copy_excess() == 1.0  # nothing copied yet
+    t.observe_loads(0, 0)  # a step that touched no offloaded expert: no sample
+    assert t.copy_excess() == 1.0
+    t.observe_loads(routed=10, copied=12)  # two wasted prefetches
+    assert t.copy_excess() == pytest.approx(1.2)
+    t.observe_loads(routed=4, copied=67)  # the H200's bias-blind predictor: EMAs 7 and 39.5
+    assert t.copy_excess() == pytest.approx(39.5 / 7)
+    t.observe_loads(routed=30, copied=20)  # a prefetch that served two passes: never below 1
+    t.observe_loads(routed=30, copied=20)
+    assert t.copy_excess() >= 1.0
+    only_waste = StepCostTracker(max_excess=50.0)
+    only_waste.observe_loads(routed=0, copied=6)  # copies and nothing routed: the cap
+    assert only_waste.copy_excess() == 50.0
+    with pytest.raises(ValueError, match="routed >= 0"):
+        t.observe_loads(-1, 3)
+    with pytest.raises(ValueError, match="max_excess >= 1"):
+        StepCostTracker(max_excess=0.5)

@@ -252,7 +252,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             step_cost = StepCostTracker(copy_overlap=cost_cfg.copy_overlap)  # measured forward times
             adjuster = CostAdjuster(cost_cfg, expert_bytes=3 * geometry.size(EXPERT), top_k=spec.num_experts_per_tok,
                                     compute_time=step_cost, copy_slowdown=step_cost.copy_slowdown,
-                                    copy_overlap=step_cost.copy_overlap_share)
+                                    copy_overlap=step_cost.copy_overlap_share, copy_excess=step_cost.copy_excess)
         online = OnlinePopularity(popularity)
         provider.popularity = online.probabilities  # type: ignore[attr-defined]
         elastic = ElasticController(experts, loader, adjuster, online,

@@ -13,7 +13,10 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
                                                          next ones a footprint each
     compute(n)  = c (fixed + (1 - fixed) conc(n) / running)  c = compute measured on copy-free passes (step_cost.py)
     act(n)      = sum over the n offloaded e of 1 - (1 - p_e)^(top_k conc(n))   expected activated
-    copy(n)     = act(n) expert_bytes / pcie_bandwidth x slowdown   slowdown >= 1, measured (step_cost.py)
+    copy(n)     = act(n) expert_bytes / pcie_bandwidth x slowdown x excess
+                                                         slowdown >= 1: copies slower than the link, measured;
+                                                         excess >= 1: experts copied per routed one (wasted
+                                                         prefetches), measured (step_cost.py)
     step(n)     = compute(n) + max(0, copy(n) - overlap compute(n)) + [n > 0] piecewise_overhead
     tput(n)     = conc(n) / step(n)                      decode tokens per second
 
@@ -134,7 +137,8 @@ class CostAdjuster:
     def __init__(self, config: CostAdjusterConfig, expert_bytes: int, top_k: int,
                  compute_time: Callable[[int], float | None],
                  copy_slowdown: Callable[[], float] | None = None,
-                 copy_overlap: Callable[[], float] | None = None) -> None:
+                 copy_overlap: Callable[[], float] | None = None,
+                 copy_excess: Callable[[], float] | None = None) -> None:
         if expert_bytes <= 0 or top_k < 1:
             raise ValueError(f"need expert_bytes > 0 and top_k >= 1, got {expert_bytes}, {top_k}")
         self.config = config
@@ -146,6 +150,8 @@ class CostAdjuster:
         self.copy_slowdown = copy_slowdown or (lambda: 1.0)
         # the share of compute copies hide behind, as measured (StepCostTracker; at most config.copy_overlap)
         self.copy_overlap = copy_overlap or (lambda: config.copy_overlap)
+        # experts the engine copies per routed offloaded expert (StepCostTracker, >= 1: wasted prefetches)
+        self.copy_excess = copy_excess or (lambda: 1.0)
         # What a pass with any expert offloaded costs beyond one with all resident, whatever it copies: the engine
         # replays piecewise graphs then (host work and launches at every MoE layer) and whole graphs otherwise.
         # Measured by the engine at start-up (StepGraphs.measure_piecewise_overhead); 0 without graphs.
@@ -336,7 +342,7 @@ class CostAdjuster:
         probs = np.asarray(state.probabilities, dtype=np.float64).reshape(-1)[order]
         act = np.cumsum(expected_activated(probs[None, :], conc[:, None], self.top_k), axis=1)  # [cands, order]
         act = np.where(n > 0, act[np.arange(len(n)), np.maximum(n - 1, 0)], 0.0) if len(order) else np.zeros(len(n))
-        copy = act * self.expert_bytes / cfg.pcie_bandwidth * self.copy_slowdown()
+        copy = act * self.expert_bytes / cfg.pcie_bandwidth * self.copy_slowdown() * self.copy_excess()
         exposed = np.maximum(0.0, copy - self.copy_overlap() * comp)
         step_s = np.maximum(comp + exposed + np.where(n > 0, overhead, 0.0), 1e-9)  # > 0 whatever the config
         if cfg.tpot_slo_s is not None:

@@ -77,6 +77,7 @@ class ElasticController:
         # (the engine measures it at start-up; 0 without graphs). Step times are fed to the cost tracker without
         # it, so the compute estimate is the same whichever graphs ran; the cost adjuster charges it to n > 0.
         self.piecewise_overhead_s = 0.0
+        self._loads_seen = (0, 0)  # loader (hits + misses, prefetched + on_demand) at the last observe_loads
         self._launch_piecewise = False  # the pass launched this step: some expert offloaded (set in adjust)
         self._piecewise_in_flight = False  # async: the same for the pass launched one step earlier
 
@@ -97,6 +98,7 @@ class ElasticController:
             return {}
         out = {"cost_copy_overlap": self.step_cost.copy_overlap_share(),
                "cost_copy_slowdown": self.step_cost.copy_slowdown(),
+               "cost_copy_excess": self.step_cost.copy_excess(),
                "cost_grow_reserve_mid_pages": float(self.adjuster.grow_reserve())}
         last = getattr(self.adjuster, "last", None)
         if last is not None:
@@ -170,6 +172,7 @@ class ElasticController:
         """The forward pass has finished: evicted experts leave the tables (the engine then completes the
         allocator's forward, which frees their pages), and its routing counts update the popularity."""
         self.cache.finish_evictions()
+        self._observe_loads()
         if self.async_steps:
             self._after_forward_async()
             return
@@ -181,6 +184,16 @@ class ElasticController:
         self._forward_start = None
         if self.counter is not None:
             self.observe(self.counter.snapshot_and_reset().numpy())
+
+    def _observe_loads(self) -> None:
+        """The loader's routed and copied experts since the last call feed the cost tracker's copy excess."""
+        if self.step_cost is None:
+            return
+        c = self.loader.counters
+        now = (c.hits + c.misses, c.prefetched + c.on_demand)
+        routed, copied = now[0] - self._loads_seen[0], now[1] - self._loads_seen[1]
+        self._loads_seen = now
+        self.step_cost.observe_loads(routed, copied)
 
     def _after_forward_async(self) -> None:
         # Between the previous call and this one the host waited for the pass launched before (pass n): that

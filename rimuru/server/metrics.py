@@ -35,6 +35,7 @@ GAUGES = {
     "cost_compute_ms": ("cost_compute_ms", "Cost adjuster: compute estimate of its last plan (copy-free passes)."),
     "cost_copy_overlap": ("cost_copy_overlap", "Cost adjuster: measured share of compute the copies hide behind."),
     "cost_copy_slowdown": ("cost_copy_slowdown", "Cost adjuster: measured copy time over nominal (>= 1)."),
+    "cost_copy_excess": ("cost_copy_excess", "Cost adjuster: experts copied per routed offloaded expert (>= 1)."),
     "cost_target_offloaded": ("cost_target_offloaded", "Cost adjuster: offloaded experts its last plan aims for."),
     "cost_max_offloaded": ("cost_max_offloaded", "Cost adjuster: most offloaded experts stalls may wait for."),
     "cost_grow_reserve_mid_pages": ("cost_grow_reserve_mid_pages",
