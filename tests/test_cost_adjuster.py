@@ -170,6 +170,23 @@ def test_offloads_when_queue_long_and_compute_long() -> None:
     assert capped.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).evict == ORDER[:2]
 
 
+def test_load_buffers_that_come_with_the_first_eviction_are_paid_for() -> None:
+    # as above, but the load buffers take B mid pages while any expert is out (elastic mode's lazy buffers): the
+    # n experts out free 3 n - B pages. B = 6: one out frees nothing net (-3), four free 6 and admit 1 + 2
+    a = adjuster(10 * MS)
+    a.plan(replace(state(R=4, F=2, running=100, waiting=50, kv=100), buffer_mid_pages=6))
+    assert a.last is not None and a.last.throughput == pytest.approx([10_000, 10_000, 10_000, 10_000, 10_300])
+    # B = 12: even all four free nothing net; nothing pays, nothing goes
+    b = adjuster(10 * MS)
+    assert b.plan(replace(state(R=4, F=2, running=100, waiting=50, kv=100), buffer_mid_pages=12)).is_empty
+    # once an expert is out the buffers are held: each further eviction frees its own 3 pages (R = 4: two more
+    # admit 1 + 2 requests, as without buffers)
+    c = adjuster(10 * MS)
+    c.plan(replace(state(R=4, F=2, running=100, waiting=50, kv=100, resident=[3, 4]), buffer_mid_pages=12))
+    assert c.last is not None and c.last.candidates == [1, 2, 3, 4]
+    assert c.last.throughput == pytest.approx([10_000, 10_000, 10_300, 10_600])
+
+
 def test_min_gain_spares_grows_not_waiting_requests() -> None:
     # footprint 3 pages: each expert frees one request of 101, 4 experts gain 4 % (< min_gain 5 %). Requests wait
     # (R > 0): the adjuster still evicts towards the best split, since each eviction admits one

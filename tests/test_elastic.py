@@ -349,3 +349,50 @@ def test_loads_after_each_pass_feed_the_copy_excess() -> None:
     counters.prefetched += 5
     c.after_forward()
     assert tracker.copy_excess() == 1.0  # this pass: every copy routed (alpha 1: the latest pass only)
+
+
+def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint) -> None:
+    """With >= 8 MoE layers elastic mode starts without load buffers (their pages are KV cache), takes them with the
+    first evictions (which also free their pages), and gives them back once every expert is home. Tokens equal
+    Hugging Face's throughout; every page is accounted for."""
+    from rimuru.engine.setup import lazy_load_buffers
+
+    assert lazy_load_buffers(8) and not lazy_load_buffers(7)
+    ckpt = tiny_checkpoint("qwen2_moe", num_hidden_layers=9)  # layer 1 is dense: 8 MoE layers
+    limit = 2
+    probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, device="cpu")
+    split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
+    per_block = probe.engine.kv.num_layers * geo.size("kv")
+    budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 10 * per_block
+              + geo.huge_size)  # every expert and ~10 KV blocks, no load buffers
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
+              max_num_batched_tokens=64)
+    engine = llm.engine
+    experts, loader, alloc = engine.experts, engine.parts.loader, engine.pool.allocator
+
+    def expert_pages_accounted() -> bool:  # between steps: 3 per resident expert + the buffers' pages
+        return alloc.num_used(EXPERT) == 3 * experts.num_resident + len(loader.buffer_pages)
+
+    assert experts.all_resident() and loader.buffer_pages == [] and engine.parts.budget_split["load_buffers"] == 0
+    assert expert_pages_accounted()
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    heavy, light = prompts(6, seed=1), prompts(1, seed=2)
+    got_heavy = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]
+    st = llm.stats()
+    assert st["expert_evictions"] > 0 and st["expert_bytes_loaded"] > 0, st
+    # the first evictions paid for the buffers: at least 2 x limit experts' pages went
+    assert st["expert_evictions"] >= 2 * limit
+    assert expert_pages_accounted()
+    if not experts.all_resident():
+        assert len(loader.buffer_pages) == 2 * 3 * limit
+    got_light = []
+    for _ in range(8):  # light traffic leaves pages free: experts come home, then the buffers go
+        got_light = [o.outputs[0].token_ids for o in llm.generate(light, params)]
+        if experts.all_resident() and not loader.buffer_pages:
+            break
+    assert experts.all_resident() and loader.buffer_pages == [] and expert_pages_accounted()
+    alloc.check_invariants()
+    assert alloc.num_used(EXPERT) == 3 * experts.total_experts and alloc.pending_deferred == 0
+    assert llm.stats()["kv_pages_used"] == 0
+    assert got_heavy == hf_greedy(ckpt, [p["prompt_token_ids"] for p in heavy], STEPS)
+    assert got_light == hf_greedy(ckpt, [p["prompt_token_ids"] for p in light], STEPS)

@@ -40,7 +40,7 @@ from rimuru.experts.cache import (
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
 from rimuru.experts.elastic import ElasticController, ElasticCounters
 from rimuru.experts.host_store import HostExpertStore
-from rimuru.experts.loader import ExpertLoader, LoadCounters
+from rimuru.experts.loader import BUFFER_OWNER, ExpertLoader, LoadCounters
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
 from rimuru.experts.predictor import ExpertPredictor, moe_routers
@@ -56,7 +56,6 @@ from rimuru.models.registry import build_model
 
 logger = logging.getLogger("rimuru")
 
-BUFFER_OWNER = -2  # allocator owner id of the load buffers' pages
 ELASTIC_KV_RESERVE = 0.10  # elastic start-up: share of the pool kept for KV cache when placing experts
 
 
@@ -209,6 +208,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv_view = pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size), spec.head_dim,
                            dtype, config.block_size)
     store: HostExpertStore | None = None
+    lazy = False  # elastic load buffers held only while an expert is offloaded (lazy_load_buffers)
     loader: ExpertLoader | None = None
     if mode == "static":
         try:
@@ -231,8 +231,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         else:
             store = HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size,
                                     spec.hidden_size, dtype, pin=device.type == "cuda")
-            pages = pool.allocator.allocate_mid(EXPERT, 2 * 3 * limit, owner=BUFFER_OWNER)
-            assert pages is not None  # capacity was checked above
+            pages: list[int] = []
+            lazy = mode == "elastic" and lazy_load_buffers(spec.num_moe_layers)
+            if not lazy or resident < spec.num_experts:  # lazy buffers with every expert resident: none yet
+                got = pool.allocator.allocate_mid(EXPERT, 2 * 3 * limit, owner=BUFFER_OWNER)
+                assert got is not None  # capacity was checked above
+                pages = got
             loader = ExpertLoader(experts, store, pages, limit)
             provider = OffloadExpertProvider(experts, loader, top_k=spec.num_experts_per_tok)
             provider.popularity = lambda: popularity.probabilities  # fixed mode; elastic: the online estimate
@@ -258,7 +262,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         elastic = ElasticController(experts, loader, adjuster, online,
                                     offload_limit=limit, smalls_per_mid=geometry.smalls_per_mid("kv", EXPERT),
                                     counter=counter, step_cost=step_cost,
-                                    pcie_bandwidth=CostAdjusterConfig().pcie_bandwidth)
+                                    pcie_bandwidth=CostAdjusterConfig().pcie_bandwidth, lazy_buffers=lazy)
     if load_format == "dummy":
         init_dummy_weights(model, seed=config.seed)
         if config.dummy_routing is not None and config.dummy_routing.startswith("zipf:"):
@@ -311,6 +315,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        experts=experts, kv=kv, model=model, max_model_len=max_model_len,
                        num_attention_layers=num_attn, budget_split=split, provider=provider, host_store=store,
                        loader=loader, elastic=elastic, max_kv_pages=max_kv_pages, mode=mode)
+
+
+def lazy_load_buffers(num_moe_layers: int) -> bool:
+    """Elastic mode holds its two load buffers (2 x limit experts) only while an expert is offloaded where they
+    are at most a quarter of what offloading frees at the limits (num_moe_layers x limit experts): >= 8 layers."""
+    return 4 * 2 <= num_moe_layers
 
 
 def _elastic_start(experts: ExpertCache, pool: PagePool, limit: int) -> int:

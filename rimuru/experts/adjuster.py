@@ -98,6 +98,8 @@ class AdjusterState:
     num_stalled: int = 0  # running requests sitting out this step until evictions free their pages
     max_num_seqs: int | None = None  # the scheduler's cap on running requests (None: none)
     kv_mid_pages: float = 0.0  # KV pages in use, in mid-page units (KV pages / smalls per mid)
+    # mid pages the load buffers take while any expert is offloaded and give back when none is (0: held for good)
+    buffer_mid_pages: int = 0
 
     def limit(self, layer: int) -> int:
         lim = self.offload_limit

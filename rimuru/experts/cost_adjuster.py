@@ -4,7 +4,8 @@ Every offloaded expert that a step's batch routes to crosses PCIe in that step (
 candidate number n of offloaded experts (all layers; the n least popular the limits allow, in the order
 `pick_grows` / `pick_evictions` would move them) the adjuster models one decode step:
 
-    g(n)        = P (n - n_now)                          mid pages the move frees (P = pages per expert)
+    g(n)        = P (n - n_now) + B ([n_now > 0] - [n > 0])   mid pages the move frees (P = pages per expert;
+                                                         B = the load buffers' pages, held while any expert is out)
     conc(n)     = R > 0: min(running + waiting, running + [g >= R] (1 + (g - R) / footprint))
                   R = 0: min(running, (kv + F + g) / footprint)
                                                          concurrent requests; footprint = kv / running. When
@@ -327,7 +328,8 @@ class CostAdjuster:
             demand = min(demand, max(state.max_num_seqs, state.num_running))
         n = cands
         R = 0 if steady else state.shortfall_mid_pages
-        freed = P * (n - n_now)
+        # the load buffers take their pages with the first expert offloaded and give them back with the last home
+        freed = P * (n - n_now) + state.buffer_mid_pages * ((n_now > 0) - (n > 0).astype(np.int64))
         if R > 0:  # the head of the queue needs R more pages; the requests behind it a footprint each
             admitted = np.where(freed >= R, 1.0 + (freed - R) / footprint, 0.0)
             conc = np.minimum(float(demand), state.num_running + admitted)

@@ -10,6 +10,14 @@ The engine calls, in this order (DESIGN.md section 6):
               after_forward()         evicted experts leave the tables; then allocator.complete_forward()
                                       returns their pages, which serve waiting requests from step N+1
 
+Load buffers (experts/loader.py, 2 x 3 x limit mid pages) are held only while some expert is offloaded: with
+every expert resident they would be KV cache (Qwen1.5-MoE at 32 GiB: 346 MB, ~1,760 tokens). Only where they are
+at most a quarter of what offloading frees at the limits (2 limit <= L limit / 4: at least 8 MoE layers; `lazy_
+buffers`); with fewer layers they are held for good, since evicting would first have to pay for them. A plan that would
+offload the first expert also frees the pages the buffers need (`_with_buffer_pages`: more evictions, or none);
+commit_grows() of the next step attaches them, before the first pass whose tables lack an expert. after_forward()
+detaches them once a pass ran with every expert resident and none is moving (their pages are deferred-freed).
+
 Ordering is enforced here, not left to callers: a grown expert enters the table only in commit_grows(),
 after the compute stream has waited on its copy event; an evicted expert's pages are deferred-freed, so
 the allocator cannot hand them out before complete_forward(), which the engine calls after the forward
@@ -24,9 +32,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rimuru.experts.adjuster import Adjuster, AdjusterState, AdjustPlan, reclaimable_experts, shortfall_mid_pages
+from rimuru.experts.adjuster import (
+    Adjuster,
+    AdjusterState,
+    AdjustPlan,
+    pick_evictions,
+    reclaimable_experts,
+    shortfall_mid_pages,
+)
 from rimuru.experts.cache import EXPERT, ExpertCache
-from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.loader import BUFFER_OWNER, ExpertLoader
 from rimuru.experts.popularity import OnlinePopularity
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.experts.step_cost import StepCostTracker
@@ -50,7 +65,8 @@ class ElasticCounters:
 class ElasticController:
     def __init__(self, cache: ExpertCache, loader: ExpertLoader, adjuster: Adjuster, popularity: OnlinePopularity,
                  offload_limit: int, smalls_per_mid: int, counter: RoutingCounter | None = None,
-                 step_cost: StepCostTracker | None = None, pcie_bandwidth: float = 52e9) -> None:
+                 step_cost: StepCostTracker | None = None, pcie_bandwidth: float = 52e9,
+                 lazy_buffers: bool = False) -> None:
         self.cache = cache
         self.loader = loader
         self.adjuster = adjuster
@@ -59,6 +75,7 @@ class ElasticController:
         self.smalls_per_mid = smalls_per_mid
         self.counter = counter  # routing counts of each step feed the online popularity estimate
         self.pending: list[PendingGrow] = []
+        self.lazy_buffers = lazy_buffers  # load buffers only while an expert is offloaded (module docstring)
         self.counters = ElasticCounters()
         # cost-aware adjusters read the measured forward time: adjust() -> after_forward() brackets the pass
         self.step_cost = step_cost
@@ -88,7 +105,12 @@ class ElasticController:
         E = self.cache.num_experts
         offloaded = [E - len(r) for r in self.cache.planned_resident()]
         experts = reclaimable_experts(offloaded, self.offload_limit, self.adjuster.max_offloaded())
-        return experts * 3 * self.smalls_per_mid
+        buffers = self.buffer_mid_pages() if experts and not self.loader.attached else 0  # the first eviction pays
+        return max(0, experts * 3 - buffers) * self.smalls_per_mid
+
+    def buffer_mid_pages(self) -> int:
+        """Mid pages the two load buffers take while any expert is offloaded."""
+        return 2 * 3 * self.loader.limit
 
     def cost_stats(self) -> dict[str, float]:
         """The cost adjuster's view, for /metrics and the sweeps' timelines: the compute estimate of its last plan,
@@ -115,7 +137,14 @@ class ElasticController:
 
     def commit_grows(self) -> None:
         """Grows whose copies were issued in an earlier step enter the tables. The compute stream first waits
-        for each copy event, so no kernel queued after this can read a half-copied expert."""
+        for each copy event, so no kernel queued after this can read a half-copied expert. Then, if the last
+        step's evictions left an expert out of the tables, the load buffers take their pages (before this step's
+        scheduler can give them to KV)."""
+        if not self.loader.attached and not self.cache.all_resident():
+            pages = self.cache.allocator.allocate_mid(EXPERT, self.buffer_mid_pages(), owner=BUFFER_OWNER)
+            if pages is None:  # _with_buffer_pages evicted enough for them: a broken invariant, not a full pool
+                raise RuntimeError(f"no {self.buffer_mid_pages()} free mid pages for the load buffers after evicting")
+            self.loader.attach(pages)
         for g in self.pending:
             if g.done is not None:
                 torch.cuda.current_stream().wait_event(g.done)
@@ -140,8 +169,9 @@ class ElasticController:
             num_batched_tokens=num_batched_tokens, num_running=num_running, num_waiting=num_waiting,
             num_stalled=num_stalled, max_num_seqs=max_num_seqs,
             kv_mid_pages=allocator.num_used("kv") / self.smalls_per_mid,
+            buffer_mid_pages=self.buffer_mid_pages() if self.lazy_buffers else 0,
         )
-        plan = self.adjuster.plan(state)
+        plan = self._with_buffer_pages(self.adjuster.plan(state), state)
         for layer, expert in plan.evict:
             self.cache.begin_eviction(layer, expert)
         grown = []
@@ -160,6 +190,19 @@ class ElasticController:
                                else None)
         return self.counters.last_plan
 
+    def _with_buffer_pages(self, plan: AdjustPlan, state: AdjusterState) -> AdjustPlan:
+        """A plan that offloads the first expert while the buffers hold no pages must also free theirs: it evicts at
+        least enough experts that free pages + their pages cover the buffers (the least popular first, as
+        `pick_evictions`), or, where the limits do not allow that many, evicts nothing."""
+        if not plan.evict or self.loader.attached:
+            return plan
+        short = self.buffer_mid_pages() - state.free_mid_pages
+        need = -(-short // 3)
+        if len(plan.evict) >= need:
+            return plan
+        more = pick_evictions(state, need)
+        return AdjustPlan(evict=more if len(more) >= need else [], grow=list(plan.grow))
+
     def launching(self, num_tokens: int) -> None:
         """The engine launches this step's pass with `num_tokens` batched tokens. Called after adjust(): with async
         scheduling the engine may first drop requests that finished meanwhile, so the pass can be smaller than
@@ -172,6 +215,7 @@ class ElasticController:
         """The forward pass has finished: evicted experts leave the tables (the engine then completes the
         allocator's forward, which frees their pages), and its routing counts update the popularity."""
         self.cache.finish_evictions()
+        self._release_buffers()
         self._observe_loads()
         if self.async_steps:
             self._after_forward_async()
@@ -184,6 +228,14 @@ class ElasticController:
         self._forward_start = None
         if self.counter is not None:
             self.observe(self.counter.snapshot_and_reset().numpy())
+
+    def _release_buffers(self) -> None:
+        """After a pass that ran with every expert resident, with none moving: the load buffers' pages are freed
+        (deferred to the end of the step). No pass reads them: the one in flight is that all-resident pass, the
+        one before it has been read (sync: it is that pass)."""
+        if (self.lazy_buffers and self.loader.buffer_pages and not self._launch_piecewise
+                and self.cache.all_resident() and not self.pending):
+            self.cache.allocator.defer_free(EXPERT, self.loader.detach())
 
     def _observe_loads(self) -> None:
         """The loader's routed and copied experts since the last call feed the cost tracker's copy excess."""

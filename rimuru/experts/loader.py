@@ -33,6 +33,8 @@ from torch import Tensor
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.host_store import HostExpertStore
 
+BUFFER_OWNER = -2  # allocator owner id of the load buffers' pages
+
 
 @dataclass
 class LoadCounters:
@@ -61,7 +63,9 @@ class LoadBuffer:
 
 class ExpertLoader:
     def __init__(self, cache: ExpertCache, store: HostExpertStore, buffer_pages: list[int], limit: int) -> None:
-        if len(buffer_pages) != 2 * 3 * limit:
+        """`buffer_pages`: the 6 x limit pages of the two buffers, or none: detached (elastic mode while every expert
+        is resident; `attach` gives them pages before an offloaded expert can be routed)."""
+        if buffer_pages and len(buffer_pages) != 2 * 3 * limit:
             raise ValueError(f"two load buffers of {limit} experts need {6 * limit} pages, got {len(buffer_pages)}")
         if (store.num_layers, store.num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"host store ({store.num_layers} x {store.num_experts}) does not match the expert "
@@ -78,17 +82,44 @@ class ExpertLoader:
         # still reads those pages may be in flight when they are handed out
         self.last_pass_done: torch.cuda.Event | None = None
         E = cache.num_experts
-        self.buffers: list[LoadBuffer] = []
-        for b in range(2):
-            own = buffer_pages[b * 3 * limit : (b + 1) * 3 * limit]
-            slots = [(own[3 * s], own[3 * s + 1], own[3 * s + 2]) for s in range(limit)]
-            self.buffers.append(LoadBuffer(
-                index=b, slot_pages=slots, table=torch.full((E, 3), -1, dtype=torch.int32, device=device),
-                host_table=torch.full((E, 3), -1, dtype=torch.int32)))
+        self.buffers = [LoadBuffer(index=b, slot_pages=[], host_table=torch.full((E, 3), -1, dtype=torch.int32),
+                                   table=torch.full((E, 3), -1, dtype=torch.int32, device=device)) for b in range(2)]
+        if buffer_pages:
+            self.attach(buffer_pages)
 
     @property
     def buffer_pages(self) -> list[int]:
         return [p for buf in self.buffers for slot in buf.slot_pages for p in slot]
+
+    @property
+    def attached(self) -> bool:
+        """Whether the buffers hold pages (detached: nothing can be loaded)."""
+        return bool(self.buffers[0].slot_pages) or self.limit == 0
+
+    def attach(self, pages: list[int]) -> None:
+        """Gives the detached buffers their 6 x limit pages (buffer b: pages[3 limit b : 3 limit (b + 1)])."""
+        if self.buffer_pages:
+            raise RuntimeError("the load buffers already hold pages")
+        if len(pages) != 2 * 3 * self.limit:
+            raise ValueError(f"two load buffers of {self.limit} experts need {6 * self.limit} pages, got {len(pages)}")
+        if self.copy_stream is not None and self.last_pass_done is not None:
+            # the pages may have been read by a pass still in flight (async scheduling: an evicted expert's, freed
+            # at the end of the step that launched it); copies into them go behind it, as grows' do
+            self.copy_stream.wait_event(self.last_pass_done)
+        L3 = 3 * self.limit
+        for b, buf in enumerate(self.buffers):
+            own = pages[b * L3 : (b + 1) * L3]
+            buf.slot_pages = [(own[3 * s], own[3 * s + 1], own[3 * s + 2]) for s in range(self.limit)]
+
+    def detach(self) -> list[int]:
+        """Takes the buffers' pages back (the caller frees them) and forgets what they held. Only while no pass
+        can read them: every expert resident in the pass launched last, and nothing prefetched for the next."""
+        pages = self.buffer_pages
+        for buf in self.buffers:
+            buf.slot_pages, buf.slot_of, buf.layer = [], {}, -1
+            buf.consumed, buf.dirty, buf.fence, buf.ready = True, False, None, None
+            buf.host_table.fill_(-1)
+        return pages
 
     def _copy_stream(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext()
@@ -130,6 +161,8 @@ class ExpertLoader:
         experts = [e for e in experts if e not in buf.slot_of]
         if not experts:
             return
+        if not buf.slot_pages:
+            raise RuntimeError(f"MoE layer {buf.layer} loads experts into detached load buffers (no pages)")
         used = set(buf.slot_of.values())
         free = [s for s in range(self.limit) if s not in used]
         if len(free) < len(experts):  # reuse slots of prefetched experts the routing did not pick
