@@ -351,22 +351,27 @@ def test_loads_after_each_pass_feed_the_copy_excess() -> None:
     assert tracker.copy_excess() == 1.0  # this pass: every copy routed (alpha 1: the latest pass only)
 
 
-def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint, device: str) -> None:
     """With >= 8 MoE layers elastic mode starts without load buffers (their pages are KV cache), takes them with the
     first evictions (which also free their pages), and gives them back once every expert is home. Tokens equal
-    Hugging Face's throughout; every page is accounted for."""
+    Hugging Face's (CPU) or static mode's (GPU: CUDA graphs, piecewise while offloading, async scheduling, float32)
+    throughout; every page is accounted for."""
     from rimuru.engine.setup import lazy_load_buffers
 
     assert lazy_load_buffers(8) and not lazy_load_buffers(7)
     ckpt = tiny_checkpoint("qwen2_moe", num_hidden_layers=9)  # layer 1 is dense: 8 MoE layers
     limit = 2
-    probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, device="cpu")
+    args = {"device": device, "dtype": "float32"} if device == "cuda" else {"device": device}
+    probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, **args)
     split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 10 * per_block
               + geo.huge_size)  # every expert and ~10 KV blocks, no load buffers
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
-              max_num_batched_tokens=64)
+    del probe
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, offload_mode="elastic", expert_offload_limit=limit,
+              max_num_batched_tokens=64, **args)
     engine = llm.engine
     experts, loader, alloc = engine.experts, engine.parts.loader, engine.pool.allocator
 
@@ -394,5 +399,11 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
     alloc.check_invariants()
     assert alloc.num_used(EXPERT) == 3 * experts.total_experts and alloc.pending_deferred == 0
     assert llm.stats()["kv_pages_used"] == 0
-    assert got_heavy == hf_greedy(ckpt, [p["prompt_token_ids"] for p in heavy], STEPS)
-    assert got_light == hf_greedy(ckpt, [p["prompt_token_ids"] for p in light], STEPS)
+    if device == "cpu":
+        assert got_heavy == hf_greedy(ckpt, [p["prompt_token_ids"] for p in heavy], STEPS)
+        assert got_light == hf_greedy(ckpt, [p["prompt_token_ids"] for p in light], STEPS)
+    else:
+        assert engine.runner.graphs is not None  # the GPU run replayed graphs through it all
+        static = LLM(str(ckpt), gpu_memory_budget="1GiB", enforce_eager=True, **args)
+        assert [o.outputs[0].token_ids for o in static.generate(heavy, params)] == got_heavy
+        assert [o.outputs[0].token_ids for o in static.generate(light, params)] == got_light
