@@ -145,16 +145,18 @@ def test_copy_excess_is_copied_per_routed_expert() -> None:
     assert t.copy_excess() == 1.0  # nothing copied yet
     t.observe_loads(0, 0)  # a step that touched no offloaded expert: no sample
     assert t.copy_excess() == 1.0
-    t.observe_loads(routed=10, copied=12)  # two wasted prefetches
-    assert t.copy_excess() == pytest.approx(1.2)
+    t.observe_loads(routed=10, copied=12)  # two wasted prefetches; a prior of one expert each
+    assert t.copy_excess() == pytest.approx(13 / 11)
     t.observe_loads(routed=4, copied=67)  # the H200's bias-blind predictor: EMAs 7 and 39.5
-    assert t.copy_excess() == pytest.approx(39.5 / 7)
+    assert t.copy_excess() == pytest.approx(40.5 / 8)
     t.observe_loads(routed=30, copied=20)  # a prefetch that served two passes: never below 1
     t.observe_loads(routed=30, copied=20)
     assert t.copy_excess() >= 1.0
-    only_waste = StepCostTracker(max_excess=50.0)
-    only_waste.observe_loads(routed=0, copied=6)  # copies and nothing routed: the cap
-    assert only_waste.copy_excess() == 50.0
+    only_waste = StepCostTracker(max_excess=5.0)
+    only_waste.observe_loads(routed=0, copied=2)  # copies and nothing routed: the prior keeps it finite
+    assert only_waste.copy_excess() == pytest.approx(3.0)
+    only_waste.observe_loads(routed=0, copied=60)
+    assert only_waste.copy_excess() == 5.0  # the cap
     with pytest.raises(ValueError, match="routed >= 0"):
         t.observe_loads(-1, 3)
     with pytest.raises(ValueError, match="max_excess >= 1"):

@@ -289,8 +289,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv = KVCacheManager(pool.allocator, num_attn, config.block_size)
     max_kv_pages = kv.capacity_pages()
     if mode == "elastic":  # every layer may give up to `limit` experts (its resident ones beyond E - limit)
-        evictable = sum(max(0, n - (spec.num_experts - limit)) for n in experts.resident_per_layer())
-        max_kv_pages += evictable * 3 * geometry.smalls_per_mid("kv", EXPERT)
+        evictable = 3 * sum(max(0, n - (spec.num_experts - limit)) for n in experts.resident_per_layer())
+        if lazy and loader is not None and not loader.buffer_pages:  # offloading attaches the buffers
+            evictable = max(0, evictable - 2 * 3 * limit)
+        max_kv_pages += evictable * geometry.smalls_per_mid("kv", EXPERT)
     kv_tokens = max_kv_pages // max(1, num_attn) * config.block_size
     if kv_tokens < config.block_size:
         raise ValueError(f"after the experts, the pool ({format_bytes(pool.pool_bytes)}) has no room for KV cache; "

@@ -68,7 +68,7 @@ O(candidates x offloadable experts) per step; 24 layers x 10 offloadable experts
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -172,6 +172,14 @@ class CostAdjuster:
         running requests for evictions only up to it (and preempts beyond). 0 before any plan; before the first
         compute time is measured, the count then offloaded (no voluntary evictions)."""
         return 0 if self.last is None or self.last.max_allowed is None else self.last.max_allowed
+
+    def offloaded_at_least(self, n: int) -> None:
+        """The elastic controller offloads `n` experts in all, more than the last plan moved (the first eviction
+        also pays for the load buffers' pages): the stall bound covers them."""
+        if self.last is not None:
+            self.last = replace(self.last, max_allowed=max(n, self.last.max_allowed or 0))
+        if self._short_bound is not None:
+            self._short_bound = max(self._short_bound, n)
 
     def plan(self, state: AdjusterState) -> AdjustPlan:
         cfg = self.config

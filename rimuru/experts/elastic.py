@@ -169,7 +169,8 @@ class ElasticController:
             num_batched_tokens=num_batched_tokens, num_running=num_running, num_waiting=num_waiting,
             num_stalled=num_stalled, max_num_seqs=max_num_seqs,
             kv_mid_pages=allocator.num_used("kv") / self.smalls_per_mid,
-            buffer_mid_pages=self.buffer_mid_pages() if self.lazy_buffers else 0,
+            # the pages the first offloaded expert costs (while the buffers hold none; held buffers cost nothing more)
+            buffer_mid_pages=self.buffer_mid_pages() if self.lazy_buffers and not self.loader.buffer_pages else 0,
         )
         plan = self._with_buffer_pages(self.adjuster.plan(state), state)
         for layer, expert in plan.evict:
@@ -201,7 +202,12 @@ class ElasticController:
         if len(plan.evict) >= need:
             return plan
         more = pick_evictions(state, need)
-        return AdjustPlan(evict=more if len(more) >= need else [], grow=list(plan.grow))
+        if len(more) < need:
+            return AdjustPlan()
+        bound = getattr(self.adjuster, "offloaded_at_least", None)
+        if bound is not None:  # a cost adjuster's stall bound covers what is now out (its own plan moved fewer)
+            bound(sum(self.cache.num_experts - len(r) for r in state.resident) + len(more))
+        return AdjustPlan(evict=more)  # no grows beside (no adjuster plans both): the buffers count on the pages
 
     def launching(self, num_tokens: int) -> None:
         """The engine launches this step's pass with `num_tokens` batched tokens. Called after adjust(): with async

@@ -114,6 +114,10 @@ class ExpertLoader:
     def detach(self) -> list[int]:
         """Takes the buffers' pages back (the caller frees them) and forgets what they held. Only while no pass
         can read them: every expert resident in the pass launched last, and nothing prefetched for the next."""
+        if self.copy_stream is not None:
+            # a prefetch the routing did not pick was never waited for by a kernel: the compute stream (and the
+            # KV writes that may take these pages next) goes behind every copy queued into the buffers
+            torch.cuda.current_stream().wait_stream(self.copy_stream)
         pages = self.buffer_pages
         for buf in self.buffers:
             buf.slot_pages, buf.slot_of, buf.layer = [], {}, -1

@@ -142,12 +142,12 @@ class StepCostTracker:
         self._copied = self._ema(self._copied, float(copied))
 
     def copy_excess(self) -> float:
-        """Experts copied per routed offloaded expert (>= 1, <= max_excess; 1 before any copy)."""
-        if not self._copied or self._routed is None:
+        """Experts copied per routed offloaded expert, (copied + 1) / (routed + 1) over the EMAs (>= 1,
+        <= max_excess; 1 before any copy): the one-expert prior keeps a pass that copied a few experts and routed
+        none from setting the excess to the cap, where it would stay while nothing is offloaded."""
+        if self._copied is None or self._routed is None:
             return 1.0
-        if self._routed <= 0:
-            return self.max_excess
-        return min(self.max_excess, max(1.0, self._copied / self._routed))
+        return min(self.max_excess, max(1.0, (self._copied + 1.0) / (self._routed + 1.0)))
 
     def copy_slowdown(self) -> float:
         return self.slowdown

@@ -41,6 +41,8 @@ def cap_shares(shares: np.ndarray, top_k: int) -> np.ndarray:
             fixed |= row > cap
             row[fixed] = cap
             free = ~fixed
+            if row[free].sum() <= 0:  # nothing left to scale up: the capped experts take what they can
+                break
             row[free] *= (1.0 - cap * fixed.sum()) / row[free].sum()
     return s
 
@@ -87,5 +89,5 @@ def set_dummy_routing(model: nn.Module, shares: np.ndarray, seed: int = 0) -> No
     with torch.no_grad():
         for layer, m in enumerate(layers):
             m.router_bias.copy_(torch.from_numpy(bias[layer]).float())
-            m.router_noise_scale.copy_(m.gate.weight.float().norm(dim=1))
+            m.router_noise_scale.copy_(m.gate.weight.float().norm(dim=1).clamp_min(1e-6))  # a zero row: no 0 / 0
             m.gumbel_routing = True
