@@ -33,9 +33,8 @@ Excess. The adjuster's model counts the offloaded experts the batch routes to; t
 of experts the predictor guessed and the routing then did not pick. `observe_loads` keeps EMAs of both counts
 (routed offloaded experts, and experts copied for passes), and `copy_excess` = (copied + 1) / (routed + 1) >= 1
 scales the modelled copies. Measured on the H200 (2026-11-29, sixth session): ~1.2 with a working predictor; 18-67
-with one
-that ignored a skewed router's bias, which the model did not see: it offloaded 240 experts to save copies it
-believed were ~4 per step, and 67 were made.
+with one that ignored a skewed router's bias, which the model did not see: it offloaded 240 experts to save copies
+it believed were ~4 per step, and 67 were made.
 """
 
 from __future__ import annotations
