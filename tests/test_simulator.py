@@ -11,12 +11,13 @@ from rimuru.sim.cost_model import CostModel, HardwareConfig
 from rimuru.sim.simulator import SimConfig, SimRequest, Simulation, SimulationError, plan_memory
 
 # expert page 64 x 64 x 2 B = 8 KiB; KV page 16 tokens x 2 x 2 heads x 16 x 2 B = 2 KiB -> 4 KV pages per mid
-TINY = ModelSpec.from_hf_config({
+TINY_HF = {
     "model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
     "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "intermediate_size": 128, "max_position_embeddings": 4096,
-})
+}
+TINY = ModelSpec.from_hf_config(TINY_HF)
 PAGE = 8192
 # a tiny model's roofline is nanoseconds; 10 ms per step lets the queue build up as on a real card
 SLOW_STEPS = HardwareConfig(step_overhead_s=0.01)
@@ -131,3 +132,33 @@ def test_bad_hardware_flag_is_a_clear_error() -> None:
         hardware_from(argparse.Namespace(hardware="h200", **dict(flags, piecewise_overhead_us=-5.0)))
     with pytest.raises(SystemExit, match="copy_overlap must be in"):
         hardware_from(argparse.Namespace(hardware="h200", **dict(flags, copy_overlap=2.0)))
+
+
+def test_elastic_with_lazy_load_buffers_pays_for_them_and_gives_them_back() -> None:
+    """With >= 8 MoE layers (as the engine) the simulated load buffers (2 x 3 x limit pages) are held only while an
+    expert is out: the first evictions also free their pages, and after the last request every expert is home, the
+    buffers are gone, and every page is accounted for."""
+    spec = ModelSpec.from_hf_config({**TINY_HF, "num_hidden_layers": 8})
+    pop = ExpertPopularity.zipf("tiny8", 8, 8, exponent=1.0, seed=0)
+    probe = SimConfig(mode="elastic", budget_bytes=1 << 40, max_num_seqs=64, max_num_batched_tokens=512)
+    mem = plan_memory(spec, probe)
+    pool = 8 * 8 * 3 + 60  # every expert and 60 pages of KV room
+    cfg = SimConfig(mode="elastic", budget_bytes=mem.non_expert_weights + mem.workspace + pool * PAGE, max_num_seqs=64,
+                    max_num_batched_tokens=512, hardware=SLOW_STEPS, expert_offload_limit=3)
+    sim = Simulation(spec, pop, cfg)
+    assert sim.lazy_buffers and sim.residency.buffer_pages == [] and sim.residency.resident.all()
+    held = []
+    orig = sim.residency.complete_forward
+
+    def watch() -> None:
+        orig()
+        held.append((len(sim.residency.buffer_pages), int((~sim.residency.resident).sum())))
+
+    sim.residency.complete_forward = watch
+    res = sim.run(trace())
+    assert res.evictions >= 2 and res.output_tokens == sum(r.output_len for r in trace())
+    assert any(b == 2 * 3 * 3 for b, _ in held)  # held while experts were out
+    assert all(b in (0, 18) for b, _ in held)
+    assert sim.residency.resident.all() and sim.residency.buffer_pages == []
+    pages = res.final_pages
+    assert pages["expert_pages"] == pages["expert_pages_tracked"] == 3 * 64 and pages["pending_deferred"] == 0

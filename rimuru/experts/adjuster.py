@@ -217,6 +217,27 @@ def pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
     return as_experts(eviction_order(state, n), state.rankings.shape[1])
 
 
+def with_buffer_pages(plan: AdjustPlan, state: AdjusterState, adjuster: object = None) -> AdjustPlan:
+    """Elastic mode's lazy load buffers (experts/elastic.py): while they hold no pages (`state.buffer_mid_pages`
+    > 0), a plan that offloads the first expert must also free theirs. It evicts at least enough experts that free
+    pages + theirs cover the buffers (the least popular first, `pick_evictions`), dropping any grows, or, where
+    the limits do not allow that many, nothing. A cost adjuster's stall bound is raised to what is then out
+    (`offloaded_at_least`: its own plan moved fewer). The engine and the simulator both apply it."""
+    if not plan.evict or state.buffer_mid_pages <= 0:
+        return plan
+    need = -(-(state.buffer_mid_pages - state.free_mid_pages) // 3)
+    if len(plan.evict) >= need:
+        return plan
+    more = pick_evictions(state, need)
+    if len(more) < need:
+        return AdjustPlan()
+    bound = getattr(adjuster, "offloaded_at_least", None)
+    if bound is not None:
+        E = state.rankings.shape[1]
+        bound(sum(E - len(r) for r in state.resident) + len(more))
+    return AdjustPlan(evict=more)
+
+
 def pick_grows(state: AdjusterState, n: int) -> list[Expert]:
     """Up to n (layer, expert): the globally most popular highest-ranked non-resident experts.
     (`grow_order`: the same as flat ids.)"""

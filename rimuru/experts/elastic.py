@@ -14,7 +14,7 @@ Load buffers (experts/loader.py, 2 x 3 x limit mid pages) are held only while so
 every expert resident they would be KV cache (Qwen1.5-MoE at 32 GiB: 346 MB, ~1,760 tokens). Only where they are
 at most a quarter of what offloading frees at the limits (2 limit <= L limit / 4: at least 8 MoE layers; `lazy_
 buffers`); with fewer layers they are held for good, since evicting would first have to pay for them. A plan that would
-offload the first expert also frees the pages the buffers need (`_with_buffer_pages`: more evictions, or none);
+offload the first expert also frees the pages the buffers need (`with_buffer_pages`: more evictions, or none);
 commit_grows() of the next step attaches them, before the first pass whose tables lack an expert. after_forward()
 detaches them once a pass ran with every expert resident and none is moving (their pages are deferred-freed).
 
@@ -36,9 +36,9 @@ from rimuru.experts.adjuster import (
     Adjuster,
     AdjusterState,
     AdjustPlan,
-    pick_evictions,
     reclaimable_experts,
     shortfall_mid_pages,
+    with_buffer_pages,
 )
 from rimuru.experts.cache import EXPERT, ExpertCache
 from rimuru.experts.loader import BUFFER_OWNER, ExpertLoader
@@ -142,7 +142,7 @@ class ElasticController:
         scheduler can give them to KV)."""
         if not self.loader.attached and not self.cache.all_resident():
             pages = self.cache.allocator.allocate_mid(EXPERT, self.buffer_mid_pages(), owner=BUFFER_OWNER)
-            if pages is None:  # _with_buffer_pages evicted enough for them: a broken invariant, not a full pool
+            if pages is None:  # with_buffer_pages evicted enough for them: a broken invariant, not a full pool
                 raise RuntimeError(f"no {self.buffer_mid_pages()} free mid pages for the load buffers after evicting")
             self.loader.attach(pages)
         for g in self.pending:
@@ -172,7 +172,7 @@ class ElasticController:
             # the pages the first offloaded expert costs (while the buffers hold none; held buffers cost nothing more)
             buffer_mid_pages=self.buffer_mid_pages() if self.lazy_buffers and not self.loader.buffer_pages else 0,
         )
-        plan = self._with_buffer_pages(self.adjuster.plan(state), state)
+        plan = with_buffer_pages(self.adjuster.plan(state), state, self.adjuster)
         for layer, expert in plan.evict:
             self.cache.begin_eviction(layer, expert)
         grown = []
@@ -190,24 +190,6 @@ class ElasticController:
         self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded) if num_batched_tokens > 0
                                else None)
         return self.counters.last_plan
-
-    def _with_buffer_pages(self, plan: AdjustPlan, state: AdjusterState) -> AdjustPlan:
-        """A plan that offloads the first expert while the buffers hold no pages must also free theirs: it evicts at
-        least enough experts that free pages + their pages cover the buffers (the least popular first, as
-        `pick_evictions`), or, where the limits do not allow that many, evicts nothing."""
-        if not plan.evict or self.loader.attached:
-            return plan
-        short = self.buffer_mid_pages() - state.free_mid_pages
-        need = -(-short // 3)
-        if len(plan.evict) >= need:
-            return plan
-        more = pick_evictions(state, need)
-        if len(more) < need:
-            return AdjustPlan()
-        bound = getattr(self.adjuster, "offloaded_at_least", None)
-        if bound is not None:  # a cost adjuster's stall bound covers what is now out (its own plan moved fewer)
-            bound(sum(self.cache.num_experts - len(r) for r in state.resident) + len(more))
-        return AdjustPlan(evict=more)  # no grows beside (no adjuster plans both): the buffers count on the pages
 
     def launching(self, num_tokens: int) -> None:
         """The engine launches this step's pass with `num_tokens` batched tokens. Called after adjust(): with async

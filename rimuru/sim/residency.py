@@ -4,6 +4,9 @@ Uses the real allocator with the expert cache's page kind and owner, and the eng
 
     decide ──► grow: 3 pages reserved now ─────────► copy during the step ─► resident after the step
            └─► evict: pages deferred (still readable) ─────────────────────► released after the step
+
+and the elastic engine's lazy load buffers (experts/elastic.py): pages taken before the first pass with an expert
+out, given back after a pass with every expert home.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from rimuru.memory.allocator import PageAllocator
 
 EXPERT = "expert"  # the expert cache's mid page kind and owner (rimuru/experts/cache.py)
 EXPERT_OWNER = -1
+BUFFER_OWNER = -2  # the load buffers' owner (rimuru/experts/loader.py)
 PAGES_PER_EXPERT = 3
 
 
@@ -27,13 +31,30 @@ class SimResidency:
         self.pages: dict[Expert, list[int]] = {}
         self._arriving: list[Expert] = []
         self._leaving: list[Expert] = []
+        self.buffer_pages: list[int] = []  # the load buffers' pages while they hold any
         self.evictions = 0
         self.grows = 0
 
     @property
     def num_pages(self) -> int:
-        """Expert pages taken: resident, arriving and leaving ones (until released)."""
-        return PAGES_PER_EXPERT * len(self.pages)
+        """Expert pages taken: resident, arriving and leaving ones (until released), and the load buffers'."""
+        return PAGES_PER_EXPERT * len(self.pages) + len(self.buffer_pages)
+
+    def all_resident(self) -> bool:
+        return bool(self.resident.all()) and not self._arriving
+
+    def attach_buffers(self, count: int) -> bool:
+        """The load buffers take `count` pages; False, nothing taken, if the pool has not that many free."""
+        pages = self.allocator.allocate_mid(EXPERT, count, owner=BUFFER_OWNER)
+        if pages is None:
+            return False
+        self.buffer_pages = pages
+        return True
+
+    def release_buffers(self) -> None:
+        """Every expert home after a pass: the buffers' pages go (nothing reads them in the simulation)."""
+        self.allocator.free_mid(EXPERT, self.buffer_pages)
+        self.buffer_pages = []
 
     def resident_sets(self) -> list[frozenset[int]]:
         return [frozenset(np.flatnonzero(row).tolist()) for row in self.resident]

@@ -23,7 +23,7 @@ from rimuru.engine.kv_cache_manager import KV, KVCacheManager
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler
-from rimuru.engine.setup import workspace_bytes
+from rimuru.engine.setup import lazy_load_buffers, workspace_bytes
 from rimuru.experts.adjuster import (
     Adjuster,
     AdjusterConfig,
@@ -32,6 +32,7 @@ from rimuru.experts.adjuster import (
     pick_grows,
     reclaimable_experts,
     shortfall_mid_pages,
+    with_buffer_pages,
 )
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
 from rimuru.experts.popularity import ExpertPopularity
@@ -179,6 +180,10 @@ class Simulation:
         self.smalls_per_mid = g.smalls_per_mid(KV, EXPERT)
         E = spec.num_experts
         self.offload_limit = min(E, cfg.expert_offload_limit) if cfg.mode == "elastic" else 0
+        # elastic mode's load buffers, held while an expert is out where the engine's are lazy (>= 8 MoE layers);
+        # elsewhere the simulation models none
+        self.lazy_buffers = cfg.mode == "elastic" and lazy_load_buffers(spec.num_moe_layers)
+        self.buffer_mid_pages = 2 * PAGES_PER_EXPERT * self.offload_limit if self.lazy_buffers else 0
         self._load_initial_experts()
         self.memory = {"budget": self.mem.budget, "non_expert_weights": self.mem.non_expert_weights,
                        "workspace": self.mem.workspace, "pool": self.mem.pool,
@@ -205,13 +210,18 @@ class Simulation:
             raise SimulationError(f"{mode} mode needs {k} resident experts per layer ({k * L} in all), the pool "
                                   f"({format_bytes(self.mem.pool)}) holds {have}: {hint}")
         if mode == "elastic":
-            # start as full as the adjuster would leave it with an empty queue: grow while F stays > high
+            # start as full as the adjuster would leave it with an empty queue: grow while F stays > high, beside
+            # the load buffers unless every expert fits without them
+            if self.lazy_buffers and not self.residency.attach_buffers(self.buffer_mid_pages):
+                raise SimulationError(f"the pool ({format_bytes(self.mem.pool)}) has no room for the load buffers")
             high = self.cfg.adjuster.high_free_mid
             while self.allocator.mid_capacity(EXPERT) - PAGES_PER_EXPERT >= high:
                 grow = pick_grows(self._state(0, 0), 1)
                 if not grow:
                     break
                 self.residency.load(grow)
+            if self.residency.buffer_pages and self.residency.all_resident():
+                self.residency.release_buffers()
 
     def _reclaimable_kv_pages(self) -> int:
         """What stalls may wait for: evictions within the limits and the adjuster's bound (as the engine)."""
@@ -227,7 +237,8 @@ class Simulation:
                              num_batched_tokens=num_batched_tokens, num_running=len(self.scheduler.running),
                              num_waiting=len(self.scheduler.waiting), num_stalled=num_stalled,
                              max_num_seqs=self.scheduler.max_num_seqs,
-                             kv_mid_pages=self.kv.pages_in_use / self.smalls_per_mid)
+                             kv_mid_pages=self.kv.pages_in_use / self.smalls_per_mid,
+                             buffer_mid_pages=0 if self.residency.buffer_pages else self.buffer_mid_pages)
 
     # ------------------------------------------------------------------ the loop
 
@@ -245,6 +256,10 @@ class Simulation:
             if not self.scheduler.has_unfinished():
                 clock = requests[order[nxt]].arrival_s
                 continue
+            if self.lazy_buffers and not self.residency.buffer_pages and not self.residency.resident.all():
+                # as the engine's commit_grows: the last step's evictions left an expert out
+                if not self.residency.attach_buffers(self.buffer_mid_pages):
+                    raise SimulationError("no free pages for the load buffers after evicting (with_buffer_pages)")
             out = self.scheduler.schedule()
             result.peak_running = max(result.peak_running, len(self.scheduler.running))
             result.peak_waiting = max(result.peak_waiting, len(self.scheduler.waiting))
@@ -252,7 +267,7 @@ class Simulation:
             if self.cfg.mode == "elastic":
                 R = shortfall_mid_pages(out.shortfall_pages, self.smalls_per_mid)
                 state = self._state(R, self.allocator.mid_capacity(EXPERT), out.num_tokens, len(out.stalled))
-                plan = self.adjuster.plan(state)
+                plan = with_buffer_pages(self.adjuster.plan(state), state, self.adjuster)
                 self.residency.evict(plan.evict)
                 grown = len(self.residency.grow(plan.grow))
                 moved = not plan.is_empty
@@ -281,6 +296,8 @@ class Simulation:
             for s in out.scheduled:
                 self._advance(s.request, s.start + s.num_new_tokens, s.samples, clock, live, result)
             self.residency.complete_forward()
+            if self.residency.buffer_pages and self.residency.all_resident():
+                self.residency.release_buffers()
             expert_bytes = self.residency.num_pages * g.size(EXPERT)
             kv_bytes = self.kv.pages_in_use * g.size(KV)
             for k, v in (("t", clock), ("running", len(self.scheduler.running)),
@@ -315,7 +332,10 @@ class Simulation:
             return 0
         E = self.spec.num_experts
         offloaded = [E - int(n) for n in self.residency.resident.sum(axis=1)]
-        return reclaimable_experts(offloaded, self.offload_limit, bound) * PAGES_PER_EXPERT * self.smalls_per_mid
+        pages = reclaimable_experts(offloaded, self.offload_limit, bound) * PAGES_PER_EXPERT
+        if pages and not self.residency.buffer_pages:  # the first evictions pay for the load buffers
+            pages = max(0, pages - self.buffer_mid_pages)
+        return pages * self.smalls_per_mid
 
     def _advance(self, req: Request, computed: int, samples: bool, now: float,
                  live: dict[int, SimRequest], result: SimResult) -> None:
