@@ -11,12 +11,13 @@ The engine calls, in this order (DESIGN.md section 6):
                                       returns their pages, which serve waiting requests from step N+1
 
 Load buffers (experts/loader.py, 2 x 3 x limit mid pages) are held only while some expert is offloaded: with
-every expert resident they would be KV cache (Qwen1.5-MoE at 32 GiB: 346 MB, ~1,760 tokens). Only where they are
-at most a quarter of what offloading frees at the limits (2 limit <= L limit / 4: at least 8 MoE layers; `lazy_
-buffers`); with fewer layers they are held for good, since evicting would first have to pay for them. A plan that would
-offload the first expert also frees the pages the buffers need (`with_buffer_pages`: more evictions, or none);
-commit_grows() of the next step attaches them, before the first pass whose tables lack an expert. after_forward()
-detaches them once a pass ran with every expert resident and none is moving (their pages are deferred-freed).
+every expert resident they would be KV cache (Qwen1.5-MoE at 32 GiB: 346 MB, ~1,760 tokens). That holds where
+they are at most a quarter of what offloading frees at the limits (2 limit <= L limit / 4: at least 8 MoE
+layers, `lazy_buffers`); with fewer layers they are held for good, since evicting would first have to pay for
+them. A plan that would offload the first expert also frees the pages the buffers need (`with_buffer_pages`:
+more evictions, or none); commit_grows() of the next step attaches them, before the first pass whose tables
+lack an expert. after_forward() detaches them once a pass ran with every expert resident and none is moving
+(their pages are deferred-freed).
 
 Ordering is enforced here, not left to callers: a grown expert enters the table only in commit_grows(),
 after the compute stream has waited on its copy event; an evicted expert's pages are deferred-freed, so
