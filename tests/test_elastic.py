@@ -358,7 +358,7 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
     first evictions (which also free their pages), and gives them back once every expert is home. Tokens equal
     Hugging Face's (CPU) or static mode's (GPU: CUDA graphs, piecewise while offloading, async scheduling, float32)
     throughout; every page is accounted for."""
-    from rimuru.engine.setup import lazy_load_buffers
+    from rimuru.experts.loader import lazy_load_buffers
 
     assert lazy_load_buffers(8) and not lazy_load_buffers(7)
     ckpt = tiny_checkpoint("qwen2_moe", num_hidden_layers=9)  # layer 1 is dense: 8 MoE layers

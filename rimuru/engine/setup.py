@@ -40,7 +40,7 @@ from rimuru.experts.cache import (
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
 from rimuru.experts.elastic import ElasticController, ElasticCounters
 from rimuru.experts.host_store import HostExpertStore
-from rimuru.experts.loader import BUFFER_OWNER, ExpertLoader, LoadCounters
+from rimuru.experts.loader import BUFFER_OWNER, ExpertLoader, LoadCounters, lazy_load_buffers, load_buffer_pages
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
 from rimuru.experts.predictor import ExpertPredictor, moe_routers
@@ -234,7 +234,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             pages: list[int] = []
             lazy = mode == "elastic" and lazy_load_buffers(spec.num_moe_layers)
             if not lazy or resident < spec.num_experts:  # lazy buffers with every expert resident: none yet
-                got = pool.allocator.allocate_mid(EXPERT, 2 * 3 * limit, owner=BUFFER_OWNER)
+                got = pool.allocator.allocate_mid(EXPERT, load_buffer_pages(limit), owner=BUFFER_OWNER)
                 assert got is not None  # capacity was checked above
                 pages = got
             loader = ExpertLoader(experts, store, pages, limit)
@@ -291,7 +291,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if mode == "elastic":  # every layer may give up to `limit` experts (its resident ones beyond E - limit)
         evictable = 3 * sum(max(0, n - (spec.num_experts - limit)) for n in experts.resident_per_layer())
         if lazy and loader is not None and not loader.buffer_pages:  # offloading attaches the buffers
-            evictable = max(0, evictable - 2 * 3 * limit)
+            evictable = max(0, evictable - load_buffer_pages(limit))
         max_kv_pages += evictable * geometry.smalls_per_mid("kv", EXPERT)
     kv_tokens = max_kv_pages // max(1, num_attn) * config.block_size
     if kv_tokens < config.block_size:
@@ -319,17 +319,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        loader=loader, elastic=elastic, max_kv_pages=max_kv_pages, mode=mode)
 
 
-def lazy_load_buffers(num_moe_layers: int) -> bool:
-    """Elastic mode holds its two load buffers (2 x limit experts) only while an expert is offloaded where they
-    are at most a quarter of what offloading frees at the limits (num_moe_layers x limit experts): >= 8 layers."""
-    return 4 * 2 <= num_moe_layers
-
-
 def _elastic_start(experts: ExpertCache, pool: PagePool, limit: int) -> int:
     """Experts per layer resident at start-up: as many as fit beside the load buffers while leaving
     ELASTIC_KV_RESERVE of the pool to KV cache, at most all and at least E - limit."""
     L, E = experts.num_layers, experts.num_experts
-    have = pool.allocator.mid_capacity(EXPERT) - 2 * 3 * limit
+    have = pool.allocator.mid_capacity(EXPERT) - load_buffer_pages(limit)
     have -= int(ELASTIC_KV_RESERVE * pool.pool_bytes) // pool.geometry.size(EXPERT)
     return max(E - limit, min(E, have // (3 * L)))
 
@@ -338,7 +332,7 @@ def _check_offload_fits(mode: str, experts: ExpertCache, geometry: PageGeometry,
                         limit: int) -> None:
     """`resident` experts per layer and two load buffers of `limit` experts must fit the pool."""
     L, E = experts.num_layers, experts.num_experts
-    need_resident, need_buffers = 3 * L * resident, 2 * 3 * limit
+    need_resident, need_buffers = 3 * L * resident, load_buffer_pages(limit)
     have = pool.allocator.mid_capacity(EXPERT)
     if need_resident + need_buffers > have:
         page = geometry.size(EXPERT)

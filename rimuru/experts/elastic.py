@@ -42,7 +42,7 @@ from rimuru.experts.adjuster import (
     with_buffer_pages,
 )
 from rimuru.experts.cache import EXPERT, ExpertCache
-from rimuru.experts.loader import BUFFER_OWNER, ExpertLoader
+from rimuru.experts.loader import BUFFER_OWNER, ExpertLoader, load_buffer_pages
 from rimuru.experts.popularity import OnlinePopularity
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.experts.step_cost import StepCostTracker
@@ -111,7 +111,7 @@ class ElasticController:
 
     def buffer_mid_pages(self) -> int:
         """Mid pages the two load buffers take while any expert is offloaded."""
-        return 2 * 3 * self.loader.limit
+        return load_buffer_pages(self.loader.limit)
 
     def cost_stats(self) -> dict[str, float]:
         """The cost adjuster's view, for /metrics and the sweeps' timelines: the compute estimate of its last plan,
@@ -171,7 +171,7 @@ class ElasticController:
             num_stalled=num_stalled, max_num_seqs=max_num_seqs,
             kv_mid_pages=allocator.num_used("kv") / self.smalls_per_mid,
             # the pages the first offloaded expert costs (while the buffers hold none; held buffers cost nothing more)
-            buffer_mid_pages=self.buffer_mid_pages() if self.lazy_buffers and not self.loader.buffer_pages else 0,
+            buffer_mid_pages=self.buffer_mid_pages() if self.lazy_buffers and not self.loader.attached else 0,
         )
         plan = with_buffer_pages(self.adjuster.plan(state), state, self.adjuster)
         for layer, expert in plan.evict:
@@ -222,7 +222,7 @@ class ElasticController:
         """After a pass that ran with every expert resident, with none moving: the load buffers' pages are freed
         (deferred to the end of the step). No pass reads them: the one in flight is that all-resident pass, the
         one before it has been read (sync: it is that pass)."""
-        if (self.lazy_buffers and self.loader.buffer_pages and not self._launch_piecewise
+        if (self.lazy_buffers and self.loader.attached and not self._launch_piecewise
                 and self.cache.all_resident() and not self.pending):
             self.cache.allocator.defer_free(EXPERT, self.loader.detach())
 

@@ -36,6 +36,17 @@ from rimuru.experts.host_store import HostExpertStore
 BUFFER_OWNER = -2  # allocator owner id of the load buffers' pages
 
 
+def load_buffer_pages(limit: int) -> int:
+    """Mid pages of the two load buffers of `limit` expert slots (3 pages each)."""
+    return 2 * 3 * limit
+
+
+def lazy_load_buffers(num_moe_layers: int) -> bool:
+    """Elastic mode holds its two load buffers (2 x limit experts) only while an expert is offloaded where they
+    are at most a quarter of what offloading frees at the limits (num_moe_layers x limit experts): >= 8 layers."""
+    return 4 * 2 <= num_moe_layers
+
+
 @dataclass
 class LoadCounters:
     experts_loaded: int = 0  # experts copied host -> device, prefetched or on demand
@@ -65,7 +76,7 @@ class ExpertLoader:
     def __init__(self, cache: ExpertCache, store: HostExpertStore, buffer_pages: list[int], limit: int) -> None:
         """`buffer_pages`: the 6 x limit pages of the two buffers, or none: detached (elastic mode while every expert
         is resident; `attach` gives them pages before an offloaded expert can be routed)."""
-        if buffer_pages and len(buffer_pages) != 2 * 3 * limit:
+        if buffer_pages and len(buffer_pages) != load_buffer_pages(limit):
             raise ValueError(f"two load buffers of {limit} experts need {6 * limit} pages, got {len(buffer_pages)}")
         if (store.num_layers, store.num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"host store ({store.num_layers} x {store.num_experts}) does not match the expert "
@@ -100,7 +111,7 @@ class ExpertLoader:
         """Gives the detached buffers their 6 x limit pages (buffer b: pages[3 limit b : 3 limit (b + 1)])."""
         if self.buffer_pages:
             raise RuntimeError("the load buffers already hold pages")
-        if len(pages) != 2 * 3 * self.limit:
+        if len(pages) != load_buffer_pages(self.limit):
             raise ValueError(f"two load buffers of {self.limit} experts need {6 * self.limit} pages, got {len(pages)}")
         if self.copy_stream is not None and self.last_pass_done is not None:
             # the pages may have been read by a pass still in flight (async scheduling: an evicted expert's, freed

@@ -16,11 +16,11 @@ from collections.abc import Iterable
 import numpy as np
 
 from rimuru.experts.adjuster import Expert
+from rimuru.experts.loader import BUFFER_OWNER
 from rimuru.memory.allocator import PageAllocator
 
 EXPERT = "expert"  # the expert cache's mid page kind and owner (rimuru/experts/cache.py)
 EXPERT_OWNER = -1
-BUFFER_OWNER = -2  # the load buffers' owner (rimuru/experts/loader.py)
 PAGES_PER_EXPERT = 3
 
 

@@ -23,7 +23,7 @@ from rimuru.engine.kv_cache_manager import KV, KVCacheManager
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler
-from rimuru.engine.setup import lazy_load_buffers, workspace_bytes
+from rimuru.engine.setup import workspace_bytes
 from rimuru.experts.adjuster import (
     Adjuster,
     AdjusterConfig,
@@ -35,6 +35,7 @@ from rimuru.experts.adjuster import (
     with_buffer_pages,
 )
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
+from rimuru.experts.loader import lazy_load_buffers, load_buffer_pages
 from rimuru.experts.popularity import ExpertPopularity
 from rimuru.experts.step_cost import StepCostTracker
 from rimuru.memory.allocator import PageAllocator
@@ -183,7 +184,7 @@ class Simulation:
         # elastic mode's load buffers, held while an expert is out where the engine's are lazy (>= 8 MoE layers);
         # elsewhere the simulation models none
         self.lazy_buffers = cfg.mode == "elastic" and lazy_load_buffers(spec.num_moe_layers)
-        self.buffer_mid_pages = 2 * PAGES_PER_EXPERT * self.offload_limit if self.lazy_buffers else 0
+        self.buffer_mid_pages = load_buffer_pages(self.offload_limit) if self.lazy_buffers else 0
         self._load_initial_experts()
         self.memory = {"budget": self.mem.budget, "non_expert_weights": self.mem.non_expert_weights,
                        "workspace": self.mem.workspace, "pool": self.mem.pool,
