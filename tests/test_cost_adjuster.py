@@ -170,6 +170,20 @@ def test_offloads_when_queue_long_and_compute_long() -> None:
     assert capped.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).evict == ORDER[:2]
 
 
+def test_unmeasured_copies_count_as_exposed() -> None:
+    # the state above, read through a step-cost tracker that has measured no copy yet (as the engine and the
+    # simulator build it): with the configured start of 0 nothing hides, so nothing is offloaded; a tracker that
+    # started at 0.8 offloads all four (the H200 then measured ~0 while the freed pages filled with KV)
+    from rimuru.experts.step_cost import StepCostTracker
+
+    for initial, evict in ((BASE.initial_copy_overlap, []), (0.8, ORDER)):
+        tracker = StepCostTracker(copy_overlap=BASE.copy_overlap, initial_overlap=initial)
+        a = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
+                         copy_overlap=tracker.copy_overlap_share)
+        assert a.plan(state(R=4, F=2, running=100, waiting=50, kv=100)).evict == evict
+    assert BASE.initial_copy_overlap == 0.0
+
+
 def test_load_buffers_that_come_with_the_first_eviction_are_paid_for() -> None:
     # as above, but the load buffers take B mid pages while any expert is out (elastic mode's lazy buffers): the
     # n experts out free 3 n - B pages. B = 6: one out frees nothing net (-3), four free 6 and admit 1 + 2
@@ -417,7 +431,8 @@ def test_grows_keep_a_reserve_of_free_pages() -> None:
 
 def test_config_validation() -> None:
     for bad in ({"pcie_bandwidth": 0}, {"copy_overlap": 1.5}, {"compute_fixed_share": -0.1}, {"tpot_slo_s": 0},
-                {"min_gain": -1}, {"max_evict_per_step": 0}, {"pages_per_expert": 0}, {"dense_candidates": 4}):
+                {"min_gain": -1}, {"max_evict_per_step": 0}, {"pages_per_expert": 0}, {"dense_candidates": 4},
+                {"initial_copy_overlap": 0.9}, {"initial_copy_overlap": -0.1}):
         with pytest.raises(ValueError):
             CostAdjusterConfig(**bad)
     with pytest.raises(ValueError):

@@ -95,6 +95,20 @@ def test_overlap_and_slowdown_are_learned_from_passes_with_copies() -> None:
     assert (t.copy_overlap_share(), t.copy_slowdown()) == (pytest.approx(0.8), 1.0) and t() == pytest.approx(10 * MS)
 
 
+def test_overlap_starts_exposed_and_is_learned_upward_from_copies_that_hid() -> None:
+    # as the engine and the simulator build it (CostAdjusterConfig.initial_copy_overlap = 0): until a copy is
+    # measured, none counts as hidden; copies that did hide raise it, up to the configured cap, never beyond
+    t = StepCostTracker(alpha=1.0, copy_overlap=0.8, initial_overlap=0.0)
+    assert (t.copy_overlap_share(), t.copy_slowdown()) == (0.0, 1.0)
+    t.observe_forward(10 * MS, 0.0, tokens=16)
+    t.observe_forward(10.2 * MS, 6 * MS, tokens=16)  # 6 ms of copies hid behind 10 ms of compute
+    assert t.copy_overlap_share() == pytest.approx(0.6)
+    t.observe_forward(10 * MS, 9.5 * MS, tokens=16)
+    assert t.copy_overlap_share() == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="initial_overlap"):
+        StepCostTracker(copy_overlap=0.5, initial_overlap=0.6)
+
+
 def test_forced_offloading_estimates_compute_as_if_copies_hid_nothing() -> None:
     # no pass is ever copy-free (the experts do not all fit): compute = forward - copy, the slowdown stays 1
     t = StepCostTracker(alpha=0.5)

@@ -253,7 +253,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         if config.adjuster == "cost":
             slo = None if config.tpot_slo_ms is None else config.tpot_slo_ms / 1e3
             cost_cfg = CostAdjusterConfig(tpot_slo_s=slo)
-            step_cost = StepCostTracker(copy_overlap=cost_cfg.copy_overlap)  # measured forward times
+            step_cost = StepCostTracker(copy_overlap=cost_cfg.copy_overlap,  # measured forward times
+                                         initial_overlap=cost_cfg.initial_copy_overlap)
             adjuster = CostAdjuster(cost_cfg, expert_bytes=3 * geometry.size(EXPERT), top_k=spec.num_experts_per_tok,
                                     compute_time=step_cost, copy_slowdown=step_cost.copy_slowdown,
                                     copy_overlap=step_cost.copy_overlap_share, copy_excess=step_cost.copy_excess)

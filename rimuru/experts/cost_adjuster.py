@@ -78,7 +78,14 @@ from rimuru.experts.adjuster import AdjusterState, AdjustPlan, as_experts, evict
 @dataclass(frozen=True)
 class CostAdjusterConfig:
     pcie_bandwidth: float = 52e9  # bytes/s, one expert load through the loader on the H200 (52-55 GB/s)
-    copy_overlap: float = 0.8  # share of compute a copy hides behind (H200: 0.70-0.88 measured, 1-256 tokens)
+    copy_overlap: float = 0.8  # the most compute a copy may hide behind (H200: 0.70-0.88 in isolation, 1-256 tokens)
+    # What the step-cost tracker assumes before any copy was measured in the engine. 0: unmeasured copies are
+    # exposed. In served passes the H200 measured ~0 (2026-11-30, seventh session: on-demand misses and the
+    # per-layer routing reads serialise with compute; the learned overlap fell from 0.8 to < 0.01 within 2 s,
+    # slowdown 2-3); a start at 0.8 made the first evictions look free, and at 30 req/s elastic-cost offloaded
+    # 34-45 experts at once, whose pages KV took: going back needed requests to finish (2,480 output tok/s
+    # against static's 4,268, zipf 1.0). Where copies do hide, the tracker learns it upward from such passes.
+    initial_copy_overlap: float = 0.0
     compute_fixed_share: float = 0.8  # share of step compute that does not grow with the batch (weight reads)
     tpot_slo_s: float | None = None  # when set: allowed n keep the modelled step time within it
     exposed_copy_share: float = 0.0  # without an SLO: copy time may exceed the hideable time by this x compute
@@ -98,6 +105,9 @@ class CostAdjusterConfig:
         for name in ("copy_overlap", "compute_fixed_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0.0 <= self.initial_copy_overlap <= self.copy_overlap:
+            raise ValueError(f"initial_copy_overlap must be in [0, copy_overlap = {self.copy_overlap}], "
+                             f"got {self.initial_copy_overlap}")
         if self.tpot_slo_s is not None and self.tpot_slo_s <= 0:
             raise ValueError(f"tpot_slo_s must be positive, got {self.tpot_slo_s}")
         if self.exposed_copy_share < 0 or self.min_gain < 0 or self.reverse_cooldown_steps < 0:

@@ -25,9 +25,10 @@ parameters are learned here (EMAs), from passes whose copies are at least `min_c
     least copy / c (raised to it when below), and the slowdown 1;
   * X >= copy: nothing hid and the copies took longer than nominal: overlap 0, slowdown X / copy;
   * in between: part hid: overlap (copy - X) / c, slowdown 1.
-The overlap stays within [0, the configured `copy_overlap`] (it starts there) and the slowdown within
-[1, max_slowdown] (it starts at 1): never more hiding than configured, never faster than the link. Without clean
-passes both keep their starting values.
+The overlap stays within [0, the configured `copy_overlap`] and the slowdown within [1, max_slowdown]: never more
+hiding than configured, never faster than the link. The slowdown starts at 1; the overlap at `initial_overlap`
+(default: `copy_overlap`; the engine and the simulator start it at CostAdjusterConfig.initial_copy_overlap = 0,
+see there). Without clean passes both keep their starting values.
 
 Excess. The adjuster's model counts the offloaded experts the batch routes to; the engine copies more: prefetches
 of experts the predictor guessed and the routing then did not pick. `observe_loads` keeps EMAs of both counts
@@ -44,9 +45,14 @@ import math
 
 class StepCostTracker:
     def __init__(self, alpha: float = 0.1, copy_overlap: float = 0.8, min_copy_share: float = 0.25,
-                 max_slowdown: float = 10.0, noise_share: float = 0.05, max_excess: float = 100.0) -> None:
+                 max_slowdown: float = 10.0, noise_share: float = 0.05, max_excess: float = 100.0,
+                 initial_overlap: float | None = None) -> None:
         if not 0.0 < alpha <= 1.0 or not 0.0 <= copy_overlap <= 1.0:
             raise ValueError(f"need 0 < alpha <= 1 and 0 <= copy_overlap <= 1, got {alpha}, {copy_overlap}")
+        if initial_overlap is None:
+            initial_overlap = copy_overlap
+        if not 0.0 <= initial_overlap <= copy_overlap:
+            raise ValueError(f"need 0 <= initial_overlap <= copy_overlap, got {initial_overlap}, {copy_overlap}")
         if min_copy_share <= 0 or max_slowdown < 1 or noise_share < 0 or max_excess < 1:
             raise ValueError(f"need min_copy_share > 0, max_slowdown >= 1, noise_share >= 0 and max_excess >= 1, "
                              f"got {min_copy_share}, {max_slowdown}, {noise_share}, {max_excess}")
@@ -61,7 +67,8 @@ class StepCostTracker:
         # left requests waiting, TTFT p99 14.6 s against 0.85 s at 2 req/s)
         self._forced: float | None = None
         self._bucket = 0  # bucket of the latest pass
-        self.overlap = copy_overlap  # EMA: share of compute the copies hide behind (<= copy_overlap)
+        # EMA: share of compute the copies hide behind (<= copy_overlap), `initial_overlap` until measured
+        self.overlap = initial_overlap
         self.slowdown = 1.0  # EMA: real copy time / nominal copy time (>= 1)
         self.compute_s: float | None = None  # the estimate for the latest pass's batch; None before any pass
         self.steps = 0

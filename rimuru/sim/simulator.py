@@ -170,7 +170,8 @@ class Simulation:
         self.residency = SimResidency(self.allocator, spec.num_moe_layers, spec.num_experts)
         self.cost = CostModel(spec, popularity.probabilities, cfg.hardware, cfg.dtype)
         # the cost adjuster reads the compute time and copy slowdown of recent steps, measured from their times
-        self.step_cost = StepCostTracker(copy_overlap=cfg.cost.copy_overlap)
+        self.step_cost = StepCostTracker(copy_overlap=cfg.cost.copy_overlap,
+                                         initial_overlap=cfg.cost.initial_copy_overlap)
         if adjuster is None and cfg.adjuster_kind == "cost":
             adjuster = CostAdjuster(cfg.cost, expert_bytes=int(self.cost.expert_bytes),
                                     top_k=spec.num_experts_per_tok, compute_time=self.step_cost,
