@@ -405,6 +405,7 @@ class Sweep:
                 cmd += ["--dataset-path", str(a.dataset_path)]
             if a.tokenizer:
                 cmd += ["--tokenizer", a.tokenizer]
+            cmd += prompt_format_args(a.model)
         return cmd + shlex.split(a.client_args)
 
     # -- one point
@@ -533,7 +534,7 @@ class Sweep:
         arrivals = a.num_prompts / rate if math.isfinite(rate) and rate > 0 else 0.0
         self.tail_s_seen.append(max(0.0, wall - arrivals))
         status = "ok" if summary.get("completed") else "error"
-        error = None if status == "ok" else "no request completed"
+        error = None if status == "ok" else point_error(summary)
         if profiling:
             summary["step_profile"] = step_profile(base_url)
         self.add_row(cfg, rate, status, error, **summary, **counter_deltas(before, after),
@@ -561,7 +562,24 @@ def normalise_result(raw: dict[str, Any], num_prompts: int) -> dict[str, Any]:
             out[f"median_{name}_ms"] = raw.get(f"p50_{name}_ms")
     if out["failed"] is None and out["completed"] is not None:
         out["failed"] = num_prompts - int(out["completed"])
+    # why requests failed, as the client recorded it (ours: "errors"; vLLM's --save-result: one string per
+    # request, "" for a success): the first few distinct messages
+    out["client_errors"] = list(dict.fromkeys(str(e) for e in raw.get("errors") or [] if e))[:5]
     return out
+
+
+def prompt_format_args(model: str) -> list[str]:
+    """Our client's prompt format for `model`: a preset name is served without a tokenizer and takes token ids
+    only (HTTP 400 for text: on 2026-11-30 every request of a preset-model point failed so); a model directory
+    has its tokenizer, so text, as vLLM's client sends. `--client-args` can override it."""
+    return [] if Path(model).is_dir() else ["--prompt-format", "token-ids"]
+
+
+def point_error(summary: dict[str, Any]) -> str:
+    """The row's error when no request completed, with the client's reasons where it gave any (on 2026-11-30 a
+    point of ours ended with only "no request completed", and the device time to find out why was spent)."""
+    reasons = summary.get("client_errors") or []
+    return "no request completed" + (f"; the client's errors: {' | '.join(reasons)}" if reasons else "")
 
 
 def vllm_importable(env: dict[str, str]) -> bool:

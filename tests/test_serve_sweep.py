@@ -20,7 +20,9 @@ from benchmarks.serve_sweep import (  # noqa: E402
     normalise_result,
     parse_configs,
     parse_prometheus,
+    point_error,
     port_is_free,
+    prompt_format_args,
     running_waiting,
 )
 
@@ -56,6 +58,15 @@ def test_prometheus_parsing_and_deltas() -> None:
     assert d["expert_evictions"] == 5.0 and d["piecewise_overhead_ms"] == 1.5 and d["expert_grows"] is None
     vllm = normalise_result({"completed": 9, "duration": 2.0, "p50_ttft_ms": 5.0, "p99_ttft_ms": 9.0}, 10)
     assert vllm["failed"] == 1 and vllm["duration_s"] == 2.0 and vllm["median_ttft_ms"] == 5.0
+    assert vllm["client_errors"] == [] and point_error(vllm) == "no request completed"
+    # a point where nothing completed says why, as the client recorded it (vLLM: "" per success; ours: errors)
+    failed = normalise_result({"completed": 0, "errors": ["", "HTTP 404: no model m", "HTTP 404: no model m",
+                                                          "ReadTimeout: x"]}, 3)
+    assert failed["client_errors"] == ["HTTP 404: no model m", "ReadTimeout: x"]
+    assert point_error(failed) == "no request completed; the client's errors: HTTP 404: no model m | ReadTimeout: x"
+    # a preset is served without a tokenizer (text prompts get HTTP 400): our client sends token ids to it
+    assert prompt_format_args("qwen1.5-moe-a2.7b") == ["--prompt-format", "token-ids"]
+    assert prompt_format_args(str(REPO / "tests")) == []
     with pytest.raises(SystemExit):
         parse_configs("static,nope", [])
     assert parse_configs("x", ["x=rimuru:--offload-mode fixed"])[0].flags == ["--offload-mode", "fixed"]
