@@ -172,3 +172,25 @@ def test_dummy_routing_realises_the_promised_shares(tiny_checkpoint) -> None:
         LLM(path, load_format="dummy", device="cpu", dummy_routing="pareto")
     with pytest.raises(ValueError, match="random weights only"):
         LLM(path, dummy_routing="zipf:1.0", load_format="safetensors", device="cpu")
+
+
+def test_workspace_bound_covers_every_measured_h200_peak() -> None:
+    # benchmarks/probe_workspace.py measured, on the H200, what a served engine really uses beyond its weights and
+    # pool (torch's peak reserved + memory outside its allocator). The bound the budget reserves, computed for each
+    # probe's settings, must cover it: the earlier formula fell 148 MB short at --max-num-batched-tokens 2048
+    # (the 2026-11-30 probe), so that engine ran past its budget.
+    import json
+
+    from rimuru.config import EngineConfig
+    from rimuru.engine.setup import workspace_bytes
+    from rimuru.model_spec import load_model_spec
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    probes = sorted(results.glob("*probe-workspace*-h200.json"))
+    assert len(probes) >= 2
+    for path in probes:
+        probe = json.loads(path.read_text())
+        cfg = EngineConfig(model=probe["model"], max_num_seqs=probe["max_num_seqs"],
+                           max_num_batched_tokens=probe["max_num_batched_tokens"])
+        bound = workspace_bytes(load_model_spec(probe["model"]), cfg, torch.bfloat16, torch.device("cuda"))
+        assert probe["measured_workspace"] <= bound, (path.name, probe["measured_workspace"], bound)

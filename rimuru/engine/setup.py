@@ -128,10 +128,10 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, d
     """An upper bound of the activations of one forward pass and its sampling at the batch limits.
 
     Per token: hidden states and residual, q/k/v/o, the MLP intermediates (routed: top-k copies of
-    2f; shared expert: 2 * its width), the router logits; doubled for allocator slack. Per sampled
-    sequence: the lm-head output (dtype) and the float32 logits; plus one sampler chunk's working copies
-    (engine/sampler.py samples SAMPLE_ROWS_PER_CHUNK rows at a time). Plus fixed scratch (512 MiB on a
-    GPU, set from a measurement; 16 MiB on the CPU).
+    2f; shared expert: 2 * its width), the router logits. Per sampled sequence: the lm-head output (dtype)
+    and the float32 logits; plus one sampler chunk's working copies (engine/sampler.py samples
+    SAMPLE_ROWS_PER_CHUNK rows at a time). Plus fixed scratch (896 MiB on a GPU, set from measurements;
+    16 MiB on the CPU).
     benchmarks/probe_workspace.py measures the real peak against this bound on the GPU.
     """
     T, S = config.max_num_batched_tokens, config.max_num_seqs
@@ -141,12 +141,16 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, d
               3 * spec.shared_expert_intermediate_size, 3 * spec.intermediate_size)
     per_token = (6 * d + 2 * qkv + mlp + spec.num_experts) * el + spec.num_experts_per_tok * 16
     logits = S * spec.vocab_size * (el + 4) + min(S, SAMPLE_ROWS_PER_CHUNK) * spec.vocab_size * SAMPLER_BYTES_PER_ENTRY
-    # Kernel scratch, cuBLAS workspaces, loaded module images and graph-pool fragmentation. On the H200,
-    # Qwen1.5-MoE at the default limits used 1,532 MiB of the then 1,351 MiB bound (1,246 MiB reserved by
-    # torch beyond weights and pool, 286 MiB outside its allocator; 2026-11-29-probe-workspace-h200.json),
-    # with 256 MiB here; 512 MiB covers that with ~5 % to spare.
-    scratch = 512 * 2**20 if device.type == "cuda" else 16 * 2**20
-    return 2 * T * per_token + logits + scratch
+    # Kernel scratch, cuBLAS workspaces, loaded module images, the decode graphs' pool and fragmentation:
+    # what does not shrink with T. Measured on the H200 (benchmarks/probe_workspace.py, Qwen1.5-MoE, 256
+    # sequences, elastic): 1,620 MB at T = 4096 (2026-11-29-s6-probe-workspace-elastic-h200.json) and
+    # 1,492 MB at T = 2048 (2026-11-30-s7-probe-workspace-elastic-mbt2048-h200.json), i.e. ~62 kB per
+    # token (the per-token term above is 83 kB) on ~1.36 GB that does not shrink. The earlier bound, 2 T
+    # per_token + logits + 512 MiB, fit the first point and fell 148 MB short of the second: with
+    # --max-num-batched-tokens 2048 the engine ran past its budget. 896 MiB covers both with >= 5 % to spare
+    # (1,747 and 1,577 MB).
+    scratch = 896 * 2**20 if device.type == "cuda" else 16 * 2**20
+    return T * per_token + logits + scratch
 
 
 def default_budget(device: torch.device, spec: ModelSpec, dtype: torch.dtype, work: int) -> int:
