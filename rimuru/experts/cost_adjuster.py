@@ -22,7 +22,12 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
     tput(n)     = conc(n) / step(n)                      decode tokens per second
 
 slowdown and overlap are measured from the engine's passes with copies (step_cost.py): how much longer its copies
-take than nominal, and how much of the compute they hide behind (at most `copy_overlap`, where they start).
+take than nominal, and how much of the compute they hide behind (at most `copy_overlap`). The overlap starts at
+`initial_copy_overlap` = 0: until copies were measured to hide, none is assumed to. So without a TPOT SLO the
+adjuster offloads voluntarily only experts the batch is not expected to route to, and otherwise only when the
+experts do not all fit (forced offloading, below); with `--tpot-slo-ms` it trades exposed copies for KV room
+within the SLO. (Starting at the 0.8 cap cost the H200 a 45-expert eviction it could not take back quickly;
+see CostAdjusterConfig.)
 
 piecewise_overhead (measured by the engine at start-up): what a pass with any expert offloaded costs beyond one
 with all resident (piecewise CUDA graphs instead of whole ones); the elastic controller takes it out of the step
