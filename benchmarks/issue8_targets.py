@@ -1,0 +1,176 @@
+"""Issue 8's targets and sweep coverage, computed from the committed sweep files (no GPU, no server).
+
+Reads every `benchmarks/results/*-serve-issue8-*-h200.json` written by serve_sweep.py (Qwen1.5 shapes, 32 GiB;
+the Qwen3 files are left out) and prints:
+
+1. coverage: per routing label, which configuration was measured at which rate, by which run (a run = the
+   file-name prefix `DATE-sN`, one GPU session; a label is serve_sweep's `--label`);
+2. per run where `vllm` and `elastic-cost` ran with the same label, the issue's targets from those two files
+   only (same session, same machine kind, same requests):
+   * 40 req/s: output >= 1.2x vLLM's, TTFT p50 <= 0.25x, TPOT p50 <= 1.25x;
+   * the highest rate with TTFT p99 <= 2 s (every lower measured rate meeting it too) >= 1.3x vLLM's;
+   * 10 and 20 req/s, where both were measured: output >= 0.9x and TTFT p50 / p99, TPOT p50 / p99 <= 1.1x;
+   * half the gap at 40 req/s between vLLM 32 GiB and `vllm-unlimited` (whose rows may come from another run of
+     the same label: then the row says so).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/issue8_targets.py \
+        --output-json benchmarks/results/DATE-issue8-targets-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import metadata, write_json  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LATENCIES = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+TTFT_P99_SLO_MS = 2000.0
+
+
+def load_rows(results: Path) -> list[dict[str, Any]]:
+    """Every ok row of every Qwen1.5 issue-8 sweep file, with its run, label and file name."""
+    rows = []
+    for path in sorted(results.glob("*-serve-issue8-*-h200.json")):
+        if "qwen3" in path.name:
+            continue
+        m = re.match(r"(\d{4}-\d{2}-\d{2}-s\d+)-", path.name)
+        if m is None:
+            continue
+        doc = json.loads(path.read_text())
+        for row in doc["rows"]:
+            if row.get("status") == "ok":
+                rows.append({**row, "run": m.group(1), "label": row.get("label") or doc.get("label"),
+                             "file": path.name})
+    return rows
+
+
+def coverage(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, list[str]]]]:
+    """label -> config -> rate -> the runs that measured it."""
+    out: dict[str, dict[str, dict[str, list[str]]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        out[r["label"]][r["config"]].setdefault(f"{r['rate']:g}", []).append(r["run"])
+    return {label: {cfg: dict(sorted(rates.items(), key=lambda kv: float(kv[0]))) for cfg, rates in cfgs.items()}
+            for label, cfgs in out.items()}
+
+
+def highest_rate_within_slo(points: dict[float, dict[str, Any]]) -> float | None:
+    """The highest measured rate whose TTFT p99 and every lower measured rate's meet the SLO."""
+    best = None
+    for rate in sorted(points):
+        if points[rate]["p99_ttft_ms"] > TTFT_P99_SLO_MS:
+            break
+        best = rate
+    return best
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by: dict[tuple[str, str, str], dict[float, dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        by[(r["run"], r["label"], r["config"])][r["rate"]] = r
+    out = []
+    for (run, label, config), ours in sorted(by.items()):
+        if config != "elastic-cost" or (run, label, "vllm") not in by:
+            continue
+        vllm = by[(run, label, "vllm")]
+        t: dict[str, Any] = {"run": run, "label": label, "files": sorted({p["file"] for p in [*ours.values(),
+                                                                                             *vllm.values()]})}
+        if 40.0 in ours and 40.0 in vllm:
+            a, b = ours[40.0], vllm[40.0]
+            out_r = a["output_throughput"] / b["output_throughput"]
+            ttft_r = a["median_ttft_ms"] / b["median_ttft_ms"]
+            tpot_r = a["median_tpot_ms"] / b["median_tpot_ms"]
+            t["at_40"] = {"output_ratio": out_r, "output_met": out_r >= 1.2, "ttft_p50_ratio": ttft_r,
+                          "ttft_p50_met": ttft_r <= 0.25, "tpot_p50_ratio": tpot_r, "tpot_p50_met": tpot_r <= 1.25}
+            unlimited = [r for r in rows if r["label"] == label and r["config"] == "vllm-unlimited"
+                         and r["rate"] == 40.0]
+            if unlimited:
+                u = unlimited[-1]
+                gap = u["output_throughput"] - b["output_throughput"]
+                share = (a["output_throughput"] - b["output_throughput"]) / gap if gap > 0 else None
+                t["gap_at_40"] = {"vllm_unlimited": u["output_throughput"], "unlimited_run": u["run"],
+                                  "share_closed": share, "met": share is not None and share >= 0.5}
+        ours_best, vllm_best = highest_rate_within_slo(ours), highest_rate_within_slo(vllm)
+        # None: not even the lowest measured rate met the SLO, so the highest one is unknown (below it); the
+        # target is then undecided (None) where the other side's rate is known
+        met = None if vllm_best is None and ours_best is not None else bool(
+            ours_best is not None and ours_best >= 1.3 * vllm_best)
+        t["ttft_p99_slo"] = {"elastic_cost_rate": ours_best, "vllm_rate": vllm_best,
+                             "rates_elastic_cost": sorted(ours), "rates_vllm": sorted(vllm), "met": met}
+        for rate in (10.0, 20.0):
+            if rate in ours and rate in vllm:
+                a, b = ours[rate], vllm[rate]
+                ratios = {"output": a["output_throughput"] / b["output_throughput"],
+                          **{k: a[k] / b[k] for k in LATENCIES}}
+                t[f"within_10pct_at_{rate:g}"] = {"ratios": ratios, "met": ratios["output"] >= 0.9 and all(
+                    ratios[k] <= 1.1 for k in LATENCIES)}
+        out.append(t)
+    return out
+
+
+def _yes(flag: bool | None) -> str:
+    return "undecided" if flag is None else "met" if flag else "missed"
+
+
+def _rate(best: float | None, measured: list[float]) -> str:
+    return f"{best:g}" if best is not None else f"below {min(measured):g}"
+
+
+def print_report(cov: dict[str, Any], tgts: list[dict[str, Any]]) -> None:
+    for label, cfgs in sorted(cov.items()):
+        print(f"\ncoverage, label {label!r} (rate: runs)")
+        for cfg, rates in sorted(cfgs.items()):
+            print(f"  {cfg:16s} " + "  ".join(f"{rate}: {','.join(r.split('-')[-1] for r in runs)}"
+                                             for rate, runs in rates.items()))
+    for t in tgts:
+        print(f"\ntargets, run {t['run']}, label {t['label']!r} (elastic-cost against vllm, same run)")
+        if "at_40" in t:
+            a = t["at_40"]
+            print(f"  40 req/s: output {a['output_ratio']:.2f}x ({_yes(a['output_met'])}; >= 1.2x), "
+                  f"TTFT p50 {a['ttft_p50_ratio']:.2f}x ({_yes(a['ttft_p50_met'])}; <= 0.25x), "
+                  f"TPOT p50 {a['tpot_p50_ratio']:.2f}x ({_yes(a['tpot_p50_met'])}; <= 1.25x)")
+        if "gap_at_40" in t:
+            g = t["gap_at_40"]
+            share = "-" if g["share_closed"] is None else f"{100 * g['share_closed']:+.0f} %"
+            print(f"  gap to vllm-unlimited ({g['vllm_unlimited']:.0f} tok/s, run {g['unlimited_run']}) closed: "
+                  f"{share} ({_yes(g['met'])}; >= 50 %)")
+        s = t["ttft_p99_slo"]
+        ours, theirs = s["rates_elastic_cost"], s["rates_vllm"]
+        print(f"  highest rate with TTFT p99 <= 2 s: elastic-cost {_rate(s['elastic_cost_rate'], ours)}, "
+              f"vllm {_rate(s['vllm_rate'], theirs)} ({_yes(s['met'])}; >= 1.3x; rates measured "
+              f"{', '.join(f'{x:g}' for x in ours)} / {', '.join(f'{x:g}' for x in theirs)})")
+        for rate in ("10", "20"):
+            w = t.get(f"within_10pct_at_{rate}")
+            if w:
+                r = w["ratios"]
+                print(f"  {rate} req/s within 10 %: {_yes(w['met'])} (output {r['output']:.2f}x; TTFT p50 / p99 "
+                      f"{r['median_ttft_ms']:.2f}x / {r['p99_ttft_ms']:.2f}x; TPOT p50 / p99 "
+                      f"{r['median_tpot_ms']:.2f}x / {r['p99_tpot_ms']:.2f}x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of the sweep JSON files")
+    ap.add_argument("--output-json", type=Path)
+    args = ap.parse_args()
+    rows = load_rows(args.results)
+    if not rows:
+        raise SystemExit(f"no issue-8 sweep rows under {args.results}")
+    cov, tgts = coverage(rows), targets(rows)
+    print_report(cov, tgts)
+    if args.output_json:
+        meta = metadata("issue8_targets", command="python " + " ".join(sys.argv),
+                        note="computed on the CPU from the committed H200 sweep files listed here",
+                        files=sorted({r["file"] for r in rows}), coverage=cov)
+        write_json(args.output_json, meta, tgts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""benchmarks/issue8_targets.py: the issue's targets computed from sweep rows, exactly, on constructed rows."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from issue8_targets import coverage, highest_rate_within_slo, load_rows, targets  # noqa: E402
+
+
+def row(config: str, rate: float, out: float, ttft: float = 100.0, ttft99: float = 500.0, tpot: float = 10.0,
+        tpot99: float = 20.0, run: str = "2026-12-01-s8", label: str = "uniform") -> dict:
+    return {"config": config, "rate": rate, "output_throughput": out, "median_ttft_ms": ttft, "p99_ttft_ms": ttft99,
+            "median_tpot_ms": tpot, "p99_tpot_ms": tpot99, "run": run, "label": label, "file": f"{run}-{config}.json"}
+
+
+def test_highest_rate_stops_at_the_first_miss() -> None:
+    points = {10.0: {"p99_ttft_ms": 100.0}, 20.0: {"p99_ttft_ms": 1999.0}, 30.0: {"p99_ttft_ms": 2500.0},
+              40.0: {"p99_ttft_ms": 1000.0}}  # 40 meets it again, but 30 did not: 20 is the answer
+    assert highest_rate_within_slo(points) == 20.0
+    assert highest_rate_within_slo({25.0: {"p99_ttft_ms": 2001.0}}) is None
+
+
+def test_targets_from_one_run() -> None:
+    rows = [row("vllm", 10, 1000), row("vllm", 20, 2000), row("vllm", 40, 4000, ttft=2000, ttft99=8000, tpot=14),
+            row("elastic-cost", 10, 950, ttft=105), row("elastic-cost", 20, 2000, tpot99=23),
+            row("elastic-cost", 30, 3000, ttft99=1900),
+            row("elastic-cost", 40, 4800, ttft=400, ttft99=9000, tpot=17.5),
+            row("vllm-unlimited", 40, 5600, run="2026-11-29-s4")]
+    [t] = targets(rows)
+    assert t["at_40"] == {"output_ratio": 1.2, "output_met": True, "ttft_p50_ratio": 0.2, "ttft_p50_met": True,
+                          "tpot_p50_ratio": 1.25, "tpot_p50_met": True}
+    assert t["gap_at_40"]["share_closed"] == pytest.approx(0.5) and t["gap_at_40"]["met"]
+    assert t["gap_at_40"]["unlimited_run"] == "2026-11-29-s4"  # from another run of the same label: said so
+    # elastic-cost meets the SLO up to 30 req/s, vLLM up to 20 (no 30 measured, 40 misses): 1.5x
+    assert t["ttft_p99_slo"]["elastic_cost_rate"] == 30.0 and t["ttft_p99_slo"]["vllm_rate"] == 20.0
+    assert t["ttft_p99_slo"]["met"] is True
+    assert t["within_10pct_at_10"]["met"] is True  # 0.95x output, 1.05x TTFT p50
+    assert t["within_10pct_at_20"]["met"] is False  # TPOT p99 1.15x
+    assert t["within_10pct_at_20"]["ratios"]["p99_tpot_ms"] == pytest.approx(1.15)
+
+
+def test_other_labels_and_runs_do_not_mix() -> None:
+    rows = [row("vllm", 40, 4000), row("elastic-cost", 40, 4000, label="zipf1.0"),
+            row("elastic-cost", 40, 4000, run="2026-12-02-s9")]
+    assert targets(rows) == []  # no elastic-cost beside vllm with the same run and label
+    cov = coverage(rows)
+    assert cov["uniform"]["elastic-cost"] == {"40": ["2026-12-02-s9"]} and "zipf1.0" in cov
+
+
+def test_reads_sweep_files_and_skips_qwen3_and_failed_rows(tmp_path: Path) -> None:
+    ok = {"config": "vllm", "rate": 40.0, "status": "ok", "label": "uniform", "output_throughput": 1.0}
+    (tmp_path / "2026-12-01-s8-serve-issue8-vllm-uniform-h200.json").write_text(json.dumps(
+        {"label": "uniform", "rows": [ok, {**ok, "rate": 60.0, "status": "skipped"}]}))
+    (tmp_path / "2026-12-01-s8-serve-issue8-qwen3-fixed-h200.json").write_text(json.dumps({"rows": [ok]}))
+    rows = load_rows(tmp_path)
+    assert [(r["run"], r["rate"]) for r in rows] == [("2026-12-01-s8", 40.0)]
