@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-budget", default="32GiB")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                    help="the largest step replayed from a CUDA graph (default: max-num-batched-tokens)")
     ap.add_argument("--offload-mode", default="static", choices=["static", "elastic"],
                     help="elastic also captures the whole-graph ladder beside the piecewise one")
     ap.add_argument("--output-json", required=True)
@@ -84,7 +86,8 @@ def main() -> None:
     free0, total = torch.cuda.mem_get_info()
     torch.cuda.memory._record_memory_history(max_entries=200_000)  # stack traces for the breakdown below
     llm = LLM(args.model, gpu_memory_budget=args.gpu_memory_budget, load_format="dummy", offload_mode=args.offload_mode,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_cudagraph_capture_size=args.max_cudagraph_capture_size)
     engine = llm.engine
     split = engine.parts.budget_split
     held = split["non_expert_weights"] + split["pool"]  # allocated for the engine's life
@@ -118,7 +121,7 @@ def main() -> None:
     result = {
         **metadata(" ".join(sys.argv)),
         "model": args.model, "gpu_memory_budget": args.gpu_memory_budget, "offload_mode": args.offload_mode,
-        "max_num_seqs": S, "max_num_batched_tokens": T,
+        "max_num_seqs": S, "max_num_batched_tokens": T, "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
         "budget_split": split,
         "workspace_bound": split["workspace"],
         "reserved_after_start_beyond_held": after_start - held,

@@ -67,6 +67,10 @@ class EngineConfig:
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0
     enforce_eager: bool = False
+    # the most rows (tokens of a step) a CUDA graph is captured for; larger steps run eagerly (vLLM's flag; its
+    # default is min(2 max_num_seqs, 512)). None: every step up to max_num_batched_tokens (at most 8192) replays
+    # a graph. The graphs' memory pool grows with it (engine/cuda_graphs.py).
+    max_cudagraph_capture_size: int | None = None
     # schedule and launch step n+1 before step n's tokens are read (engine/llm_engine.py); None: on on a GPU
     async_scheduling: bool | None = None
     resident_experts: float | None = None  # fixed mode: experts per layer (>= 1) or a fraction (< 1)
@@ -88,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"offload_mode must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload_mode!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be at least 1, got {self.max_cudagraph_capture_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -137,6 +143,8 @@ _FLAG_HELP = {
     "expert_offload_limit": "the most experts one layer may have offloaded",
     "expert_ranking": "expert popularity JSON written by `rimuru profile`",
     "enforce_eager": "never capture CUDA graphs",
+    "max_cudagraph_capture_size": "the largest step (tokens) replayed from a CUDA graph; larger steps run eagerly "
+                                  "(default: max_num_batched_tokens, at most 8192)",
     "async_scheduling": "launch step n+1 before reading step n's tokens (default: on on a GPU)",
     "dummy_routing": "dummy weights only: uniform | zipf:S (a seeded power-law expert popularity)",
     "adjuster": "elastic mode: paper (threshold rules) | cost (offload only what PCIe can pay for)",
@@ -146,6 +154,7 @@ _FLAG_HELP = {
 _FLAG_TYPES: dict[str, Any] = {
     "tokenizer": str, "device": str, "dtype": str, "gpu_memory_budget": str, "offload_mode": str,
     "max_num_seqs": int, "max_model_len": int, "max_num_batched_tokens": int, "block_size": int,
+    "max_cudagraph_capture_size": int,
     "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int,
     "expert_ranking": str, "tensor_parallel_size": int, "dummy_routing": str, "adjuster": str, "tpot_slo_ms": float,
 }

@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (GPU only): replayed steps give the same greedy tokens as eager steps.
+"""CUDA graphs: replayed steps give the same greedy tokens as eager steps (GPU only), and the capture ladders.
 
 float32 on the GPU, so that the comparison is about the graph machinery (static buffers, padding,
 replay) and not about bf16 rounding between differently sized GEMMs.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rimuru import LLM, SamplingParams
-from rimuru.engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, capture_sizes, token_buckets
+from rimuru.engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, StepGraphs, capture_sizes, token_buckets
 from rimuru.testing.tiny_models import ARCHS, make_tiny_checkpoint
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -29,6 +29,21 @@ def test_token_buckets() -> None:
     assert token_buckets(4096) == [32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096]
     assert token_buckets(100) == [32, 64, 100]
     assert token_buckets(10**6)[-1] == MAX_MIXED_GRAPH_TOKENS
+
+
+def test_max_capture_size_caps_both_ladders() -> None:
+    def ladders(cap: int | None, seqs: int = 256, tokens: int = 4096) -> tuple[list[int], list[int]]:
+        g = StepGraphs(torch.nn.Identity(), torch.device("cpu"), num_layers=2, max_num_seqs=seqs, max_model_len=64,
+                       block_size=16, max_num_batched_tokens=tokens, max_capture_size=cap)
+        assert g.max_seqs == seqs  # mixed graphs still take every running sequence
+        return g.sizes, g.token_sizes
+
+    assert ladders(None) == (capture_sizes(256), token_buckets(4096))  # default: up to the step budget
+    assert ladders(512) == (capture_sizes(256), [32, 64, 128, 256, 512])  # vLLM's default at 256 sequences
+    assert ladders(100) == (capture_sizes(100), [32, 64, 100])  # decode batches above 100 run eagerly
+    assert ladders(10**5) == (capture_sizes(256), token_buckets(4096))
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
+        LLM("unused", max_cudagraph_capture_size=0)
 
 
 def test_mixed_graph_host_arrays_pad_tokens_and_sequences(tmp_path: Path) -> None:
@@ -101,13 +116,15 @@ def test_mixed_graphs_agree_with_eager(arch: str, tmp_path: Path) -> None:
                for n in (150, 7, 61, 230, 33, 96, 12)]
     params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(7)]
     results, runners = [], []
-    for eager in (True, False):
+    # eager; every step a graph; graphs of at most 64 tokens (--max-cudagraph-capture-size: larger steps eager)
+    for eager, cap in ((True, None), (False, None), (False, 64)):
         llm = LLM(str(path), device="cuda", dtype="float32", gpu_memory_budget="1GiB", enforce_eager=eager,
-                  max_num_seqs=16, max_num_batched_tokens=96)
+                  max_num_seqs=16, max_num_batched_tokens=96, max_cudagraph_capture_size=cap)
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert llm.stats()["kv_pages_used"] == 0
         runners.append(llm.engine.runner)
-    eager_runner, graph_runner = runners
+    eager_runner, graph_runner, capped_runner = runners
     assert eager_runner.graph_steps == 0
     assert graph_runner.mixed_graph_steps >= 6 and graph_runner.graph_steps > graph_runner.mixed_graph_steps
-    assert results[0] == results[1]
+    assert capped_runner.graphs.token_sizes[-1] == 64 and 0 < capped_runner.graph_steps < graph_runner.graph_steps
+    assert results[0] == results[1] == results[2]

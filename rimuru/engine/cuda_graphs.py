@@ -30,8 +30,10 @@ at 10 req/s). Both ladders share the one memory pool: they are never replayed at
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -71,7 +73,7 @@ class StepGraphs:
     def __init__(self, model: torch.nn.Module, device: torch.device, num_layers: int, max_num_seqs: int,
                  max_model_len: int, block_size: int, max_num_batched_tokens: int | None = None,
                  counter: RoutingCounter | None = None, boundaries: ExpertTableBoundaries | None = None,
-                 resident_provider: ExpertProvider | None = None) -> None:
+                 resident_provider: ExpertProvider | None = None, max_capture_size: int | None = None) -> None:
         if resident_provider is not None and boundaries is None:
             raise ValueError("resident_provider needs boundaries (whole graphs are the piecewise ones' fast path)")
         self.model = model
@@ -80,8 +82,10 @@ class StepGraphs:
         # elastic: whole graphs over the live resident tables, replayed while every expert is resident
         self.resident_provider = resident_provider
         self.device = device
-        self.sizes = capture_sizes(max_num_seqs)  # decode ladder
-        self.token_sizes = token_buckets(max_num_batched_tokens) if max_num_batched_tokens else []
+        # max_capture_size (EngineConfig.max_cudagraph_capture_size): no graph of more rows; larger steps run eagerly
+        cap = max_capture_size or max(max_num_seqs, max_num_batched_tokens or 0)
+        self.sizes = capture_sizes(min(max_num_seqs, cap))  # decode ladder
+        self.token_sizes = token_buckets(min(max_num_batched_tokens, cap)) if max_num_batched_tokens else []
         self.max_bs = self.sizes[-1]
         self.max_seqs = max_num_seqs  # sequences of every mixed graph (and its sampled rows)
         self.max_model_len = max_model_len
@@ -179,11 +183,24 @@ class StepGraphs:
         todo = [(True, t) for t in reversed(self.token_sizes)] + [(False, b) for b in reversed(self.sizes)]
         todo.sort(key=lambda x: -x[1])  # largest first: smaller graphs reuse its memory pool
         with torch.cuda.stream(stream):
+            # Every eager warm-up (compiles and autotunes kernels for each shape) runs before the first capture,
+            # each one's activations given back before the next: no warm-up sits beside a graph pool that
+            # already holds the largest graph's activations. Interleaved (warm-up, capture, next warm-up), the
+            # start-up peak was the pool plus the next size's eager pass: on the H200 in elastic mode (whole
+            # graphs warmed up after the piecewise ladder was captured) 1,906 MB with memory outside torch,
+            # against 1,620 MB serving (2026-11-29-s6-probe-workspace-elastic-h200.json).
             for mixed, size in todo:
                 batch = self.mixed_batch(size) if mixed else self.batch(size)
-                for _ in range(2):  # warm-up outside the graph: compiles kernels, settles allocations
+                for _ in range(2):
                     self._forward_into_logits(batch, piecewise)
                 self._release_warmup_cache()
+            if self.resident_provider is not None:
+                with self._resident_modules():
+                    for mixed, size in todo:  # this provider's path, warmed up the same way
+                        self._forward_into_logits(self.mixed_batch(size) if mixed else self.batch(size))
+                        self._release_warmup_cache()
+            for mixed, size in todo:
+                batch = self.mixed_batch(size) if mixed else self.batch(size)
                 graph: torch.cuda.CUDAGraph | PiecewiseGraph
                 if piecewise:
                     self.boundaries.begin_capture(self.pool)
@@ -213,23 +230,28 @@ class StepGraphs:
             self._forward_into_logits(batch)
         return graph
 
-    def _capture_resident(self, todo: list[tuple[bool, int]], stream: torch.cuda.Stream) -> None:
-        """Whole graphs with the MoE modules reading the resident tables directly (elastic mode's fast path)."""
+    @contextlib.contextmanager
+    def _resident_modules(self) -> Iterator[None]:
+        """The MoE modules read the resident tables directly (elastic mode's whole graphs) inside the block."""
         assert self.boundaries is not None and self.resident_provider is not None
         modules = self.boundaries.modules
         saved = [m.provider for m in modules]
         for m in modules:
             m.provider = self.resident_provider
         try:
-            for mixed, size in todo:
-                batch = self.mixed_batch(size) if mixed else self.batch(size)
-                self._forward_into_logits(batch)  # warm-up: this provider's allocations settle outside the graph
-                self._release_warmup_cache()
-                graph = self._capture_whole(batch, stream)
-                (self.whole_mixed_graphs if mixed else self.whole_graphs)[size] = graph
+            yield
         finally:
             for m, p in zip(modules, saved, strict=True):
                 m.provider = p
+
+    def _capture_resident(self, todo: list[tuple[bool, int]], stream: torch.cuda.Stream) -> None:
+        """Whole graphs with the MoE modules reading the resident tables directly (elastic mode's fast path);
+        warmed up in _capture_all before any capture."""
+        with self._resident_modules():
+            for mixed, size in todo:
+                batch = self.mixed_batch(size) if mixed else self.batch(size)
+                graph = self._capture_whole(batch, stream)
+                (self.whole_mixed_graphs if mixed else self.whole_graphs)[size] = graph
 
     def measure_piecewise_overhead(self, batch_size: int = 48, reps: int = 20) -> float | None:
         """Seconds a decode pass of the piecewise graph takes beyond the whole graph of the same size, every

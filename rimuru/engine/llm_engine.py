@@ -103,8 +103,9 @@ class LLMEngine:
         cfg, model = self.config, self.parts.model
         args = (cfg.max_num_seqs, self.max_model_len, cfg.max_num_batched_tokens)
         provider = self.parts.provider
+        cap = cfg.max_cudagraph_capture_size
         if _graph_capturable(model):
-            self.runner.enable_cuda_graphs(*args, counter=getattr(provider, "counter", None))
+            self.runner.enable_cuda_graphs(*args, counter=getattr(provider, "counter", None), max_capture_size=cap)
         elif isinstance(provider, OffloadExpertProvider):
             boundaries = ExpertTableBoundaries(provider, _moe_modules(model))
             resident = None
@@ -116,7 +117,7 @@ class LLMEngine:
                 resident = StaticExpertProvider(provider.expert_view, provider.cache.tables)
                 resident.counter = provider.counter
             self.runner.enable_cuda_graphs(*args, counter=provider.counter, boundaries=boundaries,
-                                           resident_provider=resident)
+                                           resident_provider=resident, max_capture_size=cap)
             if resident is not None:
                 overhead = self.runner.graphs.measure_piecewise_overhead()
                 if overhead is None:  # experts offloaded at start: the H200's figure per MoE layer

@@ -159,8 +159,10 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None,
                            counter: RoutingCounter | None = None, boundaries: ExpertTableBoundaries | None = None,
-                           resident_provider: ExpertProvider | None = None) -> None:
-        """Captures decode graphs and, with max_num_batched_tokens, mixed-step graphs (engine/cuda_graphs.py);
+                           resident_provider: ExpertProvider | None = None,
+                           max_capture_size: int | None = None) -> None:
+        """Captures decode graphs and, with max_num_batched_tokens, mixed-step graphs (engine/cuda_graphs.py) of
+        at most `max_capture_size` rows (larger steps run eagerly);
         piecewise around an offloading provider's decisions when `boundaries` is given, plus whole graphs over
         the resident tables for fully resident passes when `resident_provider` is given (elastic mode)."""
         spec = self.model.spec
@@ -168,7 +170,7 @@ class ModelRunner:
         self.q_block = tile_map_block_q(spec.num_attention_heads, spec.num_key_value_heads, elem)
         self.graphs = StepGraphs(self.model, self.device, self.num_layers, max_num_seqs, max_model_len,
                                  self.block_size, max_num_batched_tokens, counter=counter, boundaries=boundaries,
-                                 resident_provider=resident_provider)
+                                 resident_provider=resident_provider, max_capture_size=max_capture_size)
         self.graphs.capture()
 
     def step_kind(self, sched: SchedulerOutput) -> str:
