@@ -46,6 +46,27 @@ def test_max_capture_size_caps_both_ladders() -> None:
         LLM("unused", max_cudagraph_capture_size=0)
 
 
+def test_a_capture_cap_charges_the_eager_pass_to_the_workspace_bound() -> None:
+    # steps above the cap run eagerly beside the graphs' pool: until a probe measures that, the bound charges the
+    # eager pass (2 T x per-token bytes); a cap at or above the step budget changes nothing
+    from rimuru.config import EngineConfig
+    from rimuru.engine.setup import workspace_bytes
+    from rimuru.model_spec import load_model_spec
+
+    spec, cuda = load_model_spec("qwen1.5-moe-a2.7b"), torch.device("cuda")
+
+    def bound(cap: int | None, device: torch.device = cuda) -> int:
+        cfg = EngineConfig(model="qwen1.5-moe-a2.7b", max_num_batched_tokens=4096, max_cudagraph_capture_size=cap)
+        return workspace_bytes(spec, cfg, torch.bfloat16, device)
+
+    per_token_2x = bound(512) - bound(None)
+    assert per_token_2x == bound(100) - bound(None) > 0
+    assert per_token_2x == 2 * 4096 * (bound(None) - workspace_bytes(
+        spec, EngineConfig(model="qwen1.5-moe-a2.7b", max_num_batched_tokens=4095), torch.bfloat16, cuda))
+    assert bound(4096) == bound(10**5) == bound(None)
+    assert bound(512, torch.device("cpu")) == bound(None, torch.device("cpu"))
+
+
 def test_mixed_graph_host_arrays_pad_tokens_and_sequences(tmp_path: Path) -> None:
     """The padded arrays a mixed graph reads: the real prefix equals the eager batch; padding tokens write no KV
     and belong to no sequence; padded sequences are empty; q_tile_start counts each sequence's q tiles."""

@@ -7,7 +7,8 @@ Two ladders of graphs share one memory pool and one set of static input buffers:
   * decode graphs, one per padded batch size Bp in `capture_sizes` (1, 2, 4, 8, 16, 32, ...): every
     sequence has one new token. Rows b >= B are padding: token 0, position 0, context 1 on block-table
     row of page 0, slot -1 (no KV write). Attention uses its split-K decode launch.
-  * mixed graphs, one per padded token count Tp in `token_buckets` (32, 64, ..., max_num_batched_tokens):
+  * mixed graphs, one per padded token count Tp in `token_buckets` (32, 64, ..., max_num_batched_tokens, or
+    --max-cudagraph-capture-size when smaller; larger steps run eagerly):
     any mix of prefill chunks and decodes with T <= Tp tokens and B <= max_num_seqs sequences. Rows
     t >= T are padding tokens (token 0, position 0, slot -1) that belong to no sequence; sequences
     b >= B are empty (q_len 0). Attention uses the tile-mapped launch (`q_tile_start`), whose grid
@@ -48,6 +49,9 @@ logger = logging.getLogger("rimuru")
 # Mixed-step token buckets: fine steps where prefill chunks are short, coarser (x1.5) above 1024.
 _TOKEN_LADDER = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 MAX_MIXED_GRAPH_TOKENS = _TOKEN_LADDER[-1]  # larger steps run eagerly (activation memory of the graph pool)
+# Start-up warms every graph size up before the first capture (_capture_all); probe_workspace.py records it, and
+# tests/test_engine.py holds the start-up peaks of such probes to the workspace bound.
+WARMUPS_BEFORE_CAPTURES = True
 # Per MoE layer, what a piecewise pass costs beyond a whole one, where it cannot be measured at start-up (elastic
 # starting with experts offloaded). H200, Qwen1.5-MoE at 10 req/s, nothing offloaded but piecewise: GPU forward
 # 7.24 against static's 5.45 ms over 24 MoE layers (2026-11-29-s4-serve-issue8-{elastic-cost,static}-uniform-h200.json).

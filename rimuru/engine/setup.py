@@ -148,10 +148,14 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, d
     # token (the per-token term above is 83 kB) on ~1.36 GB that does not shrink. The earlier bound, 2 T
     # per_token + logits + 512 MiB, fit the first point and fell 148 MB short of the second: with
     # --max-num-batched-tokens 2048 the engine ran past its budget. 896 MiB covers both with >= 5 % to spare
-    # (1,747 and 1,577 MB). A smaller --max-cudagraph-capture-size shrinks the graphs' pool (~0.5 GB at 4096
-    # tokens); the bound takes no credit for it until a probe has measured it.
+    # (1,747 and 1,577 MB).
     scratch = 896 * 2**20 if device.type == "cuda" else 16 * 2**20
-    return T * per_token + logits + scratch
+    # --max-cudagraph-capture-size below T: steps above it run eagerly, their activations beside the graphs' pool
+    # (which shrinks, ~0.5 GB at 4096 tokens, but the bound takes no credit for that until a probe measured it).
+    # Charged as the eager pass with 2x allocator slack: it covers the 4096-token graph pool's 0.56 GB x 1.2.
+    cap = config.max_cudagraph_capture_size
+    eager = 2 * T * per_token if cap is not None and cap < T and device.type == "cuda" else 0
+    return T * per_token + logits + scratch + eager
 
 
 def default_budget(device: torch.device, spec: ModelSpec, dtype: torch.dtype, work: int) -> int:

@@ -186,7 +186,10 @@ class ElasticController:
         self.counters.evictions += len(plan.evict)
         self.counters.grows += len(grown)
         self.counters.last_plan = AdjustPlan(evict=list(plan.evict), grow=grown)
-        # the predicate the graph replay uses (tables change only between passes; evictions begun here still read)
+        # the predicate the graph replay uses (tables change only between passes; evictions begun here still read).
+        # A pass above the largest captured graph (--max-cudagraph-capture-size, or 8192 tokens) runs eagerly and
+        # is still charged the piecewise overhead here: its own eager launch cost is larger, so its compute reads
+        # ~1 ms low (the tracker keeps such buckets apart).
         self._launch_piecewise = not self.cache.all_resident()
         self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded) if num_batched_tokens > 0
                                else None)
