@@ -28,7 +28,6 @@ import torch  # noqa: E402
 
 from benchmarks.common import metadata  # noqa: E402
 from rimuru import LLM, SamplingParams  # noqa: E402
-from rimuru.engine.cuda_graphs import WARMUPS_BEFORE_CAPTURES  # noqa: E402
 
 
 def _where(frames: list[dict]) -> str:
@@ -123,7 +122,6 @@ def main() -> None:
         **metadata(" ".join(sys.argv)),
         "model": args.model, "gpu_memory_budget": args.gpu_memory_budget, "offload_mode": args.offload_mode,
         "max_num_seqs": S, "max_num_batched_tokens": T, "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
-        "warmups_before_captures": WARMUPS_BEFORE_CAPTURES,
         "budget_split": split,
         "workspace_bound": split["workspace"],
         "reserved_after_start_beyond_held": after_start - held,

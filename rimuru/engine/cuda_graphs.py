@@ -49,9 +49,6 @@ logger = logging.getLogger("rimuru")
 # Mixed-step token buckets: fine steps where prefill chunks are short, coarser (x1.5) above 1024.
 _TOKEN_LADDER = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 MAX_MIXED_GRAPH_TOKENS = _TOKEN_LADDER[-1]  # larger steps run eagerly (activation memory of the graph pool)
-# Start-up warms every graph size up before the first capture (_capture_all); probe_workspace.py records it, and
-# tests/test_engine.py holds the start-up peaks of such probes to the workspace bound.
-WARMUPS_BEFORE_CAPTURES = True
 # Per MoE layer, what a piecewise pass costs beyond a whole one, where it cannot be measured at start-up (elastic
 # starting with experts offloaded). H200, Qwen1.5-MoE at 10 req/s, nothing offloaded but piecewise: GPU forward
 # 7.24 against static's 5.45 ms over 24 MoE layers (2026-11-29-s4-serve-issue8-{elastic-cost,static}-uniform-h200.json).
@@ -194,17 +191,17 @@ class StepGraphs:
             # graphs warmed up after the piecewise ladder was captured) 1,906 MB with memory outside torch,
             # against 1,620 MB serving (2026-11-29-s6-probe-workspace-elastic-h200.json).
             for mixed, size in todo:
-                batch = self.mixed_batch(size) if mixed else self.batch(size)
+                batch = self._sized_batch(mixed, size)
                 for _ in range(2):
                     self._forward_into_logits(batch, piecewise)
                 self._release_warmup_cache()
             if self.resident_provider is not None:
                 with self._resident_modules():
                     for mixed, size in todo:  # this provider's path, warmed up the same way
-                        self._forward_into_logits(self.mixed_batch(size) if mixed else self.batch(size))
+                        self._forward_into_logits(self._sized_batch(mixed, size))
                         self._release_warmup_cache()
             for mixed, size in todo:
-                batch = self.mixed_batch(size) if mixed else self.batch(size)
+                batch = self._sized_batch(mixed, size)
                 graph: torch.cuda.CUDAGraph | PiecewiseGraph
                 if piecewise:
                     self.boundaries.begin_capture(self.pool)
@@ -234,6 +231,10 @@ class StepGraphs:
             self._forward_into_logits(batch)
         return graph
 
+    def _sized_batch(self, mixed: bool, size: int) -> ForwardBatch:
+        """The static batch a graph of the mixed (token count) or decode (batch size) ladder is captured with."""
+        return self.mixed_batch(size) if mixed else self.batch(size)
+
     @contextlib.contextmanager
     def _resident_modules(self) -> Iterator[None]:
         """The MoE modules read the resident tables directly (elastic mode's whole graphs) inside the block."""
@@ -253,8 +254,7 @@ class StepGraphs:
         warmed up in _capture_all before any capture."""
         with self._resident_modules():
             for mixed, size in todo:
-                batch = self.mixed_batch(size) if mixed else self.batch(size)
-                graph = self._capture_whole(batch, stream)
+                graph = self._capture_whole(self._sized_batch(mixed, size), stream)
                 (self.whole_mixed_graphs if mixed else self.whole_graphs)[size] = graph
 
     def measure_piecewise_overhead(self, batch_size: int = 48, reps: int = 20) -> float | None:
