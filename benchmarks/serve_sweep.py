@@ -242,7 +242,45 @@ def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subpro
     return proc
 
 
-def stop_process(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
+class DetachedServer:
+    """A server started by an earlier sweep with `--detach` (its own session, so it outlived that sweep's
+    device call), adopted by `--attach`. Quacks like the Popen that stop_process, wait_healthy and
+    run_client use: poll / wait / returncode / pid (the pid is its process group's id, from setsid)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.returncode = -1  # not our child: its exit code is not ours to read
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.2)
+        return self.returncode  # type: ignore[return-value]
+
+
+def start_detached(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
+    """A server in a new session that outlives this process (no death signal); returns its pid."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=REPO, start_new_session=True)
+    return proc.pid
+
+
+def detached_record_path(log_dir: str, name: str) -> Path:
+    return Path(log_dir) / f"server-{name}.detached.json"
+
+
+def stop_process(proc: subprocess.Popen | DetachedServer | None, grace_s: float = 20.0) -> None:
     """SIGTERM to the whole process group (vLLM's engine core too), SIGKILL after grace_s."""
     if proc is None:
         return
@@ -288,7 +326,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+def wait_healthy(base_url: str, proc: subprocess.Popen | DetachedServer, timeout_s: float, log_path: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -411,7 +449,7 @@ class Sweep:
     # -- one point
 
     def run_client(self, cfg: Config, base_url: str, rate: float, num_prompts: int, seed: int,
-                   timeout_s: float, server: subprocess.Popen) -> dict[str, Any]:
+                   timeout_s: float, server: subprocess.Popen | DetachedServer) -> dict[str, Any]:
         """Runs one client pass; returns its normalised summary. Raises SweepError on failure."""
         with tempfile.TemporaryDirectory(prefix="sweep-client-") as tmp:
             out_dir = Path(tmp)
@@ -444,25 +482,36 @@ class Sweep:
             for rate in rates:
                 self.add_row(cfg, rate, "error", f"vLLM needs a model directory, got {a.model!r}")
             return
-        need = self.start_estimate_s() + self.point_estimate_s(rates[0])
-        if self.remaining_s() < need:
-            for rate in rates:
-                self.add_row(cfg, rate, "skipped", f"time budget: {self.remaining_s():.0f} s left, "
-                                                   f"~{need:.0f} s needed to start the server and run a point")
+        if a.detach:
+            self.detach_server(cfg)
             return
-        port = a.port or free_port()
-        if not port_is_free(port):
-            for rate in rates:
-                self.add_row(cfg, rate, "error", f"port {port} on 127.0.0.1 is already in use")
-            return
+        if a.attach:
+            adopted = self.attached_server(cfg, rates)
+            if adopted is None:
+                return
+            server, port, log_path, t0 = adopted
+            info = self.servers[cfg.name]
+        else:
+            need = self.start_estimate_s() + self.point_estimate_s(rates[0])
+            if self.remaining_s() < need:
+                for rate in rates:
+                    self.add_row(cfg, rate, "skipped", f"time budget: {self.remaining_s():.0f} s left, "
+                                                       f"~{need:.0f} s needed to start the server and run a point")
+                return
+            port = a.port or free_port()
+            if not port_is_free(port):
+                for rate in rates:
+                    self.add_row(cfg, rate, "error", f"port {port} on 127.0.0.1 is already in use")
+                return
+            log_path = Path(a.log_dir) / f"server-{cfg.name}.log"
+            cmd = self.server_command(cfg, port)
+            info = {"command": shlex.join(cmd), "port": port, "log": str(log_path)}
+            self.servers[cfg.name] = info
+            print(f"[sweep] {time.monotonic() - self.started:.1f} s: starting {cfg.name}: {shlex.join(cmd)}",
+                  flush=True)
+            t0 = time.monotonic()
+            server = start_process(cmd, self.env_for(cfg.server), log_path)
         base_url = f"http://127.0.0.1:{port}"
-        log_path = Path(a.log_dir) / f"server-{cfg.name}.log"
-        cmd = self.server_command(cfg, port)
-        info: dict[str, Any] = {"command": shlex.join(cmd), "port": port, "log": str(log_path)}
-        self.servers[cfg.name] = info
-        print(f"[sweep] {time.monotonic() - self.started:.1f} s: starting {cfg.name}: {shlex.join(cmd)}", flush=True)
-        t0 = time.monotonic()
-        server = start_process(cmd, self.env_for(cfg.server), log_path)
         try:
             try:
                 wait_healthy(base_url, server, min(a.server_timeout_s, max(self.remaining_s() - 5, 1)), log_path)
@@ -506,7 +555,48 @@ class Sweep:
             info["log_tail"] = info.get("log_tail") or log_tail(log_path, 15)
             self.write()
 
-    def run_point(self, cfg: Config, base_url: str, rate: float, server: subprocess.Popen, log_path: Path) -> None:
+    def detach_server(self, cfg: Config) -> None:
+        """`--detach`: start the server in its own session and return at once, leaving a record for a
+        later `--attach` sweep (the device's next call) that measures on it. No rows: nothing is measured."""
+        a = self.args
+        if not port_is_free(a.port):
+            raise SystemExit(f"--detach: port {a.port} on 127.0.0.1 is already in use")
+        log_path = Path(a.log_dir) / f"server-{cfg.name}.log"
+        cmd = self.server_command(cfg, a.port)
+        pid = start_detached(cmd, self.env_for(cfg.server), log_path)
+        record = {"command": shlex.join(cmd), "port": a.port, "pid": pid, "log": str(log_path),
+                  "started_at": time.time()}
+        detached_record_path(a.log_dir, cfg.name).write_text(json.dumps(record) + "\n")
+        self.servers[cfg.name] = {**record, "detached": True}
+        print(f"[sweep] {cfg.name} started detached (pid {pid}, port {a.port}): {record['command']}", flush=True)
+
+    def attached_server(self, cfg: Config,
+                        rates: list[float]) -> tuple[DetachedServer, int, Path, float] | None:
+        """`--attach`: the server an earlier `--detach` sweep started for this configuration, checked to run
+        the very command this sweep would have started. Returns (server, port, log, start time on this
+        process's monotonic clock), or None after recording error rows."""
+        a = self.args
+        path = detached_record_path(a.log_dir, cfg.name)
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            for rate in rates:
+                self.add_row(cfg, rate, "error", f"--attach: no detached server record for {cfg.name} ({err})")
+            return None
+        expected = shlex.join(self.server_command(cfg, a.port))
+        if record.get("command") != expected:
+            for rate in rates:
+                self.add_row(cfg, rate, "error", f"--attach: the detached server runs another command:\n"
+                                                 f"{record.get('command')}\nnot\n{expected}")
+            return None
+        server = DetachedServer(int(record["pid"]))
+        self.servers[cfg.name] = {**record, "attached": True}
+        t0 = time.monotonic() - (time.time() - float(record["started_at"]))  # its start counts from the launch
+        print(f"[sweep] {cfg.name}: attached to pid {server.pid} on port {a.port}", flush=True)
+        return server, a.port, Path(record["log"]), t0
+
+    def run_point(self, cfg: Config, base_url: str, rate: float, server: subprocess.Popen | DetachedServer,
+                  log_path: Path) -> None:
         a = self.args
         t0 = time.monotonic()
         try:
@@ -766,6 +856,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-args", default="", help="more flags for the client (one string)")
     p.add_argument("--label", default=None, help="a tag stored in the metadata and every row (e.g. uniform, zipf1.0)")
     p.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (0: a free one per server)")
+    p.add_argument("--detach", action="store_true",
+                   help="only start each configuration's server, in its own session, and exit: it outlives this "
+                        "process (a device call) for a later --attach sweep; needs --port and --log-dir")
+    p.add_argument("--attach", action="store_true",
+                   help="measure on the servers a --detach sweep started (same flags), waiting for /health, and "
+                        "stop them at the end; their start time counts from the launch")
     p.add_argument("--server-timeout-s", type=float, default=420.0, help="longest wait for /health")
     p.add_argument("--point-timeout-s", type=float, default=540.0, help="longest client run per point")
     p.add_argument("--time-budget-s", type=float, default=None,
@@ -824,6 +920,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--client vllm needs --dataset-path (a ShareGPT JSON, e.g. /tmp/anchor/sharegpt.json)")
     if args.client == "vllm" and not args.tokenizer:
         raise SystemExit("--client vllm needs a tokenizer directory (--tokenizer or a --model directory)")
+    if args.detach or args.attach:
+        if args.detach and args.attach:
+            raise SystemExit("--detach and --attach exclude each other")
+        if not args.port or not args.log_dir:
+            raise SystemExit("--detach / --attach need a fixed --port and --log-dir (the record lives there)")
+        if len(configs) != 1:
+            raise SystemExit("--detach / --attach take one configuration (one server on --port)")
     command = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["serve_sweep.py", *argv])
     with contextlib.ExitStack() as stack:
         if args.log_dir is None:
@@ -838,6 +941,9 @@ def main(argv: list[str] | None = None) -> int:
         sweep.meta = sweep_metadata(args, command)
         sweep.meta.update(configs={c.name: {"server": c.server, "flags": c.flags} for c in configs}, rates=rates)
         sweep.run(configs, rates)
+    if args.detach:
+        print(f"[sweep] started {', '.join(sweep.servers)} detached; wrote {args.output_json}", flush=True)
+        return 0
     ok = sum(r["status"] == "ok" for r in sweep.rows)
     print(f"[sweep] {ok} of {len(sweep.rows)} points measured; wrote {args.output_json}", flush=True)
     if args.plot and ok:

@@ -4,7 +4,10 @@ sweep goes on to start and measure the next configuration)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.serve_sweep import (  # noqa: E402
     ROW_FIELDS,
     counter_deltas,
+    free_port,
     normalise_result,
     parse_configs,
     parse_prometheus,
@@ -133,3 +137,47 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
                            "--plot-memory", str(png), "--plot-memory-rate", "7"],
                           capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     assert none.returncode != 0 and "no ok rows with a timeline at 7" in none.stderr
+
+
+def test_detached_server_is_measured_by_a_later_attach(tiny_checkpoint, tmp_path: Path) -> None:
+    """A server too slow to start and measure within one device call: `--detach` starts it in its own
+    session and exits (the server lives on); `--attach` with the same flags measures on it and stops it.
+    An attach whose flags would start another server refuses it instead of measuring the wrong one."""
+    ckpt = tiny_checkpoint("qwen2_moe")
+    data = _tiny_sharegpt(tmp_path / "sharegpt.json")
+    logs = tmp_path / "logs"
+    port = free_port()
+    base = [
+        sys.executable, str(REPO / "benchmarks" / "serve_sweep.py"), "--model", str(ckpt), "--device", "cpu",
+        "--load-format", "auto", "--gpu-memory-budget", "64MiB", "--configs", "static", "--rates", "20",
+        "--num-prompts", "3", "--dataset-path", str(data), "--port", str(port), "--log-dir", str(logs),
+        "--client-args", "--max-prompt-len 60 --max-total-len 80 --max-output-len 5",
+        "--poll-interval-s", "0.1", "--server-timeout-s", "90", "--point-timeout-s", "60",
+    ]
+    env = {"PYTHONPATH": str(REPO), "RIMURU_COMMIT": "test-commit", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    detach = subprocess.run([*base, "--detach", "--output-json", str(tmp_path / "d.json")],
+                            capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert detach.returncode == 0, detach.stdout[-2000:] + detach.stderr[-2000:]
+    record = json.loads((logs / "server-static.detached.json").read_text())
+    assert json.loads((tmp_path / "d.json").read_text())["rows"] == []  # nothing measured by the launch
+    try:
+        os.kill(record["pid"], 0)  # outlived the sweep that started it
+        other = subprocess.run([*base, "--attach", "--rimuru-args=--max-num-seqs 8", "--output-json",
+                                str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60, env=env,
+                               cwd=REPO)
+        assert other.returncode == 1
+        (row,) = json.loads((tmp_path / "x.json").read_text())["rows"]
+        assert row["status"] == "error" and "runs another command" in row["error"]
+        attach = subprocess.run([*base, "--attach", "--output-json", str(tmp_path / "a.json")],
+                                capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
+        assert attach.returncode == 0, attach.stdout[-3000:] + attach.stderr[-3000:]
+        doc = json.loads((tmp_path / "a.json").read_text())
+        (row,) = doc["rows"]
+        assert row["status"] == "ok" and row["completed"] == 3 and row["forward_steps"] > 0, row["error"]
+        srv = doc["servers"]["static"]
+        assert srv["attached"] and srv["pid"] == record["pid"] and srv["start_s"] > 0 and srv["stopped"]
+        assert port_is_free(port)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(record["pid"], signal.SIGKILL)
