@@ -1,7 +1,7 @@
 """Issue 8's targets and sweep coverage, computed from the committed sweep files (no GPU, no server).
 
 Reads every `benchmarks/results/*-serve-issue8-*-h200.json` written by serve_sweep.py (Qwen1.5 shapes, 32 GiB;
-the Qwen3 files are left out) and prints:
+the Qwen3 files apart, for item 3) and prints:
 
 1. coverage: per routing label, which configuration was measured at which rate, by which run (a run = the
    file-name prefix `DATE-sN`, one GPU session; a label is serve_sweep's `--label`);
@@ -12,6 +12,8 @@ the Qwen3 files are left out) and prints:
    * 10 and 20 req/s, where both were measured: output >= 0.9x and TTFT p50 / p99, TPOT p50 / p99 <= 1.1x;
    * half the gap at 40 req/s between vLLM 32 GiB and `vllm-unlimited` (whose rows may come from another run of
      the same label: then the row says so).
+3. Qwen3-30B-A3B at 48 GiB: Rimuru elastic and fixed output against vLLM `--cpu-offload-gb 24` per rate, the
+   latest run of each (target: elastic >= 3x).
 
     PYTHONPATH=. .venv/bin/python benchmarks/issue8_targets.py \
         --output-json benchmarks/results/DATE-issue8-targets-cpu.json
@@ -35,11 +37,12 @@ LATENCIES = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 TTFT_P99_SLO_MS = 2000.0
 
 
-def load_rows(results: Path) -> list[dict[str, Any]]:
-    """Every ok row of every Qwen1.5 issue-8 sweep file, with its run, label and file name."""
+def load_rows(results: Path, qwen3: bool = False) -> list[dict[str, Any]]:
+    """Every ok row of every issue-8 sweep file, with its run, label and file name: the Qwen1.5 files (32 GiB),
+    or with qwen3 the Qwen3-30B-A3B ones (48 GiB) instead."""
     rows = []
     for path in sorted(results.glob("*-serve-issue8-*-h200.json")):
-        if "qwen3" in path.name:
+        if ("qwen3" in path.name) != qwen3:
             continue
         m = re.match(r"(\d{4}-\d{2}-\d{2}-s\d+)-", path.name)
         if m is None:
@@ -50,6 +53,33 @@ def load_rows(results: Path) -> list[dict[str, Any]]:
                 rows.append({**row, "run": m.group(1), "label": row.get("label") or doc.get("label"),
                              "file": path.name})
     return rows
+
+
+# Qwen3 at 48 GiB: the issue's configurations by their sweep names (uniform routing; skewed variants are
+# named q3-elastic-zipf... and are not the target's row)
+QWEN3_CONFIGS = {"elastic": "q3-elastic", "fixed": "q3-fixed", "vllm": "vllm-offload24"}
+QWEN3_TARGET = 3.0
+
+
+def qwen3_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate where vLLM --cpu-offload-gb 24 was measured: Rimuru elastic's and fixed's output against it
+    (target: elastic >= 3x). The latest run of each configuration counts; the row names the runs, since
+    these were measured in different sessions (one Qwen3 server and one rate per GPU per call)."""
+    latest: dict[tuple[str, float], dict[str, Any]] = {}
+    for r in sorted(rows, key=lambda r: r["run"]):
+        latest[(r["config"], r["rate"])] = r
+    out = []
+    for rate in sorted({rate for (cfg, rate) in latest if cfg == QWEN3_CONFIGS["vllm"]}):
+        vllm = latest[(QWEN3_CONFIGS["vllm"], rate)]
+        t: dict[str, Any] = {"rate": rate, "vllm_output": vllm["output_throughput"], "runs": {"vllm": vllm["run"]}}
+        for name in ("elastic", "fixed"):
+            ours = latest.get((QWEN3_CONFIGS[name], rate))
+            t[f"{name}_output"] = ours and ours["output_throughput"]
+            t[f"{name}_ratio"] = ours and ours["output_throughput"] / vllm["output_throughput"]
+            t["runs"][name] = ours and ours["run"]
+        t["met"] = None if t["elastic_ratio"] is None else t["elastic_ratio"] >= QWEN3_TARGET
+        out.append(t)
+    return out
 
 
 def coverage(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, list[str]]]]:
@@ -155,6 +185,15 @@ def print_report(cov: dict[str, Any], tgts: list[dict[str, Any]]) -> None:
                       f"{r['median_tpot_ms']:.2f}x / {r['p99_tpot_ms']:.2f}x)")
 
 
+def print_qwen3(q3: list[dict[str, Any]]) -> None:
+    print("\nQwen3-30B-A3B at 48 GiB: output against vLLM --cpu-offload-gb 24 (latest run of each)")
+    for t in q3:
+        parts = [f"{name} {t[name + '_output']:.1f} tok/s = {t[name + '_ratio']:.2f}x (run {t['runs'][name]})"
+                 if t[name + "_output"] is not None else f"{name} not measured" for name in ("elastic", "fixed")]
+        print(f"  {t['rate']:g} req/s: vllm {t['vllm_output']:.1f} tok/s (run {t['runs']['vllm']}); "
+              + "; ".join(parts) + f" ({_yes(t['met'])}; elastic >= {QWEN3_TARGET:g}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=RESULTS, help="folder of the sweep JSON files")
@@ -164,11 +203,14 @@ def main() -> None:
     if not rows:
         raise SystemExit(f"no issue-8 sweep rows under {args.results}")
     cov, tgts = coverage(rows), targets(rows)
+    q3_rows = load_rows(args.results, qwen3=True)
+    q3 = qwen3_targets(q3_rows)
     print_report(cov, tgts)
+    print_qwen3(q3)
     if args.output_json:
         meta = metadata("issue8_targets", command="python " + " ".join(sys.argv),
                         note="computed on the CPU from the committed H200 sweep files listed here",
-                        files=sorted({r["file"] for r in rows}), coverage=cov)
+                        files=sorted({r["file"] for r in rows + q3_rows}), coverage=cov, qwen3=q3)
         write_json(args.output_json, meta, tgts)
 
 

@@ -716,20 +716,36 @@ def sweep_metadata(args: argparse.Namespace, command: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- plot
 
 
-def plot(json_paths: list[Path], out: Path) -> None:
-    import matplotlib
+def run_tag(path: Path) -> str | None:
+    """The session of a committed results file (`DATE-sN-...` -> `sN`), or None."""
+    m = re.search(r"\d{4}-\d{2}-\d{2}-(s\d+)-", Path(path).name)
+    return m.group(1) if m else None
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    series: dict[str, list[tuple[float, float, float]]] = {}
+def plot_series(json_paths: list[Path]) -> dict[str, list[tuple[float, float, float]]]:
+    """Line name -> (rate, output tok/s, TTFT p50 ms) of the ok rows. One line per configuration and label;
+    where files of several runs hold the same one, one line per run, so rows measured by different code
+    never join into one line."""
+    by_run: dict[str, dict[str | None, list[tuple[float, float, float]]]] = {}
     for path in json_paths:
         doc = json.loads(Path(path).read_text())
         for row in doc["rows"]:
             if row.get("status") != "ok":
                 continue
             key = row["config"] + (f" ({row['label']})" if row.get("label") else "")
-            series.setdefault(key, []).append((row["rate"], row["output_throughput"], row["median_ttft_ms"]))
+            by_run.setdefault(key, {}).setdefault(run_tag(path), []).append(
+                (row["rate"], row["output_throughput"], row["median_ttft_ms"]))
+    return {(f"{key} {run}" if len(runs) > 1 and run else key): sorted(pts)
+            for key, runs in by_run.items() for run, pts in runs.items()}
+
+
+def plot(json_paths: list[Path], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = plot_series(json_paths)
     if not series:
         raise SystemExit("no ok rows to plot")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -760,10 +776,11 @@ def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
 
     rows = []
     for path in json_paths:
+        run = run_tag(path)
         for row in json.loads(Path(path).read_text())["rows"]:
             tl = row.get("timeline") or {}
             if row.get("status") == "ok" and float(row["rate"]) == float(rate) and tl.get("t"):
-                rows.append(row)
+                rows.append({**row, "run": run})
     if not rows:
         raise SystemExit(f"no ok rows with a timeline at {rate} req/s")
     fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.8 * len(rows)), squeeze=False)
@@ -786,7 +803,7 @@ def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
             if tl.get(key):
                 twin.plot(t, [v or 0 for v in tl[key]], style, color="black", linewidth=1, label=key)
         twin.set_ylabel("requests")
-        ax.set_title(f"{name} at {rate:g} req/s")
+        ax.set_title(f"{name} at {rate:g} req/s" + (f", run {row['run']}" if row["run"] else ""))
         handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
         labels = ax.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
         ax.legend(handles, labels, fontsize=7, loc="upper right")

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from issue8_targets import coverage, highest_rate_within_slo, load_rows, targets  # noqa: E402
+from issue8_targets import coverage, highest_rate_within_slo, load_rows, qwen3_targets, targets  # noqa: E402
 
 
 def row(config: str, rate: float, out: float, ttft: float = 100.0, ttft99: float = 500.0, tpot: float = 10.0,
@@ -60,3 +60,17 @@ def test_reads_sweep_files_and_skips_qwen3_and_failed_rows(tmp_path: Path) -> No
     (tmp_path / "2026-12-01-s8-serve-issue8-qwen3-fixed-h200.json").write_text(json.dumps({"rows": [ok]}))
     rows = load_rows(tmp_path)
     assert [(r["run"], r["rate"]) for r in rows] == [("2026-12-01-s8", 40.0)]
+    q3 = load_rows(tmp_path, qwen3=True)
+    assert [(r["config"], r["file"]) for r in q3] == [("vllm", "2026-12-01-s8-serve-issue8-qwen3-fixed-h200.json")]
+
+
+def test_qwen3_ratios_take_the_latest_run_of_each_config() -> None:
+    rows = [row("vllm-offload24", 2, 60.0, run="2026-11-30-s8"), row("q3-elastic", 2, 100.0, run="2026-11-29-s5"),
+            row("q3-elastic", 2, 120.0, run="2026-11-30-s7"), row("q3-elastic-zipf1.0", 2, 500.0),
+            row("q3-fixed", 1, 80.0), row("q3-elastic", 1, 95.0)]
+    [t] = qwen3_targets(rows)  # 1 req/s has no vLLM row: no target there
+    assert t["rate"] == 2.0 and t["elastic_output"] == 120.0 and t["elastic_ratio"] == pytest.approx(2.0)
+    assert t["runs"] == {"vllm": "2026-11-30-s8", "elastic": "2026-11-30-s7", "fixed": None}
+    assert t["fixed_ratio"] is None and t["met"] is False  # 2x < 3x; the skewed variant does not count
+    [t] = qwen3_targets([row("vllm-offload24", 2, 40.0), row("q3-elastic", 2, 120.0)])
+    assert t["met"] is True
