@@ -46,25 +46,29 @@ def test_max_capture_size_caps_both_ladders() -> None:
         LLM("unused", max_cudagraph_capture_size=0)
 
 
-def test_a_capture_cap_charges_the_eager_pass_to_the_workspace_bound() -> None:
-    # steps above the cap run eagerly beside the graphs' pool: until a probe measures that, the bound charges the
-    # eager pass (2 T x per-token bytes); a cap at or above the step budget changes nothing
+def test_a_capture_cap_leaves_the_workspace_bound_as_measured() -> None:
+    # the H200 probe of a capped engine (cap 512, T = 4096) used 1,641 MB against 1,625 MB uncapped: its eager
+    # steps fill the room the smaller graph pool leaves, so the bound does not depend on the cap (an earlier
+    # version charged a whole eager pass, +681 MB, before that was measured). tests/test_engine.py holds the
+    # bound to that probe's peaks.
+    import json
+
     from rimuru.config import EngineConfig
     from rimuru.engine.setup import workspace_bytes
     from rimuru.model_spec import load_model_spec
 
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    capped = json.loads((results / "2026-11-30-s8-probe-workspace-elastic-cap512-h200.json").read_text())
+    uncapped = json.loads((results / "2026-11-30-s8-probe-workspace-elastic-h200.json").read_text())
+    assert capped["max_cudagraph_capture_size"] == 512 and uncapped["max_cudagraph_capture_size"] is None
+    assert capped["measured_workspace"] < 1.05 * uncapped["measured_workspace"]
     spec, cuda = load_model_spec("qwen1.5-moe-a2.7b"), torch.device("cuda")
 
-    def bound(cap: int | None, device: torch.device = cuda) -> int:
+    def bound(cap: int | None) -> int:
         cfg = EngineConfig(model="qwen1.5-moe-a2.7b", max_num_batched_tokens=4096, max_cudagraph_capture_size=cap)
-        return workspace_bytes(spec, cfg, torch.bfloat16, device)
+        return workspace_bytes(spec, cfg, torch.bfloat16, cuda)
 
-    per_token_2x = bound(512) - bound(None)
-    assert per_token_2x == bound(100) - bound(None) > 0
-    assert per_token_2x == 2 * 4096 * (bound(None) - workspace_bytes(
-        spec, EngineConfig(model="qwen1.5-moe-a2.7b", max_num_batched_tokens=4095), torch.bfloat16, cuda))
-    assert bound(4096) == bound(10**5) == bound(None)
-    assert bound(512, torch.device("cpu")) == bound(None, torch.device("cpu"))
+    assert bound(100) == bound(512) == bound(4096) == bound(None) >= capped["measured_workspace"]
 
 
 def test_mixed_graph_host_arrays_pad_tokens_and_sequences(tmp_path: Path) -> None:

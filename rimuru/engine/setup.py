@@ -150,12 +150,11 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, d
     # --max-num-batched-tokens 2048 the engine ran past its budget. 896 MiB covers both with >= 5 % to spare
     # (1,747 and 1,577 MB).
     scratch = 896 * 2**20 if device.type == "cuda" else 16 * 2**20
-    # --max-cudagraph-capture-size below T: steps above it run eagerly, their activations beside the graphs' pool
-    # (which shrinks, ~0.5 GB at 4096 tokens, but the bound takes no credit for that until a probe measured it).
-    # Charged as the eager pass with 2x allocator slack: it covers the 4096-token graph pool's 0.56 GB x 1.2.
-    cap = config.max_cudagraph_capture_size
-    eager = 2 * T * per_token if cap is not None and cap < T and device.type == "cuda" else 0
-    return T * per_token + logits + scratch + eager
+    # --max-cudagraph-capture-size below T needs no extra charge: steps above the cap run eagerly, and their
+    # activations take the room the smaller graph pool leaves. Measured (elastic, T = 4096, cap 512): 1,641 MB
+    # against 1,625 MB uncapped (2026-11-30-s8-probe-workspace-elastic{-cap512,}-h200.json), both under this
+    # bound (1,747 MB). So a cap does not buy KV room at this T either.
+    return T * per_token + logits + scratch
 
 
 def default_budget(device: torch.device, spec: ModelSpec, dtype: torch.dtype, work: int) -> int:
