@@ -14,7 +14,10 @@ on a machine without git history -- exact command; plus one row per (config, rat
 every point so a run cut short keeps what it measured. A server that fails to start, a client that
 fails and a point skipped for lack of time each leave a row with `status` != "ok" and the reason; the
 sweep goes on. Every server and client this script starts is stopped on exit, on errors, on timeouts
-and on SIGTERM / SIGINT / SIGHUP; servers listen on 127.0.0.1 only.
+and on SIGTERM / SIGINT / SIGHUP; servers listen on 127.0.0.1 only. The one exception is `--detach`: it
+starts the (single) configuration's server in its own session and exits, so the server outlives a device
+call whose 10 minutes cannot hold its start and a point (vLLM with `--cpu-offload-gb` on Qwen3); the next
+call's sweep with the same flags and `--attach` measures on it and stops it.
 
     PYTHONPATH=. python benchmarks/serve_sweep.py --configs static,vllm --rates 10,20 --num-prompts 500 \\
         --client vllm --output-json $OUT/sweep.json --time-budget-s 560
