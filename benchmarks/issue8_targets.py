@@ -37,10 +37,16 @@ LATENCIES = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 TTFT_P99_SLO_MS = 2000.0
 
 
+def run_order(run: str) -> tuple[str, int]:
+    """`2026-11-30-s10` after `2026-11-30-s8` (a string sort puts it first)."""
+    date, _, n = run.rpartition("-s")
+    return date, int(n)
+
+
 def load_rows(results: Path, qwen3: bool = False) -> list[dict[str, Any]]:
     """Every ok row of every issue-8 sweep file, with its run, label and file name: the Qwen1.5 files (32 GiB),
     or with qwen3 the Qwen3-30B-A3B ones (48 GiB) instead."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for path in sorted(results.glob("*-serve-issue8-*-h200.json")):
         if ("qwen3" in path.name) != qwen3:
             continue
@@ -52,7 +58,7 @@ def load_rows(results: Path, qwen3: bool = False) -> list[dict[str, Any]]:
             if row.get("status") == "ok":
                 rows.append({**row, "run": m.group(1), "label": row.get("label") or doc.get("label"),
                              "file": path.name})
-    return rows
+    return sorted(rows, key=lambda r: run_order(r["run"]))  # stable: file order within a run
 
 
 # Qwen3 at 48 GiB: the issue's configurations by their sweep names (uniform routing; skewed variants are
@@ -66,7 +72,7 @@ def qwen3_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (target: elastic >= 3x). The latest run of each configuration counts; the row names the runs, since
     these were measured in different sessions (one Qwen3 server and one rate per GPU per call)."""
     latest: dict[tuple[str, float], dict[str, Any]] = {}
-    for r in sorted(rows, key=lambda r: r["run"]):
+    for r in sorted(rows, key=lambda r: run_order(r["run"])):
         latest[(r["config"], r["rate"])] = r
     out = []
     for rate in sorted({rate for (cfg, rate) in latest if cfg == QWEN3_CONFIGS["vllm"]}):

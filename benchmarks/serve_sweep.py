@@ -245,21 +245,59 @@ def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subpro
     return proc
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the state on (index 0: state, 19: start time in clock ticks since boot),
+    or None when no such process exists. Raises OSError where there is no /proc (not Linux)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if not Path("/proc/self/stat").exists():
+            raise
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When the process started (ticks since boot): with the pid, it names one process, never a later one
+    that got the same pid. None where it cannot be read."""
+    try:
+        fields = process_stat(pid)
+    except OSError:
+        return None
+    return int(fields[19]) if fields else None
+
+
 class DetachedServer:
     """A server started by an earlier sweep with `--detach` (its own session, so it outlived that sweep's
     device call), adopted by `--attach`. Quacks like the Popen that stop_process, wait_healthy and
-    run_client use: poll / wait / returncode / pid (the pid is its process group's id, from setsid)."""
+    run_client use: poll / wait / returncode / pid (the pid is its process group's id, from setsid).
+    It has exited when it is gone, a zombie, or its pid now names another process (start time differs)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, start_ticks: int | None) -> None:
         self.pid = pid
+        self.start_ticks = start_ticks
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
+        if self.returncode is not None:
+            return self.returncode
+        try:  # our own child (the test's case): reap it, so its exit is seen
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                return self.returncode
+        except ChildProcessError:
+            pass  # not our child (a server from an earlier call): init reaps it
+        try:
+            fields = process_stat(self.pid)
+        except OSError:  # no /proc: only whether the pid exists
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:
-                self.returncode = -1  # not our child: its exit code is not ours to read
+                self.returncode = -1
+            return self.returncode
+        if fields is None or fields[0] == "Z" or (self.start_ticks is not None and int(fields[19]) != self.start_ticks):
+            self.returncode = -1  # not our child: its exit code is not ours to read
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -486,13 +524,15 @@ class Sweep:
                 self.add_row(cfg, rate, "error", f"vLLM needs a model directory, got {a.model!r}")
             return
         if a.detach:
-            self.detach_server(cfg)
+            self.detach_server(cfg, rates)
             return
+        launched_at = None  # an attached server's launch, on the wall clock (it started in another process)
         if a.attach:
             adopted = self.attached_server(cfg, rates)
             if adopted is None:
                 return
-            server, port, log_path, t0 = adopted
+            server, log_path, launched_at = adopted
+            port, t0 = a.port, time.monotonic()
             info = self.servers[cfg.name]
         else:
             need = self.start_estimate_s() + self.point_estimate_s(rates[0])
@@ -524,8 +564,11 @@ class Sweep:
                 for rate in rates:
                     self.add_row(cfg, rate, "error", f"server failed to start: {err}\n{tail}")
                 return
-            info["start_s"] = round(time.monotonic() - t0, 1)
-            self.start_s_seen.append(info["start_s"])
+            if launched_at is None:
+                info["start_s"] = round(time.monotonic() - t0, 1)
+                self.start_s_seen.append(info["start_s"])
+            else:
+                info["start_s"] = round(time.time() - launched_at, 1)
             print(f"[sweep] {cfg.name} healthy after {info['start_s']} s", flush=True)
             if a.warmup_prompts > 0:
                 try:
@@ -556,47 +599,73 @@ class Sweep:
                 time.sleep(0.5)
             info["stopped"] = port_is_free(port) and server.poll() is not None
             info["log_tail"] = info.get("log_tail") or log_tail(log_path, 15)
+            if a.attach:  # measured and stopped: no later --attach may adopt this pid again
+                with contextlib.suppress(OSError):
+                    record = detached_record_path(a.log_dir, cfg.name)
+                    record.rename(record.with_name(record.name.replace(".detached.", ".stopped.")))
             self.write()
 
-    def detach_server(self, cfg: Config) -> None:
+    def detach_server(self, cfg: Config, rates: list[float]) -> None:
         """`--detach`: start the server in its own session and return at once, leaving a record for a
-        later `--attach` sweep (the device's next call) that measures on it. No rows: nothing is measured."""
+        later `--attach` sweep (the device's next call) that measures on it. No ok rows: nothing is measured."""
         a = self.args
         if not port_is_free(a.port):
-            raise SystemExit(f"--detach: port {a.port} on 127.0.0.1 is already in use")
+            for rate in rates:
+                self.add_row(cfg, rate, "error", f"--detach: port {a.port} on 127.0.0.1 is already in use")
+            return
         log_path = Path(a.log_dir) / f"server-{cfg.name}.log"
         cmd = self.server_command(cfg, a.port)
-        pid = start_detached(cmd, self.env_for(cfg.server), log_path)
-        record = {"command": shlex.join(cmd), "port": a.port, "pid": pid, "log": str(log_path),
+        env = self.env_for(cfg.server)
+        pid = start_detached(cmd, env, log_path)
+        record = {"command": shlex.join(cmd), "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+                  "port": a.port, "pid": pid, "start_ticks": process_start_ticks(pid), "log": str(log_path),
                   "started_at": time.time()}
         detached_record_path(a.log_dir, cfg.name).write_text(json.dumps(record) + "\n")
         self.servers[cfg.name] = {**record, "detached": True}
         print(f"[sweep] {cfg.name} started detached (pid {pid}, port {a.port}): {record['command']}", flush=True)
 
-    def attached_server(self, cfg: Config,
-                        rates: list[float]) -> tuple[DetachedServer, int, Path, float] | None:
-        """`--attach`: the server an earlier `--detach` sweep started for this configuration, checked to run
-        the very command this sweep would have started. Returns (server, port, log, start time on this
-        process's monotonic clock), or None after recording error rows."""
+    def attached_server(self, cfg: Config, rates: list[float]) -> tuple[DetachedServer, Path, float] | None:
+        """`--attach`: the server an earlier `--detach` sweep started for this configuration, checked to be
+        that process (pid and start time) running the very command, on the GPUs, this sweep would have
+        started. Returns (server, log, its launch time on the wall clock), or None after recording error
+        rows (a refused server is left as it is)."""
         a = self.args
+
+        def refuse(why: str) -> None:
+            for rate in rates:
+                self.add_row(cfg, rate, "error", f"--attach: {why}")
+
         path = detached_record_path(a.log_dir, cfg.name)
         try:
             record = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            for rate in rates:
-                self.add_row(cfg, rate, "error", f"--attach: no detached server record for {cfg.name} ({err})")
+            pid, log, started_at = int(record["pid"]), Path(record["log"]), float(record["started_at"])
+            start_ticks = record.get("start_ticks")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            refuse(f"no usable detached server record for {cfg.name} at {path} ({err!r})")
             return None
         expected = shlex.join(self.server_command(cfg, a.port))
         if record.get("command") != expected:
-            for rate in rates:
-                self.add_row(cfg, rate, "error", f"--attach: the detached server runs another command:\n"
-                                                 f"{record.get('command')}\nnot\n{expected}")
+            refuse(f"the detached server runs another command:\n{record.get('command')}\nnot\n{expected}")
             return None
-        server = DetachedServer(int(record["pid"]))
+        visible = self.env_for(cfg.server).get("CUDA_VISIBLE_DEVICES")
+        if record.get("cuda_visible_devices") != visible:
+            refuse(f"the detached server sees CUDA devices {record.get('cuda_visible_devices')!r}, this sweep "
+                   f"{visible!r}")
+            return None
+        server = DetachedServer(pid, start_ticks)
+        if server.poll() is not None:
+            refuse(f"the detached server (pid {pid}) is gone\n{log_tail(log)}")
+            return None
         self.servers[cfg.name] = {**record, "attached": True}
-        t0 = time.monotonic() - (time.time() - float(record["started_at"]))  # its start counts from the launch
-        print(f"[sweep] {cfg.name}: attached to pid {server.pid} on port {a.port}", flush=True)
-        return server, a.port, Path(record["log"]), t0
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/health", timeout=2) as resp:  # noqa: S310
+                healthy = resp.status == 200
+        except (OSError, urllib.error.URLError):
+            healthy = False
+        # already healthy: its start_s (from the launch) also counts the time between the two calls
+        self.servers[cfg.name]["healthy_at_attach"] = healthy
+        print(f"[sweep] {cfg.name}: attached to pid {pid} on port {a.port}", flush=True)
+        return server, log, started_at
 
     def run_point(self, cfg: Config, base_url: str, rate: float, server: subprocess.Popen | DetachedServer,
                   log_path: Path) -> None:
@@ -962,6 +1031,9 @@ def main(argv: list[str] | None = None) -> int:
         sweep.meta.update(configs={c.name: {"server": c.server, "flags": c.flags} for c in configs}, rates=rates)
         sweep.run(configs, rates)
     if args.detach:
+        if not sweep.servers:
+            print(f"[sweep] started nothing; wrote {args.output_json}", flush=True)
+            return 1
         print(f"[sweep] started {', '.join(sweep.servers)} detached; wrote {args.output_json}", flush=True)
         return 0
     ok = sum(r["status"] == "ok" for r in sweep.rows)

@@ -74,3 +74,8 @@ def test_qwen3_ratios_take_the_latest_run_of_each_config() -> None:
     assert t["fixed_ratio"] is None and t["met"] is False  # 2x < 3x; the skewed variant does not count
     [t] = qwen3_targets([row("vllm-offload24", 2, 40.0), row("q3-elastic", 2, 120.0)])
     assert t["met"] is True
+    # session 10 is later than session 8 of the same day (a string sort says otherwise)
+    [t] = qwen3_targets([row("vllm-offload24", 2, 40.0, run="2026-11-30-s10"),
+                         row("vllm-offload24", 2, 60.0, run="2026-11-30-s8"),
+                         row("q3-elastic", 2, 120.0)])
+    assert t["vllm_output"] == 40.0 and t["runs"]["vllm"] == "2026-11-30-s10"

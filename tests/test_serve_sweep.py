@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.serve_sweep import (  # noqa: E402
     ROW_FIELDS,
+    DetachedServer,
     counter_deltas,
     free_port,
     normalise_result,
@@ -27,8 +29,10 @@ from benchmarks.serve_sweep import (  # noqa: E402
     plot_series,
     point_error,
     port_is_free,
+    process_start_ticks,
     prompt_format_args,
     running_waiting,
+    start_detached,
 )
 
 
@@ -179,17 +183,21 @@ def test_detached_server_is_measured_by_a_later_attach(tiny_checkpoint, tmp_path
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     detach = subprocess.run([*base, "--detach", "--output-json", str(tmp_path / "d.json")],
                             capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
-    assert detach.returncode == 0, detach.stdout[-2000:] + detach.stderr[-2000:]
-    record = json.loads((logs / "server-static.detached.json").read_text())
-    assert json.loads((tmp_path / "d.json").read_text())["rows"] == []  # nothing measured by the launch
+    doc = json.loads((tmp_path / "d.json").read_text())
+    pid = doc["servers"].get("static", {}).get("pid")
     try:
-        os.kill(record["pid"], 0)  # outlived the sweep that started it
+        assert detach.returncode == 0, detach.stdout[-2000:] + detach.stderr[-2000:]
+        assert doc["rows"] == []  # nothing measured by the launch
+        record = json.loads((logs / "server-static.detached.json").read_text())
+        assert record["pid"] == pid and record["start_ticks"] == process_start_ticks(pid)
+        os.kill(pid, 0)  # outlived the sweep that started it
         other = subprocess.run([*base, "--attach", "--rimuru-args=--max-num-seqs 8", "--output-json",
                                 str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60, env=env,
                                cwd=REPO)
         assert other.returncode == 1
         (row,) = json.loads((tmp_path / "x.json").read_text())["rows"]
         assert row["status"] == "error" and "runs another command" in row["error"]
+        attach_began = time.time()
         attach = subprocess.run([*base, "--attach", "--output-json", str(tmp_path / "a.json")],
                                 capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
         assert attach.returncode == 0, attach.stdout[-3000:] + attach.stderr[-3000:]
@@ -197,8 +205,24 @@ def test_detached_server_is_measured_by_a_later_attach(tiny_checkpoint, tmp_path
         (row,) = doc["rows"]
         assert row["status"] == "ok" and row["completed"] == 3 and row["forward_steps"] > 0, row["error"]
         srv = doc["servers"]["static"]
-        assert srv["attached"] and srv["pid"] == record["pid"] and srv["start_s"] > 0 and srv["stopped"]
-        assert port_is_free(port)
+        assert srv["attached"] and srv["pid"] == pid and srv["stopped"] and port_is_free(port)
+        assert srv["start_s"] >= attach_began - record["started_at"]  # counted from the launch, not the attach
+        assert isinstance(srv["healthy_at_attach"], bool)
+        # consumed: a second attach finds no record rather than a pid that may name another process by then
+        assert not (logs / "server-static.detached.json").exists()
+        assert (logs / "server-static.stopped.json").exists()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(record["pid"], signal.SIGKILL)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_detached_server_that_exits_or_whose_pid_is_reused_counts_as_exited(tmp_path: Path) -> None:
+    # our own child: reaped, with its exit code (a zombie would otherwise look alive to kill(pid, 0))
+    pid = start_detached([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), tmp_path / "log")
+    server = DetachedServer(pid, process_start_ticks(pid))
+    assert server.wait(timeout=30) == 3 and server.poll() == 3
+    # a live pid whose start time differs from the record's names another process: not the server
+    me = process_start_ticks(os.getpid())
+    assert me is not None and DetachedServer(os.getpid(), me).poll() is None
+    assert DetachedServer(os.getpid(), me + 1).poll() == -1
