@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -31,16 +30,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import metadata, write_json  # noqa: E402
+from result_files import run_of, run_order  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LATENCIES = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 TTFT_P99_SLO_MS = 2000.0
-
-
-def run_order(run: str) -> tuple[str, int]:
-    """`2026-11-30-s10` after `2026-11-30-s8` (a string sort puts it first)."""
-    date, _, n = run.rpartition("-s")
-    return date, int(n)
 
 
 def load_rows(results: Path, qwen3: bool = False) -> list[dict[str, Any]]:
@@ -50,13 +44,13 @@ def load_rows(results: Path, qwen3: bool = False) -> list[dict[str, Any]]:
     for path in sorted(results.glob("*-serve-issue8-*-h200.json")):
         if ("qwen3" in path.name) != qwen3:
             continue
-        m = re.match(r"(\d{4}-\d{2}-\d{2}-s\d+)-", path.name)
-        if m is None:
+        run = run_of(path)
+        if run is None:
             continue
         doc = json.loads(path.read_text())
         for row in doc["rows"]:
             if row.get("status") == "ok":
-                rows.append({**row, "run": m.group(1), "label": row.get("label") or doc.get("label"),
+                rows.append({**row, "run": run, "label": row.get("label") or doc.get("label"),
                              "file": path.name})
     return sorted(rows, key=lambda r: run_order(r["run"]))  # stable: file order within a run
 

@@ -26,6 +26,8 @@ Configurations (add more with `--define NAME=rimuru:FLAGS` or `NAME=vllm:FLAGS`)
     static, fixed, elastic-paper, elastic-cost   rimuru serve --offload-mode ... [--adjuster paper|cost]
     vllm, vllm-unlimited                         vLLM's OpenAI server, --gpu-memory-utilization 0.229 | 0.9
 `--plot-from A.json [B.json ...] --plot out.png` only draws (throughput and TTFT p50 against rate).
+Beside it: sweep_processes.py (starting, detaching, adopting and stopping servers), sweep_plots.py (the
+plots), result_files.py (the run a committed result file's name says).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_plots import plot, plot_memory  # noqa: E402
+from sweep_processes import (  # noqa: E402
+    DetachedServer,
+    SweepError,
+    free_port,
+    is_healthy,
+    log_tail,
+    port_is_free,
+    process_start_ticks,
+    start_detached,
+    start_process,
+    stop_process,
+    wait_healthy,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ANCHOR_MODEL = Path("/tmp/anchor/qwen15moe")  # vllm-anchor's model folder (config.json + tokenizer)
@@ -80,10 +97,6 @@ ROW_FIELDS = (
 _SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
                  "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
                  "median_itl_ms", "p99_itl_ms")
-
-
-class SweepError(RuntimeError):
-    """A configuration or point that cannot run; recorded as an error row."""
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -220,169 +233,12 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     }
 
 
-# ---------------------------------------------------------------------------------------------- processes
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL if the sweep dies, so no server outlives a killed sweep."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """A child in its own process group (same session), output to log_path, killed if we die."""
-    log = open(log_path, "wb")  # noqa: SIM115 - closed by stop_process
-    try:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=REPO, process_group=0,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    except BaseException:
-        log.close()
-        raise
-    proc._sweep_log = log  # type: ignore[attr-defined]
-    return proc
-
-
-def process_stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields from the state on (index 0: state, 19: start time in clock ticks since boot),
-    or None when no such process exists. Raises OSError where there is no /proc (not Linux)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        if not Path("/proc/self/stat").exists():
-            raise
-        return None
-    return text[text.rindex(")") + 2:].split()
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """When the process started (ticks since boot): with the pid, it names one process, never a later one
-    that got the same pid. None where it cannot be read."""
-    try:
-        fields = process_stat(pid)
-    except OSError:
-        return None
-    return int(fields[19]) if fields else None
-
-
-class DetachedServer:
-    """A server started by an earlier sweep with `--detach` (its own session, so it outlived that sweep's
-    device call), adopted by `--attach`. Quacks like the Popen that stop_process, wait_healthy and
-    run_client use: poll / wait / returncode / pid (the pid is its process group's id, from setsid).
-    It has exited when it is gone, a zombie, or its pid now names another process (start time differs)."""
-
-    def __init__(self, pid: int, start_ticks: int | None) -> None:
-        self.pid = pid
-        self.start_ticks = start_ticks
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is not None:
-            return self.returncode
-        try:  # our own child (the test's case): reap it, so its exit is seen
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
-                return self.returncode
-        except ChildProcessError:
-            pass  # not our child (a server from an earlier call): init reaps it
-        try:
-            fields = process_stat(self.pid)
-        except OSError:  # no /proc: only whether the pid exists
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self.returncode = -1
-            return self.returncode
-        if fields is None or fields[0] == "Z" or (self.start_ticks is not None and int(fields[19]) != self.start_ticks):
-            self.returncode = -1  # not our child: its exit code is not ours to read
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
-            time.sleep(0.2)
-        return self.returncode  # type: ignore[return-value]
-
-
-def start_detached(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
-    """A server in a new session that outlives this process (no death signal); returns its pid."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=REPO, start_new_session=True)
-    return proc.pid
+# ---------------------------------------------------------------------------------------------- sweep
 
 
 def detached_record_path(log_dir: str, name: str) -> Path:
+    """Where `--detach` leaves what `--attach` needs to adopt its server (pid, start time, command, GPUs)."""
     return Path(log_dir) / f"server-{name}.detached.json"
-
-
-def stop_process(proc: subprocess.Popen | DetachedServer | None, grace_s: float = 20.0) -> None:
-    """SIGTERM to the whole process group (vLLM's engine core too), SIGKILL after grace_s."""
-    if proc is None:
-        return
-    try:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, even when the leader exited
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-    finally:
-        log = getattr(proc, "_sweep_log", None)
-        if log is not None:
-            log.close()
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def port_is_free(port: int) -> bool:
-    """Nothing listens on 127.0.0.1:port (SO_REUSEADDR: closed connections in TIME_WAIT do not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(base_url: str, proc: subprocess.Popen | DetachedServer, timeout_s: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SweepError(f"server exited with code {proc.returncode} before /health answered")
-        try:
-            with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:  # noqa: S310 - 127.0.0.1 only
-                if resp.status == 200:
-                    return
-        except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(0.5)
-    raise SweepError(f"/health did not answer 200 within {timeout_s:.0f} s")
-
-
-# ---------------------------------------------------------------------------------------------- sweep
 
 
 @dataclass
@@ -657,13 +513,8 @@ class Sweep:
             refuse(f"the detached server (pid {pid}) is gone\n{log_tail(log)}")
             return None
         self.servers[cfg.name] = {**record, "attached": True}
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/health", timeout=2) as resp:  # noqa: S310
-                healthy = resp.status == 200
-        except (OSError, urllib.error.URLError):
-            healthy = False
         # already healthy: its start_s (from the launch) also counts the time between the two calls
-        self.servers[cfg.name]["healthy_at_attach"] = healthy
+        self.servers[cfg.name]["healthy_at_attach"] = is_healthy(f"http://127.0.0.1:{a.port}")
         print(f"[sweep] {cfg.name}: attached to pid {pid} on port {a.port}", flush=True)
         return server, log, started_at
 
@@ -783,108 +634,6 @@ def sweep_metadata(args: argparse.Namespace, command: str) -> dict[str, Any]:
         return {"benchmark": "serve_sweep", "metadata_error": str(err)[:500],
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "git_commit": os.environ.get("RIMURU_COMMIT", "unknown"), **extra}
-
-
-# ---------------------------------------------------------------------------------------------- plot
-
-
-def run_tag(path: Path) -> str | None:
-    """The session of a committed results file (`DATE-sN-...` -> `sN`), or None."""
-    m = re.search(r"\d{4}-\d{2}-\d{2}-(s\d+)-", Path(path).name)
-    return m.group(1) if m else None
-
-
-def plot_series(json_paths: list[Path]) -> dict[str, list[tuple[float, float, float]]]:
-    """Line name -> (rate, output tok/s, TTFT p50 ms) of the ok rows. One line per configuration and label;
-    where files of several runs hold the same one, one line per run, so rows measured by different code
-    never join into one line."""
-    by_run: dict[str, dict[str | None, list[tuple[float, float, float]]]] = {}
-    for path in json_paths:
-        doc = json.loads(Path(path).read_text())
-        for row in doc["rows"]:
-            if row.get("status") != "ok":
-                continue
-            key = row["config"] + (f" ({row['label']})" if row.get("label") else "")
-            by_run.setdefault(key, {}).setdefault(run_tag(path), []).append(
-                (row["rate"], row["output_throughput"], row["median_ttft_ms"]))
-    return {(f"{key} {run}" if len(runs) > 1 and run else key): sorted(pts)
-            for key, runs in by_run.items() for run, pts in runs.items()}
-
-
-def plot(json_paths: list[Path], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = plot_series(json_paths)
-    if not series:
-        raise SystemExit("no ok rows to plot")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, pts in sorted(series.items()):
-        pts.sort()
-        rates = [p[0] for p in pts]
-        ax1.plot(rates, [p[1] for p in pts], marker="o", label=key)
-        ax2.plot(rates, [p[2] / 1e3 for p in pts], marker="o", label=key)
-    ax1.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="Output throughput")
-    ax2.set(xlabel="request rate (req/s)", ylabel="TTFT p50 (s)", title="TTFT p50", yscale="log")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-    ax1.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    print(f"wrote {out}")
-
-
-def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
-    """The memory split over time at one rate, one panel per configuration. Rimuru: the pool's bytes held by
-    experts (resident and load buffers), by KV pages, and free (stacked), with running and waiting requests;
-    vLLM: its KV-cache usage with running and waiting (it exposes no byte split)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = []
-    for path in json_paths:
-        run = run_tag(path)
-        for row in json.loads(Path(path).read_text())["rows"]:
-            tl = row.get("timeline") or {}
-            if row.get("status") == "ok" and float(row["rate"]) == float(rate) and tl.get("t"):
-                rows.append({**row, "run": run})
-    if not rows:
-        raise SystemExit(f"no ok rows with a timeline at {rate} req/s")
-    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.8 * len(rows)), squeeze=False)
-    gib = 2**30
-    for ax, row in zip(axes[:, 0], rows, strict=True):
-        tl = row["timeline"]
-        t = tl["t"]
-        name = row["config"] + (f" ({row['label']})" if row.get("label") else "")
-        if tl.get("expert_bytes_used") and tl.get("kv_bytes_used"):
-            parts = [("experts", tl["expert_bytes_used"]), ("KV cache", tl["kv_bytes_used"]),
-                     ("free", tl.get("pool_free_bytes") or [0] * len(t))]
-            ax.stackplot(t, *[[(v or 0) / gib for v in vals] for _, vals in parts], labels=[p[0] for p in parts],
-                         alpha=0.7)
-            ax.set_ylabel("pool (GiB)")
-        elif tl.get("kv_cache_usage"):
-            ax.plot(t, [100 * (v or 0) for v in tl["kv_cache_usage"]], color="tab:orange", label="KV cache used")
-            ax.set_ylabel("KV cache (%)")
-        twin = ax.twinx()
-        for key, style in (("running", "-"), ("waiting", "--")):
-            if tl.get(key):
-                twin.plot(t, [v or 0 for v in tl[key]], style, color="black", linewidth=1, label=key)
-        twin.set_ylabel("requests")
-        ax.set_title(f"{name} at {rate:g} req/s" + (f", run {row['run']}" if row["run"] else ""))
-        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-        labels = ax.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
-        ax.legend(handles, labels, fontsize=7, loc="upper right")
-        ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("time in the point (s)")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -17,22 +17,26 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # the sweep's own modules, as the script sees them
+
+from sweep_plots import plot_series  # noqa: E402
+from sweep_processes import (  # noqa: E402
+    DetachedServer,
+    free_port,
+    port_is_free,
+    process_start_ticks,
+    start_detached,
+)
 
 from benchmarks.serve_sweep import (  # noqa: E402
     ROW_FIELDS,
-    DetachedServer,
     counter_deltas,
-    free_port,
     normalise_result,
     parse_configs,
     parse_prometheus,
-    plot_series,
     point_error,
-    port_is_free,
-    process_start_ticks,
     prompt_format_args,
     running_waiting,
-    start_detached,
 )
 
 
