@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check rimuru tests benchmarks
+	$(BIN)/ruff check rimuru tests benchmarks scripts
 	$(BIN)/python -m pytest tests
 
 # The main job: a tiny demo MoE checkpoint served in each offload mode, replayed with ShareGPT (CPU without a GPU).
@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/python -m rimuru.demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check rimuru tests benchmarks
+	$(BIN)/ruff check rimuru tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
