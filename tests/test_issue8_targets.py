@@ -70,8 +70,10 @@ def test_qwen3_ratios_take_the_latest_run_of_each_config() -> None:
             row("q3-fixed", 1, 80.0), row("q3-elastic", 1, 95.0)]
     [t] = qwen3_targets(rows)  # 1 req/s has no vLLM row: no target there
     assert t["rate"] == 2.0 and t["elastic_output"] == 120.0 and t["elastic_ratio"] == pytest.approx(2.0)
-    assert t["runs"] == {"vllm": "2026-11-30-s8", "elastic": "2026-11-30-s7", "fixed": None}
+    assert t["runs"] == {"vllm": "2026-11-30-s8", "elastic": "2026-11-30-s7", "fixed": None,
+                         "elastic_zipf1.0": "2026-12-01-s8"}
     assert t["fixed_ratio"] is None and t["met"] is False  # 2x < 3x; the skewed variant does not count
+    assert t["elastic_zipf1.0_ratio"] == pytest.approx(500.0 / 60.0)  # reported beside it
     [t] = qwen3_targets([row("vllm-offload24", 2, 40.0), row("q3-elastic", 2, 120.0)])
     assert t["met"] is True
     # session 10 is later than session 8 of the same day (a string sort says otherwise)
