@@ -60,7 +60,7 @@ def load_rows(results: Path, qwen3: bool = False) -> list[dict[str, Any]]:
 # how much of the gap skew alone closes (real MoE routing is skewed, but not by a law we chose)
 QWEN3_CONFIGS = {"elastic": "q3-elastic", "fixed": "q3-fixed", "elastic_zipf1.0": "q3-elastic-zipf1.0",
                  "vllm": "vllm-offload24"}
-QWEN3_OURS = ("elastic", "fixed", "elastic_zipf1.0")
+QWEN3_OURS = tuple(name for name in QWEN3_CONFIGS if name != "vllm")  # the Rimuru configurations, in order
 QWEN3_TARGET = 3.0
 
 
