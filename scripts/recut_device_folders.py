@@ -5,9 +5,10 @@ Why: the device tool refuses a call whose tracked tree plus carried paths exceed
 58 MB; with the committed results the tree grew to ~17 MiB (2026-11-30), so a 58 MB folder no longer fits.
 
 Layout kept for gpu-install.sh, which, in /tmp/w, joins every `NAME.part00` family with `cat NAME.part* > NAME`:
-a piece larger than --max-mib is cut again into `NAME.partKK`, `NAME.partKK_1`, `NAME.partKK_2`, ... Those names
-sort (in any locale: `_` and digits both sort after the end of a shorter name and `0-9` < `_`) right after
-`NAME.partKK` and before `NAME.partKK+1`, so `cat NAME.part*` still joins the bytes in order. Whole files are
+a piece larger than --max-mib is cut again into `NAME.partKK`, `NAME.partKK_01`, `NAME.partKK_02`, ... (two
+digits, so `_10` cannot sort before `_02`). Those names sort right after `NAME.partKK` and before `NAME.partKK+1`
+(in the C locale `0-9` < `_`; a locale that ignores `_` compares `partKK01` with `partKK+1`, the same order), so
+`cat NAME.part*` still joins the bytes in order. Whole files are
 packed first-fit by decreasing size; gpu-install.sh goes into the last folder, which must be copied last.
 
     python3 scripts/recut_device_folders.py [--max-mib 40]
@@ -44,8 +45,11 @@ def cut(files: list[Path], limit: int) -> list[Piece]:
             continue
         if ".whl.part" not in f.name:
             raise SystemExit(f"{f} is larger than {limit} bytes and is not a .whl.part piece that gpu-install.sh joins")
-        for k, off in enumerate(range(0, size, limit)):
-            pieces.append(Piece(f.name + (f"_{k}" if k else ""), f, off, min(limit, size - off)))
+        offsets = range(0, size, limit)
+        if len(offsets) > 100:
+            raise SystemExit(f"{f} would need {len(offsets)} pieces of {limit} bytes; at most 100 keep their order")
+        for k, off in enumerate(offsets):
+            pieces.append(Piece(f.name + (f"_{k:02d}" if k else ""), f, off, min(limit, size - off)))
     return pieces
 
 

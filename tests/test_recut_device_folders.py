@@ -22,6 +22,16 @@ spec.loader.exec_module(recut_mod)
 JOIN = 'for p in *.part00; do [ -e "$p" ] || continue; b=${p%.part00}; cat "$b".part* > "$b"; rm "$b".part*; done'
 
 
+def copy_and_join(folders: list[Path], w: Path) -> Path:
+    """What the device does: every folder's files copied into one place, then gpu-install.sh's join."""
+    w.mkdir()
+    for d in folders:
+        for f in d.iterdir():
+            shutil.copy(f, w / f.name)
+    subprocess.run(["bash", "-c", JOIN], cwd=w, check=True, env={**os.environ, "LC_ALL": "C"})
+    return w
+
+
 def _split(data: bytes, size: int) -> list[bytes]:
     return [data[i:i + size] for i in range(0, len(data), size)]
 
@@ -40,16 +50,21 @@ def test_recut_reassembles_and_fits(tmp_path: Path) -> None:
     out = recut_mod.recut(tmp_path, limit=400)
     assert all(sum(f.stat().st_size for f in d.iterdir() if f.name != "gpu-install.sh") <= 400 for d in out)
     assert (out[-1] / "gpu-install.sh").exists() and not any((d / "gpu-install.sh").exists() for d in out[:-1])
-    w = tmp_path / "w"
-    w.mkdir()
-    for d in out:
-        for f in d.iterdir():
-            shutil.copy(f, w / f.name)
-    subprocess.run(["bash", "-c", JOIN], cwd=w, check=True, env={**os.environ, "LC_ALL": "C"})
+    w = copy_and_join(out, tmp_path / "w")
     assert (w / "a.whl").read_bytes() == big
     assert (w / "b.whl").read_bytes() == other
     assert (w / "small.whl").read_bytes() == b"s" * 300
     assert not list(w.glob("*.part*"))
+
+
+def test_a_part_cut_into_more_than_ten_pieces_joins_in_order(tmp_path: Path) -> None:
+    data = os.urandom(2300)  # one part cut into 12 pieces of 200: _10 and _11 must not sort before _02
+    (tmp_path / ".vc01").mkdir()
+    (tmp_path / ".vc01" / "c.whl.part00").write_bytes(data)
+    (tmp_path / ".vc01" / "gpu-install.sh").write_bytes(b"")
+    out = recut_mod.recut(tmp_path, limit=200)
+    w = copy_and_join(out, tmp_path / "w")
+    assert (w / "c.whl").read_bytes() == data
 
 
 def test_recut_refuses_a_large_file_that_is_no_part(tmp_path: Path) -> None:
