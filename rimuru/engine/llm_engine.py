@@ -194,6 +194,15 @@ class LLMEngine:
             return int(self.tokenizer.eos_token_id)
         return self.spec.eos_token_id[0] if self.spec.eos_token_id else None
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: [0, vocab_size)."""
+        return self.spec.vocab_size
+
+    def step_profile_report(self) -> dict[str, Any] | None:
+        """The step profiler's report (engine/step_profiler.py), None when it was never enabled."""
+        return self.step_profiler.report() if self.step_profiler is not None else None
+
     def max_kv_pages(self) -> int:
         """KV pages the pool could ever give requests (every allowed expert evicted)."""
         return self.parts.max_kv_pages
