@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rimuru.kernels.launch import next_pow2
 from rimuru.kernels.moe_align import MoeAlignment, moe_align
 
 try:
@@ -183,7 +184,7 @@ def _run(
     inter = torch.empty(align.max_blocks * cfg.block_m, f, dtype=hidden.dtype, device=hidden.device)
     # One output row per assignment; with k == 1 that is already [T, d].
     per_assign = out if k == 1 else torch.empty(n, d, dtype=hidden.dtype, device=hidden.device)
-    block_e = triton.next_power_of_2(E)
+    block_e = next_pow2(E)
     common = dict(
         PAGED=paged, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rimuru.kernels.launch import next_pow2
+
 try:
     import triton
     import triton.language as tl
@@ -112,14 +114,14 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoeAlignment:
         return moe_align_torch(topk_ids, num_experts, block_m)
     max_blocks = max_blocks_bound(n, num_experts, block_m)
     max_padded = max_blocks * block_m
-    block_e = triton.next_power_of_2(num_experts + 1)
+    block_e = next_pow2(num_experts + 1)
     # One allocation for the three int32 outputs/scratch (each torch.empty costs host time per call):
     #   buf = | sorted_ids [max_padded] | block_end [E] | delta [BLOCK_E] |
     buf = torch.empty(max_padded + num_experts + block_e, dtype=torch.int32, device=topk_ids.device)
     sorted_ids = buf[:max_padded]
     block_end = buf[max_padded : max_padded + num_experts]
     delta = buf[max_padded + num_experts :]
-    block_n = max(16, triton.next_power_of_2(n))
+    block_n = max(16, next_pow2(n))
     fill = 1024
     # A bound on max_padded that depends only on the constexprs, so the fill loop stays constexpr.
     fill_bound = triton.cdiv(max_blocks_bound(block_n, num_experts, block_m) * block_m, fill) * fill

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rimuru.kernels.launch import next_pow2
+
 try:  # the CPU build of torch comes without Triton: the module must import without it
     import triton
     import triton.language as tl
@@ -338,10 +340,6 @@ if triton is not None:
         tl.store(dst + stride_kv_kind + dst_offs, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def _check_inner_contiguous(name: str, t: Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last (head_dim) dimension, got strides {t.stride()}")
@@ -358,7 +356,7 @@ def write_kv_triton(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        H_PAD=_next_pow2(num_kv_heads), D_PAD=_next_pow2(head_dim),
+        H_PAD=next_pow2(num_kv_heads), D_PAD=next_pow2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2],
     )  # fmt: skip
 
@@ -393,9 +391,9 @@ def plan_launch(
     # Pack ~128 rows (tokens x grouped heads) per prefill tile (64 in fp32, for shared memory);
     # decode uses one token per tile.
     target_rows = 128 if elem_size <= 2 else 64
-    block_q = max(1, min(_next_pow2(max_query_len), max(1, target_rows // group)))
-    block_m = _next_pow2(max(16, block_q * group))
-    d_pad = _next_pow2(max(16, head_dim))
+    block_q = max(1, min(next_pow2(max_query_len), max(1, target_rows // group)))
+    block_m = next_pow2(max(16, block_q * group))
+    d_pad = next_pow2(max(16, head_dim))
     block_n = 64 if d_pad <= 128 and elem_size <= 2 else 32
     if block_m * d_pad > 128 * 128:
         block_n = 32
@@ -405,7 +403,7 @@ def plan_launch(
     num_splits = 1
     if max_query_len <= 16 and programs < 2 * num_sms:
         # Flash-decoding: enough splits to fill the GPU ~twice; empty splits exit at once.
-        num_splits = min(32, _next_pow2(-(-2 * num_sms // programs)))
+        num_splits = min(32, next_pow2(-(-2 * num_sms // programs)))
     return LaunchPlan(
         block_q=block_q, block_m=block_m, block_n=block_n, d_pad=d_pad, num_splits=num_splits,
         num_q_tiles=num_q_tiles, num_warps=8 if block_m * d_pad >= 128 * 128 else 4,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rimuru.kernels.launch import next_pow2
 from rimuru.kernels.rounding import round_to
 
 try:  # the CPU build of torch comes without Triton: the module must import without it
@@ -95,10 +96,6 @@ if triton is not None:
         tl.store(out_ptr + rows64[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def _rows(t: Tensor) -> Tensor:
     """[..., N] as [R, N] with a contiguous last dim (a view whenever the layout allows)."""
     t = t if t.stride(-1) == 1 else t.contiguous()
@@ -114,7 +111,7 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> t
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if num_rows == 0:
         return out, res_out
-    block_n = _next_pow2(n)
+    block_n = next_pow2(n)
     block_r = max(1, min(16, 2048 // block_n))
     tile = block_r * block_n
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](

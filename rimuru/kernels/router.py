@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rimuru.kernels.launch import next_pow2
+
 try:  # the CPU build of torch comes without Triton: the module must import without it
     import triton
     import triton.language as tl
@@ -81,10 +83,6 @@ if triton is not None:
         tl.store(ids_ptr + t * TOP_K + offs_k, id_out, mask=kmask)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def route_topk_triton(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
     """The Triton kernel on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1)."""
     num_tokens, num_experts = logits.shape
@@ -98,10 +96,10 @@ def route_topk_triton(logits: Tensor, bias: Tensor, top_k: int, renormalize: boo
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     if num_tokens == 0:
         return weights, ids
-    block_e = _next_pow2(num_experts)
+    block_e = next_pow2(num_experts)
     _route_topk_kernel[(num_tokens,)](
         logits, bias.contiguous(), weights, ids, logits.stride(0),
-        E=num_experts, BLOCK_E=block_e, TOP_K=top_k, K_PAD=_next_pow2(top_k), RENORMALIZE=renormalize,
+        E=num_experts, BLOCK_E=block_e, TOP_K=top_k, K_PAD=next_pow2(top_k), RENORMALIZE=renormalize,
         num_warps=1 if block_e <= 256 else 4,
     )  # fmt: skip
     return weights, ids
