@@ -50,14 +50,14 @@ from rimuru.kernels.rmsnorm import (  # noqa: E402
     rms_norm_reference,
     rms_norm_triton,
 )
-from rimuru.kernels.router import route_topk_reference, route_topk_triton  # noqa: E402
-from rimuru.models.rotary import (  # noqa: E402
-    RotaryEmbedding,
+from rimuru.kernels.rotary import (  # noqa: E402
     apply_rotary,
     apply_rotary_qk_triton,
     cos_sin_reference,
     cos_sin_triton,
 )
+from rimuru.kernels.router import route_topk_reference, route_topk_triton  # noqa: E402
+from rimuru.models.rotary import RotaryEmbedding  # noqa: E402
 
 HBM_GBPS = 4260.0
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 16, 16, 128

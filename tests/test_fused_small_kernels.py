@@ -14,8 +14,8 @@ from torch import Tensor
 
 import rimuru.kernels.activation as activation
 import rimuru.kernels.rmsnorm as rmsnorm
+import rimuru.kernels.rotary as rotary
 import rimuru.kernels.router as router
-import rimuru.models.rotary as rotary
 from rimuru.kernels.activation import (
     sigmoid_mul_add,
     sigmoid_mul_add_reference,
@@ -28,8 +28,9 @@ from rimuru.kernels.rmsnorm import (
     rms_norm,
     rms_norm_reference,
 )
+from rimuru.kernels.rotary import apply_rotary, apply_rotary_qk, cos_sin_reference
 from rimuru.kernels.router import route_topk, route_topk_reference
-from rimuru.models.rotary import RotaryEmbedding, apply_rotary, apply_rotary_qk, cos_sin_reference
+from rimuru.models.rotary import RotaryEmbedding
 from rimuru.testing.triton_interpreter import run_under_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,8 +233,8 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from rimuru.kernels.activation import sigmoid_mul_add_triton, silu_and_mul_triton
     from rimuru.kernels.rmsnorm import fused_add_rms_norm_triton, rms_norm_triton
+    from rimuru.kernels.rotary import apply_rotary_qk_triton, cos_sin_triton
     from rimuru.kernels.router import route_topk_triton
-    from rimuru.models.rotary import apply_rotary_qk_triton, cos_sin_triton
     import test_fused_small_kernels as t
     t.check_rms_norm(rms_norm_triton, fused_add_rms_norm_triton, "cpu", t._NORM_SHAPES)
     t.check_route(route_topk_triton, "cpu")

@@ -10,9 +10,9 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from rimuru.kernels.paged_attention import paged_attention, write_kv
+from rimuru.kernels.rotary import apply_rotary_qk
 from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.layers import MergedLinear
-from rimuru.models.rotary import apply_rotary_qk
 
 
 class Attention(nn.Module):

@@ -1,0 +1,199 @@
+"""Rotary position embedding kernels (the 'default' rope type: rotate-half over the full head dim).
+
+Per step, the model computes each token's angles once; every attention layer rotates its q and k:
+
+    cos_sin(positions [T], inv_freq [D/2], dtype)
+                                        freqs = fp32(positions) x inv_freq    [T, D/2] fp32
+                                        cos, sin = cos(freqs), sin(freqs) rounded to dtype, each [T, D/2]
+    apply_rotary_qk(q, k, cos, sin)     q [T, Hq, D], k [T, Hkv, D]: each head's pairs (x[i], x[i + D/2])
+                                        become (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+
+On CUDA each is ONE Triton launch (instead of 6 and 2 x 7 torch kernels) that reproduces the torch
+expressions bit for bit: fp32 cos/sin (libdevice's cosf/sinf, the functions torch's CUDA kernels compile
+to) rounded to the dtype, then the rotation rounded where torch rounds each op:
+round(round(x1 * cos) - round(x2 * sin)), round(round(x2 * cos) + round(x1 * sin))
+(rimuru/kernels/rounding.py). q and k may have strided tokens and heads (views of a projection); the
+head dim must be contiguous. Outputs are new contiguous tensors. Grids depend on shapes only: CUDA-graph
+capturable. CPU tensors take the torch code (the reference). The module (frequencies, rope config checks)
+is rimuru/models/rotary.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rimuru.kernels.launch import next_pow2
+
+try:  # the CPU build of torch comes without Triton: the module must import without it
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    libdevice = None
+
+if triton is not None:  # round_to is a Triton function: it exists only where Triton does
+    from rimuru.kernels.rounding import round_to
+
+__all__ = [
+    "apply_rotary",
+    "apply_rotary_qk",
+    "apply_rotary_qk_triton",
+    "cos_sin",
+    "cos_sin_reference",
+    "cos_sin_triton",
+]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------- torch
+
+
+def cos_sin_reference(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the pairs (x[i], x[i + D/2]) of every head by the position's angle."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]
+
+
+# ---------------------------------------------------------------------------------------------- Triton
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num_tokens"])  # one compiled variant for every token count
+    def _cos_sin_kernel(
+        pos_ptr,  # [T] integer
+        inv_freq_ptr,  # [HALF] fp32
+        cos_ptr,  # [T, HALF] contiguous
+        sin_ptr,  # [T, HALF] contiguous
+        num_tokens,
+        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        PRECISE: tl.constexpr,
+    ):
+        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+        offs = tl.arange(0, HALF_PAD)
+        mask = (toks < num_tokens)[:, None] & (offs < HALF)[None, :]
+        pos = tl.load(pos_ptr + toks, mask=toks < num_tokens, other=0).to(tl.float32)  # [BT]
+        freqs = pos[:, None] * tl.load(inv_freq_ptr + offs, mask=offs < HALF, other=0.0)[None, :]  # [BT, HP]
+        if PRECISE:  # CUDA: cosf / sinf, as torch's kernels
+            c, s = libdevice.cos(freqs), libdevice.sin(freqs)
+        else:  # interpreter: numpy's (libdevice has no interpreter implementation)
+            c, s = tl.cos(freqs), tl.sin(freqs)
+        dtype = cos_ptr.dtype.element_ty
+        dst = toks.to(tl.int64)[:, None] * HALF + offs[None, :]
+        tl.store(cos_ptr + dst, round_to(c, dtype).to(dtype), mask=mask)
+        tl.store(sin_ptr + dst, round_to(s, dtype).to(dtype), mask=mask)
+
+    @triton.jit
+    def _rotate_heads(
+        x_ptr, out_ptr, t, stride_t, stride_h, c, s,
+        H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    ):  # fmt: skip
+        """Token t's H heads of x [T, H, 2 * HALF] -> out (contiguous); c, s [1, HALF_PAD] fp32."""
+        offs_h = tl.arange(0, H_PAD)
+        offs_d = tl.arange(0, HALF_PAD)
+        mask = (offs_h < H)[:, None] & (offs_d < HALF)[None, :]
+        src = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]  # [H_PAD, HALF_PAD]
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        o1 = round_to(round_to(x1 * c, dtype) - round_to(x2 * s, dtype), dtype)
+        o2 = round_to(round_to(x2 * c, dtype) + round_to(x1 * s, dtype), dtype)
+        dst = out_ptr + t * (H * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        tl.store(dst, o1.to(dtype), mask=mask)
+        tl.store(dst + HALF, o2.to(dtype), mask=mask)
+
+    @triton.jit
+    def _rotary_qk_kernel(
+        q_ptr,  # [T, HQ, 2 * HALF] strided tokens / heads
+        k_ptr,  # [T, HK, 2 * HALF]
+        cos_ptr,  # [T, HALF] rows stride_c apart
+        sin_ptr,  # [T, HALF] rows stride_s apart
+        q_out_ptr,  # [T, HQ, 2 * HALF] contiguous
+        k_out_ptr,  # [T, HK, 2 * HALF] contiguous
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_c,
+        stride_s,
+        HQ: tl.constexpr,
+        HQ_PAD: tl.constexpr,
+        HK: tl.constexpr,
+        HK_PAD: tl.constexpr,
+        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        offs_d = tl.arange(0, HALF_PAD)
+        c = tl.load(cos_ptr + t * stride_c + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + t * stride_s + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, c, s, HQ, HQ_PAD, HALF, HALF_PAD)
+        _rotate_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, c, s, HK, HK_PAD, HALF, HALF_PAD)
+
+
+def cos_sin_triton(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The Triton kernel on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1)."""
+    num_tokens, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(num_tokens, half, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if num_tokens:
+        block_t = 16
+        _cos_sin_kernel[(triton.cdiv(num_tokens, block_t),)](
+            positions.contiguous(), inv_freq.contiguous(), cos, sin, num_tokens,
+            HALF=half, HALF_PAD=next_pow2(half), BLOCK_T=block_t, PRECISE=positions.is_cuda,
+            num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    return cos, sin
+
+
+def apply_rotary_qk_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or cos.shape != (num_tokens, half) or sin.shape != cos.shape:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, "
+                         f"sin {tuple(sin.shape)}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens:
+        _rotary_qk_kernel[(num_tokens,)](
+            q, k, cos, sin, q_out, k_out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+            HQ=num_q_heads, HQ_PAD=next_pow2(num_q_heads), HK=num_kv_heads, HK_PAD=next_pow2(num_kv_heads),
+            HALF=half, HALF_PAD=next_pow2(half), num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    return q_out, k_out
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+
+
+def cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of every (position, frequency), each [T, D/2]: one Triton launch on CUDA, the torch
+    reference elsewhere."""
+    if triton is not None and positions.is_cuda and dtype in _KERNEL_DTYPES:
+        return cos_sin_triton(positions, inv_freq, dtype)
+    return cos_sin_reference(positions, inv_freq, dtype)
+
+
+def apply_rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """apply_rotary to q [T, Hq, D] and k [T, Hkv, D]: one Triton launch on CUDA, the torch code elsewhere."""
+    kernel_ok = q.dtype in _KERNEL_DTYPES and q.dtype == k.dtype == cos.dtype == sin.dtype
+    if triton is not None and q.is_cuda and kernel_ok and q.shape[-1] % 2 == 0:
+        return apply_rotary_qk_triton(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
