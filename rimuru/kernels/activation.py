@@ -23,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rimuru.kernels.rounding import round_to
-
 try:  # the CPU build of torch comes without Triton: the module must import without it
     import triton
     import triton.language as tl
@@ -33,6 +31,9 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
     libdevice = None
+
+if triton is not None:  # round_to is a Triton function: it exists only where Triton does
+    from rimuru.kernels.rounding import round_to
 
 __all__ = [
     "sigmoid_mul_add",

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from rimuru.kernels.launch import next_pow2
-from rimuru.kernels.rounding import round_to
 
 try:  # the CPU build of torch comes without Triton: the module must import without it
     import triton
@@ -32,6 +31,9 @@ try:  # the CPU build of torch comes without Triton: the module must import with
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
+
+if triton is not None:  # round_to is a Triton function: it exists only where Triton does
+    from rimuru.kernels.rounding import round_to
 
 __all__ = [
     "fused_add_rms_norm",
