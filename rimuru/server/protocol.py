@@ -20,7 +20,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -46,12 +46,33 @@ class _SamplingFields(BaseModel):
     best_of: int | None = None
     user: str | None = None
 
+    def token_limit(self) -> int | None:
+        """The most tokens to generate for each choice; None: up to the model's context."""
+        raise NotImplementedError
 
-class CompletionRequest(_SamplingFields):
+    def unsupported(self) -> list[str]:
+        """The fields set to a value this server cannot honour."""
+        bad = {
+            "logprobs": self.logprobs not in (None, False, 0),
+            "presence_penalty": self.presence_penalty not in (None, 0.0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "best_of": self.best_of not in (None, self.n),
+        }
+        return [name for name, is_bad in bad.items() if is_bad]
+
+
+class CompletionRequest(GenerationRequest):
     prompt: PromptInput
     max_tokens: int | None = 16
     echo: bool = False
     suffix: str | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def unsupported(self) -> list[str]:
+        return super().unsupported() + (["echo"] if self.echo else []) + (["suffix"] if self.suffix else [])
 
 
 class ContentPart(BaseModel):
@@ -73,20 +94,14 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
 
-    def token_limit(self) -> int | None:
+    def token_limit(self) -> int | None:  # OpenAI's newer name wins over the deprecated one
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
 
 
 class ModelCard(BaseModel):

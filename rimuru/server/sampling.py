@@ -1,0 +1,57 @@
+"""OpenAI request -> engine `SamplingParams`, with the checks that give a client a precise 400.
+
+The engine checks the same limits again when a request is added; checking here first lets the error
+name the OpenAI parameter (`param`) and use OpenAI's codes (`context_length_exceeded`).
+"""
+
+from __future__ import annotations
+
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.server.errors import APIError
+from rimuru.server.protocol import GenerationRequest
+
+
+def reject_unsupported(req: GenerationRequest) -> None:
+    bad = req.unsupported()
+    if bad:
+        raise APIError(400, f"'{bad[0]}' is not supported by this server", param=bad[0], code="unsupported")
+
+
+def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: int, choice: int) -> SamplingParams:
+    """The params of one choice (`choice` in [0, n)) of one prompt; each choice gets its own seed so that
+    n seeded choices differ from each other and still repeat across identical requests."""
+    max_tokens = req.token_limit()
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
+                       code="invalid_value")
+    if prompt_len >= max_model_len:
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens; this model's maximum context length is {max_model_len} tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+            f"maximum context length of {max_model_len} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    try:
+        return SamplingParams(
+            n=1,  # the server adds one engine request per choice
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            seed=None if req.seed is None else req.seed + choice,
+            max_tokens=max_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc

@@ -1,0 +1,71 @@
+"""Server-sent events of one streamed response: each engine output becomes the delta the client lacks.
+
+    data: {chunk of choice i}      one per engine output that adds tokens (or finishes its choice)
+    data: {chunk, no choice, usage}  only with stream_options.include_usage
+    data: [DONE]
+
+Once the first event is out the HTTP status is sent, so a failure is reported in-band as an OpenAI
+error body, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from rimuru.engine.outputs import RequestOutput
+from rimuru.server.async_engine import EngineDeadError, RequestStream
+from rimuru.server.errors import error_body
+from rimuru.server.responses import Body, ChoiceDelta, ResponseHead, usage_info
+
+Chunk = Callable[[ResponseHead, ChoiceDelta | None, Body | None], Body]
+
+
+def sse(payload: Body | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def event_stream_response(events: AsyncIterator[str]) -> StreamingResponse:
+    # X-Accel-Buffering: a proxy (nginx) in front must pass each event on at once, not buffer the stream
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+async def stream_events(
+    stream: RequestStream,
+    head: ResponseHead,
+    chunk: Chunk,
+    prompts: list[list[int]],
+    include_usage: bool,
+    count_error: Callable[[int], None],
+) -> AsyncIterator[str]:
+    # Running outputs never carry a possible start of a stop string (the engine holds it back, as vLLM's
+    # detokenizer does), so text only ever grows and each delta is what the client has not seen.
+    sent_text: dict[int, int] = {}  # choice -> characters sent
+    sent_tokens: dict[int, int] = {}  # choice -> tokens covered by what was sent
+    last: dict[int, RequestOutput] = {}  # choice -> its latest output, for the usage chunk
+    try:
+        while not stream.done():
+            # a batch: every output queued for this stream, the latest per choice (a lagging loop coalesces)
+            for index, out in await stream.next_batch():
+                last[index] = out
+                c = out.outputs[0]
+                if len(c.token_ids) == sent_tokens.get(index, 0) and c.finish_reason is None:
+                    continue  # nothing new for the client
+                delta = ChoiceDelta(index, c.text[sent_text.get(index, 0):], c.finish_reason, c.stop_reason,
+                                    first=index not in sent_tokens)
+                sent_text[index] = len(c.text)
+                sent_tokens[index] = len(c.token_ids)
+                yield sse(chunk(head, delta, None))
+        if include_usage:
+            yield sse(chunk(head, None, usage_info(prompts, last.values())))
+    except Exception as exc:
+        status = 503 if isinstance(exc, EngineDeadError) else 500
+        count_error(status)
+        yield sse(error_body(status, f"generation failed: {exc}", code="engine_error"))
+    finally:
+        stream.close()
+    yield sse("[DONE]")
