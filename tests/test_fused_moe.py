@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import textwrap
 from pathlib import Path
 
@@ -97,6 +98,20 @@ def test_align_torch_layout(block_m: int) -> None:
         assert sorted(x for x in group if x < 8) == [i for i, x in enumerate(flat) if x == e]
         assert group.count(8) == padded[e] - counts[e]
     assert (a.sorted_ids[a.block_end[-1] :] == 8).all()
+
+
+def test_align_above_the_kernel_limit_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    # Past SINGLE_PROGRAM_MAX assignments the alignment takes the torch ops: said once, not per MoE layer.
+    pytest.importorskip("triton")
+    import rimuru.kernels.moe_align as ma
+    from rimuru.kernels.launch import warn_once
+
+    warn_once.cache_clear()
+    ids = torch.randint(0, 8, (ma.SINGLE_PROGRAM_MAX // 2 + 1, 2), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="rimuru"):
+        got = [ma.moe_align(ids, 8, 16) for _ in range(2)]
+    assert [r.getMessage() for r in caplog.records] == [ma.ABOVE_SINGLE_PROGRAM]
+    assert torch.equal(got[-1].sorted_ids, moe_align_torch(ids, 8, 16).sorted_ids)
 
 
 # Triton's interpreter reads TRITON_INTERPRET when triton is imported: run it in a fresh process.

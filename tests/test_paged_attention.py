@@ -8,6 +8,7 @@ kernel with the reference in bf16/fp16/fp32 over many random shapes.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -505,3 +506,23 @@ def test_gpu_cuda_graph_replay_with_new_lengths(q_len: int) -> None:
 
 if __name__ == "__main__":
     run_interpreter_cases()
+
+
+@gpu
+@needs_cuda
+def test_gpu_without_triton_warns_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # CUDA tensors without Triton fall back to the slow reference: said once per process, not per layer.
+    import rimuru.kernels.paged_attention as pa
+    from rimuru.kernels.launch import warn_once
+
+    monkeypatch.setattr(pa, "triton", None)
+    warn_once.cache_clear()
+    case = make_case([3, 1], [20, 9], 4, 2, 64, device="cuda")
+    k = torch.randn(4, 2, 64, device="cuda")
+    slots = torch.arange(4, device="cuda")
+    with caplog.at_level(logging.WARNING, logger="rimuru"):
+        for _ in range(2):
+            write_kv(k, k, case.kv_cache.clone(), slots)
+            out = paged_attention(*case.args())
+    assert [r.getMessage() for r in caplog.records] == [pa.NO_TRITON_ON_CUDA]
+    assert torch.equal(out, paged_attention_reference(*case.args()))

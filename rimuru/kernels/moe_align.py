@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rimuru.kernels.launch import next_pow2
+from rimuru.kernels.launch import next_pow2, warn_once
 
 try:
     import triton
@@ -30,6 +30,8 @@ except ImportError:  # CPU-only installs: only the torch path below is usable
 # small prefill, where launch count dominates); beyond it, a handful of torch ops is cheap relative
 # to the GEMMs.
 SINGLE_PROGRAM_MAX = 4096
+ABOVE_SINGLE_PROGRAM = (f"moe_align: a call with more than {SINGLE_PROGRAM_MAX} (token, expert) assignments is "
+                        "aligned with ~10 torch ops instead of the single-program kernel")
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ def moe_align(topk_ids: Tensor, num_experts: int, block_m: int) -> MoeAlignment:
     """Device-side alignment; no host sync, so it can be captured in a CUDA graph."""
     n = topk_ids.numel()
     if triton is None or n > SINGLE_PROGRAM_MAX:
+        if triton is not None:
+            warn_once(ABOVE_SINGLE_PROGRAM)
         return moe_align_torch(topk_ids, num_experts, block_m)
     max_blocks = max_blocks_bound(n, num_experts, block_m)
     max_padded = max_blocks * block_m

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rimuru.kernels.launch import next_pow2
+from rimuru.kernels.launch import next_pow2, warn_once
 
 try:  # the CPU build of torch comes without Triton: the module must import without it
     import triton
@@ -515,13 +515,18 @@ def paged_attention_triton(
 # Public entry points: Triton on CUDA tensors, the reference elsewhere.
 # ----------------------------------------------------------------------------------------------
 
+NO_TRITON_ON_CUDA = ("paged attention: Triton is not installed, so CUDA tensors take the torch reference (a loop "
+                     "over sequences with host syncs in every layer: far slower)")
+
 
 def write_kv(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """k, v [T, Hkv, D]; slot_mapping [T] int64 (slot < 0: skip). Writes kv_cache in place."""
     if kv_cache.is_cuda and triton is not None:
         write_kv_triton(k, v, kv_cache, slot_mapping)
-    else:
-        write_kv_reference(k, v, kv_cache, slot_mapping)
+        return
+    if kv_cache.is_cuda:
+        warn_once(NO_TRITON_ON_CUDA)
+    write_kv_reference(k, v, kv_cache, slot_mapping)
 
 
 def paged_attention(
@@ -540,5 +545,7 @@ def paged_attention(
     if q.is_cuda and triton is not None:
         return paged_attention_triton(q, kv_cache, block_table, query_start_loc, seq_lens, scale, max_query_len,
                                       max_seq_len, q_tile_start=q_tile_start)
+    if q.is_cuda:
+        warn_once(NO_TRITON_ON_CUDA)
     return paged_attention_reference(q, kv_cache, block_table, query_start_loc, seq_lens, scale, max_query_len,
                                      max_seq_len)
