@@ -1,5 +1,5 @@
-"""Review findings on the OpenAI server: each test starts the real server on a tiny model and drives it
-with the official `openai` client (or raw httpx)."""
+"""Streaming, disconnects, engine failures and metric types of the OpenAI server: each test starts the real
+server on a tiny model and drives it with the official `openai` client (or raw httpx)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.sampling_params import SamplingParams
@@ -30,17 +30,26 @@ from rimuru.engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 GIL_SWITCH_INTERVAL_S = 0.0005  # see AsyncEngine.start
 STATS_INTERVAL_S = 0.1  # the engine thread refreshes its stats snapshot at most this often while busy
+R = TypeVar("R")
 
 
 class EngineLike(Protocol):
-    tokenizer: Any
+    """Everything the server uses of an engine (`LLMEngine` is one). Only the engine thread calls it;
+    `tokenizer`, `max_model_len` and `vocab_size` are fixed at construction, so they are read once."""
+
+    tokenizer: Any  # a Hugging Face tokenizer, or None for a model served on token ids only
     max_model_len: int
+
+    @property
+    def vocab_size(self) -> int: ...  # prompt token ids lie in [0, vocab_size)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> dict: ...
+    def enable_step_profiler(self, num_steps: int, trace_steps: int = 1) -> object: ...
+    def step_profile_report(self) -> dict[str, Any] | None: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -64,13 +73,16 @@ class FinishedRequest:
     finish_reason: str | None
 
 
+StreamItem = tuple[int, RequestOutput] | BaseException  # (choice index, output), or the failure that ended it
+
+
 @dataclass
 class RequestStream:
     """All engine requests of one HTTP request (n choices x prompts), read as one stream."""
 
-    engine: AsyncEngine
+    abort: Callable[[list[str]], None]  # aborts engine requests; safe from any thread
     request_ids: list[str]
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -79,10 +91,10 @@ class RequestStream:
     async def next(self, timeout: float | None = None) -> tuple[int, RequestOutput]:
         return self._take(await asyncio.wait_for(self.queue.get(), timeout))
 
-    def _take(self, item: object) -> tuple[int, RequestOutput]:
+    def _take(self, item: StreamItem) -> tuple[int, RequestOutput]:
         if isinstance(item, BaseException):
             raise item
-        index, out = item  # type: ignore[misc]
+        index, out = item
         if out.finished:
             self.unfinished.discard(out.request_id)
         return index, out
@@ -108,32 +120,31 @@ class RequestStream:
     def close(self) -> None:
         """Abort what is still running (client gone, error, or cancelled)."""
         if self.unfinished:
-            self.engine.abort(list(self.unfinished))
+            self.abort(list(self.unfinished))
             self.unfinished.clear()
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        while not self.done():
-            yield await self.next()
 
-
-def _post(loop: asyncio.AbstractEventLoop, stream: RequestStream, item: object) -> None:
+def _post(loop: asyncio.AbstractEventLoop, stream: RequestStream, item: StreamItem) -> None:
     try:
         loop.call_soon_threadsafe(stream.queue.put_nowait, item)
     except RuntimeError:  # the handler's loop is closed: nobody is listening any more
         pass
 
 
-def _deliver(batch: list[tuple[RequestStream, object]]) -> None:
+def _deliver(batch: list[tuple[RequestStream, StreamItem]]) -> None:
     """On the event loop: one step's outputs into their streams' queues."""
     for stream, item in batch:
         stream.queue.put_nowait(item)
 
 
 class AsyncEngine:
+    """`on_finished` runs on the engine thread once per finished request (the metrics' latency histograms)."""
+
     def __init__(self, engine: EngineLike, on_finished: Callable[[FinishedRequest], None] | None = None):
-        self.engine = engine
+        self._engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self._on_finished = on_finished
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         # request id -> (loop, stream, choice index, timing, prompt length); touched only on the engine thread
@@ -171,7 +182,7 @@ class AsyncEngine:
     async def add(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestStream:
         """Add all requests or none (ValueError from the engine propagates, nothing stays queued)."""
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, [rid for rid, _, _ in requests])
+        stream = RequestStream(self.abort, [rid for rid, _, _ in requests])
 
         def add_all() -> None:
             added: list[str] = []
@@ -179,11 +190,11 @@ class AsyncEngine:
                 for index, (rid, prompt_ids, params) in enumerate(requests):
                     timing = RequestTiming(arrival=time.perf_counter())
                     self._routes[rid] = (loop, stream, index, timing, len(prompt_ids))
-                    self.engine.add_request(rid, prompt_ids, params)
+                    self._engine.add_request(rid, prompt_ids, params)
                     added.append(rid)
             except BaseException:
                 for rid in added:
-                    self.engine.abort_request(rid)
+                    self._engine.abort_request(rid)
                 for rid, _, _ in requests:
                     self._routes.pop(rid, None)
                 raise
@@ -197,14 +208,15 @@ class AsyncEngine:
         def abort_all() -> None:
             for rid in request_ids:
                 if self._routes.pop(rid, None) is not None:
-                    self.engine.abort_request(rid)
+                    self._engine.abort_request(rid)
 
         self._commands.put((abort_all, concurrent.futures.Future()))
 
-    async def run_in_engine_thread(self, fn: Callable[[], Any]) -> Any:
-        """Runs `fn()` on the engine thread between two steps and returns its result (the engine is not
-        thread-safe: anything that touches its state goes through here)."""
-        return await self._call(fn)
+    async def run_in_engine_thread(self, fn: Callable[[EngineLike], R]) -> R:
+        """Runs `fn(engine)` on the engine thread between two steps and returns its result. The engine is not
+        thread-safe, so this is the only way a handler reaches it."""
+        engine = self._engine
+        return await self._call(lambda: fn(engine))
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         if not self.healthy:
@@ -217,11 +229,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                idle = not self.engine.has_unfinished_requests()
+                idle = not self._engine.has_unfinished_requests()
                 self._drain_commands(block=idle)
-                if self.engine.has_unfinished_requests():
+                if self._engine.has_unfinished_requests():
                     try:
-                        outputs = self.engine.step()
+                        outputs = self._engine.step()
                     except Exception as exc:  # a failed step fails its requests, not the server
                         log.exception("engine step failed")
                         self._fail_all(exc)
@@ -255,9 +267,9 @@ class AsyncEngine:
     def _route(self, outputs: list[RequestOutput]) -> None:
         """One `call_soon_threadsafe` per event loop and step, not per request: every such call writes the
         loop's wake-up pipe, and each syscall hands the GIL to the loop thread, which the engine thread then
-        waits to get back. With ~50 streams that was ~50 GIL hand-overs per step."""
+        waits to get back: one call per request would cost ~50 GIL hand-overs per step with ~50 streams."""
         now = time.perf_counter()
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamItem]]] = {}
         for out in outputs:
             route = self._routes.get(out.request_id)
             if route is None:  # aborted meanwhile
@@ -282,7 +294,7 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for rid, (loop, stream, _, _, _) in list(self._routes.items()):
             try:
-                self.engine.abort_request(rid)
+                self._engine.abort_request(rid)
             except Exception:  # pragma: no cover
                 log.exception("abort after failure")
             _post(loop, stream, exc)
@@ -291,7 +303,7 @@ class AsyncEngine:
     def _refresh_stats(self) -> None:
         self._stats_time = time.perf_counter()
         try:
-            stats = dict(self.engine.stats())
+            stats = dict(self._engine.stats())
         except Exception:  # pragma: no cover
             log.exception("engine.stats failed")
             return

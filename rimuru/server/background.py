@@ -9,8 +9,9 @@ from types import TracebackType
 
 import uvicorn
 
-from rimuru.server.app import ServerConfig, build_app
+from rimuru.server.app import build_app
 from rimuru.server.async_engine import EngineLike
+from rimuru.server.config import ServerConfig
 
 
 def free_port() -> int:

@@ -29,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rimuru.engine.llm_engine import LLMEngine
-    from rimuru.server.app import ServerConfig, build_app
+    from rimuru.server.app import build_app
+    from rimuru.server.config import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_cli_args(args)

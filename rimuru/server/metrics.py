@@ -119,5 +119,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(req.prompt_tokens)
         self.generation_tokens.inc(t.num_tokens)
 
+    def count_error(self, status: int) -> None:
+        self.http_errors.labels(str(status)).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

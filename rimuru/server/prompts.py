@@ -51,7 +51,7 @@ def completion_prompts(tokenizer: Any, prompt: PromptInput, vocab_size: int) -> 
 
 
 def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
+    if tokenizer is None or tokenizer.chat_template is None:
         raise APIError(400, "the model has no chat template; use /v1/completions", param="messages")
     if all(not m.text() for m in messages):
         raise APIError(400, "messages must not all be empty", param="messages", code="empty_prompt")

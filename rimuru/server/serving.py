@@ -1,0 +1,85 @@
+"""One generation request, shared by /v1/completions and /v1/chat/completions once their prompts are tokens.
+
+    prompts x n choices --submit--> one RequestStream --stream=true--> SSE chunks (streaming.py)
+                                                       --stream=false-> collect -> one body (responses.py)
+
+Every engine request is added or none is (`AsyncEngine.add`), and every path out, including a client
+that vanished, closes the stream, which aborts what is still running.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from rimuru.engine.outputs import RequestOutput
+from rimuru.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from rimuru.server.errors import APIError
+from rimuru.server.protocol import GenerationRequest
+from rimuru.server.responses import ResponseHead, ResponseShapes, usage_info
+from rimuru.server.sampling import reject_unsupported, to_sampling_params
+from rimuru.server.state import ServerState
+from rimuru.server.streaming import event_stream_response, stream_events
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+async def create_response(
+    request: Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], shapes: ResponseShapes
+) -> Response:
+    head = ResponseHead(f"{shapes.id_prefix}-{uuid.uuid4().hex}", int(time.time()), state.config.served_model_name)
+    stream = await submit(state.engine, req, prompts, head.id)
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        events = stream_events(stream, head, shapes.chunk, prompts, include_usage, state.metrics.count_error)
+        return event_stream_response(events)
+    outs = await collect(request, stream)
+    choices = [(i, o.outputs[0]) for i, o in sorted(outs.items())]
+    return JSONResponse(shapes.response(head, choices, usage_info(prompts, outs.values())))
+
+
+async def submit(engine: AsyncEngine, req: GenerationRequest, prompts: list[list[int]], response_id: str
+                 ) -> RequestStream:
+    """Adds one engine request per prompt and choice, `{response_id}-{prompt}-{choice}`; the stream numbers
+    them in that order, which is the OpenAI choice index."""
+    reject_unsupported(req)
+    batch = [
+        (f"{response_id}-{p}-{i}", ids, to_sampling_params(req, len(ids), engine.max_model_len, i))
+        for p, ids in enumerate(prompts)
+        for i in range(req.n)
+    ]
+    try:
+        return await engine.add(batch)
+    except ValueError as exc:  # the engine's reasons: too long, can never fit in the pool, ...
+        raise APIError(400, str(exc), code="invalid_request") from exc
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_dead") from exc
+
+
+async def collect(request: Request, stream: RequestStream) -> dict[int, RequestOutput]:
+    """The final output of each choice; stops early (and aborts the rest) when the client disconnects."""
+    final: dict[int, RequestOutput] = {}
+    next_check = time.monotonic() + DISCONNECT_POLL_S
+    try:
+        while not stream.done():
+            try:
+                index, out = await stream.next(timeout=DISCONNECT_POLL_S)
+                if out.finished:
+                    final[index] = out
+            except TimeoutError:
+                pass
+            # checked by the clock, not only when outputs pause: a busy engine streams one per step
+            if time.monotonic() >= next_check:
+                if await request.is_disconnected():
+                    return final
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_dead") from exc
+    except Exception as exc:
+        raise APIError(500, f"generation failed: {exc}", code="engine_error") from exc
+    finally:
+        stream.close()
+    return final
