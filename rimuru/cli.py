@@ -13,7 +13,7 @@ _SUBCOMMANDS = {
     "serve": "rimuru.server.cli",
     "bench": "rimuru.bench.cli",
     "simulate": "rimuru.sim.cli",
-    "profile": "rimuru.experts.profile",
+    "profile": "rimuru.bench.profile_experts",
 }
 
 

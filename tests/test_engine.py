@@ -147,8 +147,8 @@ def test_dummy_routing_realises_the_promised_shares(tiny_checkpoint) -> None:
     the random logits) gave the popular experts far more than promised: it would fail the tolerance below."""
     import numpy as np
 
+    from rimuru.bench.profile_experts import count_routing
     from rimuru.experts.popularity import ExpertPopularity
-    from rimuru.experts.profile import count_routing
 
     path = str(tiny_checkpoint("olmoe", num_experts=32))
     llm = LLM(path, load_format="dummy", device="cpu", gpu_memory_budget="64MiB", dummy_routing="zipf:1.0",

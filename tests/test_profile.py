@@ -13,11 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rimuru import LLM
-from rimuru.bench.workload import SampleRequest, load_tokenizer, sample_sharegpt
-from rimuru.cli import main
-from rimuru.experts.offload_provider import OffloadExpertProvider
-from rimuru.experts.popularity import ExpertPopularity
-from rimuru.experts.profile import (
+from rimuru.bench.profile_experts import (
     count_routing,
     expert_providers,
     format_summary,
@@ -25,6 +21,10 @@ from rimuru.experts.profile import (
     profile_routing,
     top_share,
 )
+from rimuru.bench.workload import SampleRequest, load_tokenizer, sample_sharegpt
+from rimuru.cli import main
+from rimuru.experts.offload_provider import OffloadExpertProvider
+from rimuru.experts.popularity import ExpertPopularity
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.models.expert_provider import StaticExpertProvider
 from rimuru.models.moe import SparseMoE
