@@ -28,9 +28,6 @@ class KVCacheManager:
         blocks = self.blocks_for(request.num_computed_tokens + num_new_tokens) - request.num_blocks
         return max(0, blocks) * self.num_layers
 
-    def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= self.allocator.small_capacity(KV)
-
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Gives `request` the pages to hold `num_new_tokens` more tokens; False (nothing taken) if the pool can't."""
         n = self.pages_needed(request, num_new_tokens)

@@ -34,8 +34,6 @@ import numpy as np
 from rimuru.memory.geometry import PageGeometry
 
 ABSENT, FREE, USED, DEFERRED, SPLIT = 0, 1, 2, 3, 4
-_STATE_NAMES = {ABSENT: "not allocated", FREE: "free", USED: "allocated", DEFERRED: "pending deferred release",
-                SPLIT: "split into small pages"}
 
 
 class AllocatorError(ValueError):

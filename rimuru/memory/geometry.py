@@ -162,10 +162,6 @@ class PageGeometry:
     def small_kinds(self) -> tuple[str, ...]:
         return tuple(k for k, _, _ in self.small)
 
-    @property
-    def primary_mid_kind(self) -> str:
-        return self.mid[0][0]
-
     def level(self, kind: str) -> Level:
         self._check(kind)
         return self._levels[kind]
@@ -213,9 +209,6 @@ class PageGeometry:
 
     def smalls_per_huge(self, small_kind: str) -> int:
         return self.huge_size // self.size(small_kind)
-
-    def mid_of_small(self, small_kind: str, small_id: IdLike, mid_kind: str) -> IdLike:
-        return small_id * self.size(small_kind) // self.size(mid_kind)
 
     def smalls_of_mid(self, small_kind: str, mid_kind: str, mid_id: int) -> range:
         r = self.smalls_per_mid(small_kind, mid_kind)
