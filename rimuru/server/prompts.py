@@ -9,7 +9,7 @@ tokens) is tokenized normally and each message's content as user text.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from rimuru.server.errors import APIError
 from rimuru.server.protocol import ChatMessage, PromptInput
@@ -25,10 +25,10 @@ def completion_prompts(tokenizer: Any, prompt: PromptInput, vocab_size: int) -> 
         items: list[str | list[int]] = [prompt]
     elif not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
-    elif isinstance(prompt[0], int):
-        items = [list(prompt)]  # type: ignore[arg-type]
+    elif isinstance(prompt[0], int):  # pydantic's union members are homogeneous lists
+        items = [cast(list[int], list(prompt))]
     else:
-        items = list(prompt)  # type: ignore[arg-type]
+        items = cast(list[str | list[int]], list(prompt))
     result: list[list[int]] = []
     for item in items:
         if isinstance(item, str):

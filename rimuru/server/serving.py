@@ -41,8 +41,9 @@ async def create_response(
     return JSONResponse(shapes.response(head, choices, usage_info(prompts, outs.values())))
 
 
-async def submit(engine: AsyncEngine, req: GenerationRequest, prompts: list[list[int]], response_id: str
-                 ) -> RequestStream:
+async def submit(
+    engine: AsyncEngine, req: GenerationRequest, prompts: list[list[int]], response_id: str
+) -> RequestStream:
     """Adds one engine request per prompt and choice, `{response_id}-{prompt}-{choice}`; the stream numbers
     them in that order, which is the OpenAI choice index."""
     reject_unsupported(req)
