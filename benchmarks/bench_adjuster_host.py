@@ -14,7 +14,7 @@ are not monotone along it), requests waiting and R > 0 with tokens scheduled (th
 shortfall). `model` is `CostAdjuster._model` alone (same for old and new: it reads the order the picks make).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_adjuster_host.py \
-        --output-json benchmarks/results/2026-11-29-s5-adjuster-host-cpu.json
+        --output-json benchmarks/results/2026-11-29-adjuster-host-cpu.json
 """
 
 from __future__ import annotations

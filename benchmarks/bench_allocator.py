@@ -8,7 +8,7 @@ Scenarios (Qwen1.5-MoE-A2.7B geometry: KV page 128 KiB = 1/44 of an expert page;
   decode   `--decode-requests` running requests each allocate one block for every attention layer per step
            (24 pages), interleaved, for `--decode-steps` steps; then every request frees its pages.
   churn    decode steps where a random tenth of the requests finish and new ones prefill 480 pages (320 tokens).
-Target (issue 2): under 1 us per page for allocate + free.
+Target: under 1 us per page for allocate + free.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from rimuru.memory.pool import PagePool  # noqa: E402
 from rimuru.model_spec import ModelSpec  # noqa: E402
 
 PRESET = "qwen1.5-moe-a2.7b"
-PINNED_H2D_GBPS = 55.0  # measured on the GPU machine (DESIGN.md §9)
+PINNED_H2D_GBPS = 55.0  # a plain pinned host-to-device copy on the H200 (docs/benchmarks.md)
 SLOTS = 16  # load-buffer slots (expert_offload_limit)
 LAYERS = 2  # MoE layers in the host store: buffers alternate between them
 
@@ -118,7 +118,7 @@ def main() -> None:
     # 1. the ceiling: one plain large pinned copy, same stream
     ceiling = plain_copy_gbps(cs, max(3, args.reps // 4))
     results["plain_pinned_h2d_gbps"] = ceiling
-    print(f"plain pinned H2D, 1 GiB: {ceiling:.1f} GB/s (DESIGN.md: ~{PINNED_H2D_GBPS:.0f})")
+    print(f"plain pinned H2D, 1 GiB: {ceiling:.1f} GB/s (H200: ~{PINNED_H2D_GBPS:.0f})")
 
     # 2. whole-expert loads through the loader
     state = {"layer": 0}

@@ -1,4 +1,4 @@
-"""The small fused kernels against the torch op sequences they replace, at Qwen1.5-MoE shapes (issue 7).
+"""The small fused kernels against the torch op sequences they replace, at Qwen1.5-MoE shapes.
 
     PYTHONPATH=. python benchmarks/bench_small_kernels.py --output-json benchmarks/results/small_kernels_h200.json
 

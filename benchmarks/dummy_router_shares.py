@@ -7,7 +7,7 @@ N(0, 0.02) weights on an RMS-1 input). Per rank: the share of all top-k picks; a
 least popular experts of a layer a decode batch of T tokens routes to (what offloading them would copy per step).
 
     PYTHONPATH=. .venv/bin/python benchmarks/dummy_router_shares.py --model qwen1.5-moe-a2.7b --exponent 1.0 \
-        --output-json benchmarks/results/2026-11-29-s6-dummy-router-shares-cpu.json
+        --output-json benchmarks/results/2026-11-29-dummy-router-shares-cpu.json
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
-"""Names of committed result files: `benchmarks/results/DATE-sN-...` (DATE the day, N the session that day)."""
+"""Which run a committed result file belongs to, read from its metadata (benchmarks/common.metadata), not its name.
+
+A run is one build of the engine: files whose `git_commit` agrees were measured by the same code, so a plot may
+join their rows into one line and a comparison may pair them; rows of different commits are kept apart. The
+file's `date` (ISO 8601, UTC) orders runs in time.
+"""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-_RUN = re.compile(r"(\d{4}-\d{2}-\d{2})-s(\d+)-")
+from typing import Any
 
 
-def run_of(path: str | Path) -> str | None:
-    """`DATE-sN` of a committed result file's name, or None for another name."""
-    m = _RUN.match(Path(path).name)
-    return f"{m.group(1)}-s{m.group(2)}" if m else None
+def run_of(doc: dict[str, Any]) -> str | None:
+    """The short commit (7 hex digits) a result file was measured with, or None when it records none."""
+    commit = doc.get("git_commit") or doc.get("commit")
+    return str(commit)[:7] if commit else None
 
 
-def session_of(path: str | Path) -> str | None:
-    """`sN`, the short form a plot's legend uses, or None."""
-    run = run_of(path)
-    return run.rpartition("-")[2] if run else None
-
-
-def run_order(run: str) -> tuple[str, int]:
-    """Sort key: `2026-11-30-s10` after `2026-11-30-s8` (a string sort puts it first)."""
-    date, _, n = run.rpartition("-s")
-    return date, int(n)
+def measured_at(doc: dict[str, Any]) -> str:
+    """The file's ISO date ('' when it has none): sorting by it sorts runs in time."""
+    return str(doc.get("date") or "")

@@ -1,6 +1,6 @@
 """Serving rate sweep: for each server configuration, start it once, replay ShareGPT at each request rate.
 
-One process drives the whole sweep (issues 7 and 8): for every configuration (`--configs`) it starts a
+One process drives the whole sweep: for every configuration (`--configs`) it starts a
 server (Rimuru `static` / `fixed` / `elastic-paper` / `elastic-cost`, or vLLM at 32 GiB / unlimited),
 waits for `/health`, and for every rate (`--rates`) runs a benchmark client on identical ShareGPT
 requests (same dataset, `--num-prompts`, `--seed`, EOS ignored): ours (`rimuru bench serve`) by
@@ -27,7 +27,7 @@ Configurations (add more with `--define NAME=rimuru:FLAGS` or `NAME=vllm:FLAGS`)
     vllm, vllm-unlimited                         vLLM's OpenAI server, --gpu-memory-utilization 0.229 | 0.9
 `--plot-from A.json [B.json ...] --plot out.png` only draws (throughput and TTFT p50 against rate).
 Beside it: sweep_processes.py (starting, detaching, adopting and stopping servers), sweep_plots.py (the
-plots), result_files.py (the run a committed result file's name says).
+plots), result_files.py (the run, i.e. the code, a committed result file measured).
 """
 
 from __future__ import annotations
@@ -583,14 +583,14 @@ def normalise_result(raw: dict[str, Any], num_prompts: int) -> dict[str, Any]:
 
 def prompt_format_args(model: str) -> list[str]:
     """Our client's prompt format for `model`: a preset name is served without a tokenizer and takes token ids
-    only (HTTP 400 for text: on 2026-11-30 every request of a preset-model point failed so); a model directory
-    has its tokenizer, so text, as vLLM's client sends. `--client-args` can override it."""
+    only (a text prompt gets HTTP 400, so every request of the point would fail); a model directory has its
+    tokenizer, so text, as vLLM's client sends. `--client-args` can override it."""
     return [] if Path(model).is_dir() else ["--prompt-format", "token-ids"]
 
 
 def point_error(summary: dict[str, Any]) -> str:
-    """The row's error when no request completed, with the client's reasons where it gave any (on 2026-11-30 a
-    point of ours ended with only "no request completed", and the device time to find out why was spent)."""
+    """The row's error when no request completed, with the client's reasons where it gave any: "no request
+    completed" alone leaves a failed GPU point without its cause."""
     reasons = summary.get("client_errors") or []
     return "no request completed" + (f"; the client's errors: {' | '.join(reasons)}" if reasons else "")
 

@@ -1,12 +1,12 @@
-"""Issue 8's targets and sweep coverage, computed from the committed sweep files (no GPU, no server).
+"""The serving targets against vLLM and the sweep's coverage, computed from the committed sweep files (no GPU).
 
-Reads every `benchmarks/results/*-serve-issue8-*-h200.json` written by serve_sweep.py (Qwen1.5 shapes, 32 GiB;
-the Qwen3 files apart, for item 3) and prints:
+Reads the sweep files serve_sweep.py wrote (`benchmarks/results/*-serve-qwen1.5-32gib-*-h200.json`: Qwen1.5-MoE
+shapes at 32 GiB; the Qwen3-30B-A3B files at 48 GiB, `*-serve-qwen3-48gib-*`, apart for item 3) and prints:
 
-1. coverage: per routing label, which configuration was measured at which rate, by which run (a run = the
-   file-name prefix `DATE-sN`, one GPU session; a label is serve_sweep's `--label`);
-2. per run where `vllm` and `elastic-cost` ran with the same label, the issue's targets from those two files
-   only (same session, same machine kind, same requests):
+1. coverage: per routing label, which configuration was measured at which rate, by which run (a run = the code a
+   file measured, its `git_commit`: result_files.py; a label is serve_sweep's `--label`);
+2. per run where `vllm` and `elastic-cost` ran with the same label, the targets from those rows only (same code,
+   same machine kind, same requests):
    * 40 req/s: output >= 1.2x vLLM's, TTFT p50 <= 0.25x, TPOT p50 <= 1.25x;
    * the highest rate with TTFT p99 <= 2 s (every lower measured rate meeting it too) >= 1.3x vLLM's;
    * 10 and 20 req/s, where both were measured: output >= 0.9x and TTFT p50 / p99, TPOT p50 / p99 <= 1.1x;
@@ -15,8 +15,8 @@ the Qwen3 files apart, for item 3) and prints:
 3. Qwen3-30B-A3B at 48 GiB: Rimuru elastic and fixed output against vLLM `--cpu-offload-gb 24` per rate, the
    latest run of each (target: elastic >= 3x), with elastic under the zipf 1.0 router beside them (not counted).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/issue8_targets.py \
-        --output-json benchmarks/results/DATE-issue8-targets-cpu.json
+    PYTHONPATH=. .venv/bin/python benchmarks/serving_targets.py \
+        --output-json benchmarks/results/DATE-serving-targets-cpu.json
 """
 
 from __future__ import annotations
@@ -30,32 +30,32 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import metadata, write_json  # noqa: E402
-from result_files import run_of, run_order  # noqa: E402
+from result_files import measured_at, run_of  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+QWEN15_FILES = "*-serve-qwen1.5-32gib-*-h200.json"  # Qwen1.5-MoE-A2.7B shapes, 32 GiB
+QWEN3_FILES = "*-serve-qwen3-48gib-*-h200.json"  # Qwen3-30B-A3B shapes, 48 GiB
 LATENCIES = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 TTFT_P99_SLO_MS = 2000.0
 
 
 def load_rows(results: Path, qwen3: bool = False) -> list[dict[str, Any]]:
-    """Every ok row of every issue-8 sweep file, with its run, label and file name: the Qwen1.5 files (32 GiB),
-    or with qwen3 the Qwen3-30B-A3B ones (48 GiB) instead."""
+    """Every ok row of every Qwen1.5 sweep file (32 GiB), or with qwen3 of the Qwen3-30B-A3B ones (48 GiB), with
+    its run, date, label and file name, in time order (rows of one file in file order)."""
     rows: list[dict[str, Any]] = []
-    for path in sorted(results.glob("*-serve-issue8-*-h200.json")):
-        if ("qwen3" in path.name) != qwen3:
-            continue
-        run = run_of(path)
+    for path in sorted(results.glob(QWEN3_FILES if qwen3 else QWEN15_FILES)):
+        doc = json.loads(path.read_text())
+        run = run_of(doc)
         if run is None:
             continue
-        doc = json.loads(path.read_text())
         for row in doc["rows"]:
             if row.get("status") == "ok":
-                rows.append({**row, "run": run, "label": row.get("label") or doc.get("label"),
-                             "file": path.name})
-    return sorted(rows, key=lambda r: run_order(r["run"]))  # stable: file order within a run
+                rows.append({**row, "run": run, "date": measured_at(doc),
+                             "label": row.get("label") or doc.get("label"), "file": path.name})
+    return sorted(rows, key=lambda r: r["date"])  # stable: file order within a file
 
 
-# Qwen3 at 48 GiB: the issue's configurations by their sweep names. The target's row is elastic with uniform
+# Qwen3 at 48 GiB: the configurations by their sweep names. The target's row is elastic with uniform
 # routing (dummy weights); elastic with the seeded zipf 1.0 router is reported beside it, not counted: it says
 # how much of the gap skew alone closes (real MoE routing is skewed, but not by a law we chose)
 QWEN3_CONFIGS = {"elastic": "q3-elastic", "fixed": "q3-fixed", "elastic_zipf1.0": "q3-elastic-zipf1.0",
@@ -67,10 +67,10 @@ QWEN3_TARGET = 3.0
 def qwen3_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per rate where vLLM --cpu-offload-gb 24 was measured: Rimuru elastic's, fixed's and skewed-routing
     elastic's output against it (target: uniform elastic >= 3x). The latest run of each configuration counts;
-    the row names the runs, since these were measured in different sessions (one Qwen3 server and one rate per
-    GPU per call)."""
+    the row names the runs, since these were measured by different code (one Qwen3 server and one rate per GPU
+    per device call)."""
     latest: dict[tuple[str, float], dict[str, Any]] = {}
-    for r in sorted(rows, key=lambda r: run_order(r["run"])):
+    for r in sorted(rows, key=lambda r: r["date"]):
         latest[(r["config"], r["rate"])] = r
     out = []
     for rate in sorted({rate for (cfg, rate) in latest if cfg == QWEN3_CONFIGS["vllm"]}):
@@ -161,7 +161,7 @@ def print_report(cov: dict[str, Any], tgts: list[dict[str, Any]]) -> None:
     for label, cfgs in sorted(cov.items()):
         print(f"\ncoverage, label {label!r} (rate: runs)")
         for cfg, rates in sorted(cfgs.items()):
-            print(f"  {cfg:16s} " + "  ".join(f"{rate}: {','.join(r.split('-')[-1] for r in runs)}"
+            print(f"  {cfg:16s} " + "  ".join(f"{rate}: {','.join(runs)}"
                                              for rate, runs in rates.items()))
     for t in tgts:
         print(f"\ntargets, run {t['run']}, label {t['label']!r} (elastic-cost against vllm, same run)")
@@ -205,14 +205,14 @@ def main() -> None:
     args = ap.parse_args()
     rows = load_rows(args.results)
     if not rows:
-        raise SystemExit(f"no issue-8 sweep rows under {args.results}")
+        raise SystemExit(f"no sweep rows ({QWEN15_FILES}) under {args.results}")
     cov, tgts = coverage(rows), targets(rows)
     q3_rows = load_rows(args.results, qwen3=True)
     q3 = qwen3_targets(q3_rows)
     print_report(cov, tgts)
     print_qwen3(q3)
     if args.output_json:
-        meta = metadata("issue8_targets", command="python " + " ".join(sys.argv),
+        meta = metadata("serving_targets", command="python " + " ".join(sys.argv),
                         note="computed on the CPU from the committed H200 sweep files listed here",
                         files=sorted({r["file"] for r in rows + q3_rows}), coverage=cov, qwen3=q3)
         write_json(args.output_json, meta, tgts)

@@ -1,24 +1,23 @@
-"""The cost adjuster's measured-cost runaway, reproduced in the simulator: the step-cost tracker before the fix
-(commit ab35acb, read from git history) against the current one, and static for reference, on the same trace.
+"""The step-cost tracker's runaway, reproduced in the simulator: the tracker of commit ab35acb (read from git
+history) against the current one, and static for reference, on the same trace.
 
-Measured on the H200 (2026-11-29, fifth session, code ab35acb): from 25 req/s elastic-cost offloaded its whole
-limit (240 experts) and served 1,469-1,682 output tok/s against static's ~4,300. The old tracker's compute
-estimate grew whenever a pass cost more than its model said, until copies looked hidden; from then on the whole
-pass counted as compute (tests/test_step_cost.py). The simulator now feeds the tracker as the engine does (each
-pass's time and its copies), so this script can show the runaway and its fix without a GPU.
+On the H200 that tracker let elastic-cost offload its whole limit (240 experts) from 25 req/s and serve 1,469-1,682
+output tok/s against static's ~4,300: its compute estimate grew whenever a pass cost more than its model said,
+until copies looked hidden, and from then on the whole pass counted as compute (tests/test_step_cost.py). The
+simulator feeds the tracker as the engine does (each pass's time and its copies), so this script shows the runaway
+and its fix without a GPU.
 
 Hardware settings per run (flags as `rimuru simulate`): the measured start-up piecewise overhead (0.90 ms over 24
 MoE layers = 37.5 us per layer, `piecewise_overhead_ms` in the H200 sweep rows), 1 ms of host time per step, and
 the share of compute that copies really hide behind (`--copy-overlaps`: 1.0 = a perfect side stream, 0.0 = none,
 as the H200 measured in served passes).
 
-A second fix compared here (`elastic-cost, start 0.8`): until the seventh session the tracker assumed copies hid
-behind 0.8 of compute until it measured otherwise; on the H200 (2026-11-30) the first evictions at 30 req/s then
-offloaded 34-45 experts at once, and elastic-cost served 2,480 output tok/s against static's 4,268 (zipf 1.0).
-It now starts at 0 (`CostAdjusterConfig.initial_copy_overlap`).
+A second setting compared here (`elastic-cost, start 0.8`): a tracker that assumes copies hide behind 0.8 of
+compute until it measures otherwise. On the H200 the first evictions at 30 req/s then offloaded 34-45 experts at
+once, and elastic-cost served 2,480 output tok/s against static's 4,268 (zipf 1.0). The tracker starts at 0
+(`CostAdjusterConfig.initial_copy_overlap`): unmeasured copies count as exposed.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/sim_step_cost_regression.py --rates 25,40 \
-        --output-json benchmarks/results/2026-11-29-s5-sim-step-cost-regression-cpu.json
+    PYTHONPATH=. .venv/bin/python benchmarks/sim_step_cost_regression.py --rates 25,40 --output-json out.json
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from rimuru.sim.cli import load_requests, with_arrivals  # noqa: E402
 from rimuru.sim.cost_model import HARDWARE  # noqa: E402
 from rimuru.sim.simulator import SimConfig, Simulation  # noqa: E402
 
-OLD_COMMIT = "ab35acb2f725dcca58c1027e795ddb70697b82e0"  # the tracker measured on the H200 in the fifth session
+OLD_COMMIT = "ab35acb2f725dcca58c1027e795ddb70697b82e0"  # the tracker whose runaway the H200 measured
 REPO = Path(__file__).resolve().parent.parent
 
 

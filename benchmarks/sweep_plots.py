@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from result_files import session_of
+from result_files import run_of
 
 
 def plot_series(json_paths: list[Path]) -> dict[str, list[tuple[float, float, float]]]:
     """Line name -> (rate, output tok/s, TTFT p50 ms) of the ok rows. One line per configuration and label;
-    where files of several runs hold the same one, one line per run, so rows measured by different code
-    never join into one line."""
+    where files of several runs (commits, result_files.py) hold the same one, one line per run, named by its
+    commit, so rows measured by different code never join into one line."""
     by_run: dict[str, dict[str | None, list[tuple[float, float, float]]]] = {}
     for path in json_paths:
         doc = json.loads(Path(path).read_text())
@@ -20,9 +20,9 @@ def plot_series(json_paths: list[Path]) -> dict[str, list[tuple[float, float, fl
             if row.get("status") != "ok":
                 continue
             key = row["config"] + (f" ({row['label']})" if row.get("label") else "")
-            by_run.setdefault(key, {}).setdefault(session_of(path), []).append(
+            by_run.setdefault(key, {}).setdefault(run_of(doc), []).append(
                 (row["rate"], row["output_throughput"], row["median_ttft_ms"]))
-    return {(f"{key} {run}" if len(runs) > 1 and run else key): sorted(pts)
+    return {(f"{key}, code {run}" if len(runs) > 1 and run else key): sorted(pts)
             for key, runs in by_run.items() for run, pts in runs.items()}
 
 
@@ -63,8 +63,9 @@ def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
 
     rows = []
     for path in json_paths:
-        run = session_of(path)
-        for row in json.loads(Path(path).read_text())["rows"]:
+        doc = json.loads(Path(path).read_text())
+        run = run_of(doc)
+        for row in doc["rows"]:
             tl = row.get("timeline") or {}
             if row.get("status") == "ok" and float(row["rate"]) == float(rate) and tl.get("t"):
                 rows.append({**row, "run": run})
@@ -90,7 +91,7 @@ def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
             if tl.get(key):
                 twin.plot(t, [v or 0 for v in tl[key]], style, color="black", linewidth=1, label=key)
         twin.set_ylabel("requests")
-        ax.set_title(f"{name} at {rate:g} req/s" + (f", run {row['run']}" if row["run"] else ""))
+        ax.set_title(f"{name} at {rate:g} req/s" + (f", code {row['run']}" if row["run"] else ""))
         handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
         labels = ax.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
         ax.legend(handles, labels, fontsize=7, loc="upper right")

@@ -58,8 +58,8 @@ def test_a_capture_cap_leaves_the_workspace_bound_as_measured() -> None:
     from rimuru.model_spec import load_model_spec
 
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-    capped = json.loads((results / "2026-11-30-s8-probe-workspace-elastic-cap512-h200.json").read_text())
-    uncapped = json.loads((results / "2026-11-30-s8-probe-workspace-elastic-h200.json").read_text())
+    capped = json.loads((results / "2026-11-30-probe-workspace-elastic-4096tok-cap512-5ca9050-h200.json").read_text())
+    uncapped = json.loads((results / "2026-11-30-probe-workspace-elastic-4096tok-5ca9050-h200.json").read_text())
     assert capped["max_cudagraph_capture_size"] == 512 and uncapped["max_cudagraph_capture_size"] is None
     assert capped["measured_workspace"] < 1.05 * uncapped["measured_workspace"]
     spec, cuda = load_model_spec("qwen1.5-moe-a2.7b"), torch.device("cuda")

@@ -89,19 +89,19 @@ def test_plot_lines_split_by_run_only_where_runs_overlap(tmp_path: Path) -> None
     def rows(config: str, *rates: float) -> list[dict]:
         return [{"config": config, "label": "zipf1.0", "status": "ok", "rate": r, "output_throughput": 10 * r,
                  "median_ttft_ms": 1.0} for r in rates]
-    files = {"2026-11-30-s7-serve-issue8-elastic-cost-zipf1.0-h200.json": rows("elastic-cost", 40, 10),
-             "2026-11-30-s8-serve-issue8-elastic-cost-zipf1.0-h200.json": rows("elastic-cost", 30),
-             "2026-11-30-s8-serve-issue8-static-zipf1.0-h200.json": rows("static", 10) + [
-                 {"config": "static", "status": "error", "rate": 20.0}],
-             "adhoc.json": rows("static", 20)}
-    for name, rs in files.items():
-        (tmp_path / name).write_text(json.dumps({"rows": rs}))
+    # a run is the code a file measured (its git_commit), whatever the file is called
+    files = {"a.json": ("f3ae023acfff", rows("elastic-cost", 40, 10)),
+             "b.json": ("784e9b06acc0", rows("elastic-cost", 30)),
+             "c.json": ("784e9b06acc0", rows("static", 10) + [{"config": "static", "status": "error", "rate": 20.0}]),
+             "d.json": (None, rows("static", 20))}
+    for name, (commit, rs) in files.items():
+        (tmp_path / name).write_text(json.dumps({"git_commit": commit, "rows": rs}))
     series = plot_series(sorted(tmp_path.iterdir()))
     assert series == {
-        "elastic-cost (zipf1.0) s7": [(10, 100, 1.0), (40, 400, 1.0)],  # sorted by rate
-        "elastic-cost (zipf1.0) s8": [(30, 300, 1.0)],
-        "static (zipf1.0) s8": [(10, 100, 1.0)],  # the error row is not drawn
-        "static (zipf1.0)": [(20, 200, 1.0)],  # a file with no run in its name
+        "elastic-cost (zipf1.0), code f3ae023": [(10, 100, 1.0), (40, 400, 1.0)],  # sorted by rate
+        "elastic-cost (zipf1.0), code 784e9b0": [(30, 300, 1.0)],
+        "static (zipf1.0), code 784e9b0": [(10, 100, 1.0)],  # the error row is not drawn
+        "static (zipf1.0)": [(20, 200, 1.0)],  # a file that records no commit
     }
 
 
