@@ -83,8 +83,7 @@ def run_steps(engine: Any, n: int) -> dict[str, Any]:
     for _ in range(n):
         engine.step()
     rep = prof.report()
-    engine.step_profiler = None
-    engine.runner.profiler = None
+    engine.disable_step_profiler()
     kinds = rep["kinds"]
     kind = next(iter(kinds)) if len(kinds) == 1 else f"mixed kinds {list(kinds)}"
     s = rep["all"]

@@ -31,11 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rimuru.experts.cache import EXPERT, ExpertCache  # noqa: E402
+from rimuru.experts.cache import ExpertCache  # noqa: E402
 from rimuru.experts.host_store import HostExpertStore  # noqa: E402
 from rimuru.experts.loader import ExpertLoader  # noqa: E402
+from rimuru.experts.residency import BUFFER_OWNER, EXPERT, ExpertResidency  # noqa: E402
 from rimuru.kernels.fused_moe import fused_moe  # noqa: E402
 from rimuru.memory.geometry import PageGeometry  # noqa: E402
+from rimuru.memory.pass_fence import PassFence  # noqa: E402
 from rimuru.memory.pool import PagePool  # noqa: E402
 from rimuru.model_spec import ModelSpec  # noqa: E402
 
@@ -88,13 +90,14 @@ def build(num_resident: int) -> tuple[ModelSpec, ExpertCache, ExpertLoader]:
     geo = PageGeometry.for_model(spec, dtype=dtype)
     pages = LAYERS * num_resident * 3 + 2 * SLOTS * 3
     pool = PagePool(geo, (pages // geo.mids_per_huge(EXPERT) + 2) * geo.huge_size, dev)
-    cache = ExpertCache(spec, pool.allocator, pool.expert_view(dtype), dev)
+    residency = ExpertResidency(pool.allocator, spec.num_moe_layers, spec.num_experts)
+    cache = ExpertCache(residency, pool.expert_view(dtype), dev)
     cache.make_prefix_resident(num_resident)
     store = HostExpertStore(LAYERS, spec.num_experts, spec.moe_intermediate_size, spec.hidden_size, dtype, pin=True)
     store.fill_random(seed=0, device=dev)
     cache.load_from_store(store)
-    buf_pages = pool.allocator.allocate_mid(EXPERT, 2 * SLOTS * 3, owner=-2)
-    return spec, cache, ExpertLoader(cache, store, buf_pages, SLOTS)
+    buf_pages = pool.allocator.allocate_mid(EXPERT, 2 * SLOTS * 3, owner=BUFFER_OWNER)
+    return spec, cache, ExpertLoader(cache, store, buf_pages, SLOTS, PassFence(dev))
 
 
 def main() -> None:

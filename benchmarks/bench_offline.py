@@ -106,17 +106,17 @@ def run_mode(mode: str, args: argparse.Namespace, requests: list[Any]) -> dict[s
         * engine.config.block_size,
         "resident_experts": after["resident_experts"],
         "total_experts": after["total_experts"],
-        "budget_split": engine.parts.budget_split,
+        "budget_split": engine.budget_split,
         # what the process really holds on the GPU (weights, pool, activations, graph pools) against the budget
         "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
         "gpu_memory_budget_bytes": engine.config.budget_bytes,
         "stats_after": after,
         "timeline": timeline,
     }
-    if engine.step_profiler is not None:
-        row["step_profile"] = engine.step_profiler.report()
+    if engine.profiler is not None:
+        row["step_profile"] = engine.profiler.report()
         print(f"step profile, {mode} mode (steps {args.profile_start}..{args.profile_start + args.profile_steps - 1}):")
-        print(engine.step_profiler.table(), flush=True)
+        print(engine.profiler.table(), flush=True)
     assert after["kv_pages_used"] == 0, "pages leaked"
     del llm, engine
     gc.collect()

@@ -120,9 +120,7 @@ def run_workload(ckpt: Path, workload: str, args: argparse.Namespace) -> dict[st
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=o, ignore_eos=True, temperature=temperature,
                                                       seed=None))
     profiler = cProfile.Profile() if args.cprofile else None
-    step_prof = None
-    if hasattr(engine, "enable_step_profiler"):  # the phase split too (the engine's own profiler, ~1 us a mark)
-        step_prof = engine.enable_step_profiler(1_000_000, trace_steps=0)
+    step_prof = engine.enable_step_profiler(1_000_000, trace_steps=0)  # the phase split (~1 us a mark)
     steps: list[dict[str, float]] = []
     tokens = 0
     t_run = time.perf_counter()
@@ -150,7 +148,7 @@ def run_workload(ckpt: Path, workload: str, args: argparse.Namespace) -> dict[st
         return {"median": round(statistics.median(xs), 1), "mean": round(statistics.fmean(xs), 1)}
 
     phases = None
-    if step_prof is not None and step_prof.records:
+    if step_prof.records:
         rep = step_prof.report()
         phases = {"all": rep["all"]["host_ms"], **{k: v["host_ms"] for k, v in rep["kinds"].items()}}
     return {

@@ -44,8 +44,8 @@ def memory_breakdown(engine: object) -> dict:
     """Where torch's reserved memory is after the start: segments and live bytes per memory pool (CUDA-graph
     pools have their own ids), the model's parameter and buffer bytes, and the largest live allocations
     with the line that made them (memory history must be recording)."""
-    model = engine.parts.model  # type: ignore[attr-defined]
-    pool_storage = engine.parts.pool.buffer.untyped_storage().data_ptr()  # type: ignore[attr-defined]
+    model = engine.model  # type: ignore[attr-defined]
+    pool_storage = engine.pool.buffer.untyped_storage().data_ptr()  # type: ignore[attr-defined]
     seen: set[int] = set()
     model_bytes = 0
     for t in [*model.parameters(), *model.buffers()]:
@@ -89,7 +89,7 @@ def main() -> None:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_cudagraph_capture_size=args.max_cudagraph_capture_size)
     engine = llm.engine
-    split = engine.parts.budget_split
+    split = engine.budget_split
     held = split["non_expert_weights"] + split["pool"]  # allocated for the engine's life
     after_start = torch.cuda.memory_reserved()
     start_peak = torch.cuda.max_memory_reserved()  # includes transients of the start (weights, graph warm-ups)
@@ -130,7 +130,7 @@ def main() -> None:
         "peak_reserved_beyond_held": peak,
         "outside_torch_allocator": outside_torch,
         "measured_workspace": peak + max(0, outside_torch),
-        "kv_tokens": engine.max_kv_pages() // max(1, engine.parts.num_attention_layers) * engine.config.block_size,
+        "kv_tokens": engine.max_kv_pages() // max(1, engine.runner.num_layers) * engine.config.block_size,
         "phases": rows,
     }
     mib = 2**20

@@ -39,7 +39,7 @@ def pick_budget(ckpt: Path, kv_tokens: int, engine_flags: dict) -> tuple[int, di
     from rimuru.engine.llm_engine import LLMEngine
 
     probe = LLMEngine(EngineConfig(model=str(ckpt), gpu_memory_budget="256MiB", **engine_flags))
-    split = probe.parts.budget_split
+    split = probe.budget_split
     st = probe.stats()
     page = split["kv_free"] // st["kv_pages_free"]
     pages = -(-kv_tokens // probe.config.block_size) * probe.kv.num_layers

@@ -35,7 +35,7 @@ def test_async_greedy_matches_transformers_with_chunks_and_preemption(arch: str,
     assert run_greedy(_llm(path, True, max_num_batched_tokens=7), ps, STEPS) == ref
     # a pool with room for ~8 KV blocks: running requests are preempted while their next token is in flight
     probe = _llm(path, True, max_num_batched_tokens=16)
-    split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
+    split, geo = probe.engine.budget_split, probe.engine.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 8 * per_block
               + geo.huge_size)
@@ -118,7 +118,7 @@ def test_async_offload_modes_match_sync(parity_checkpoints) -> None:
         elastic = LLM(str(path), device="cpu", gpu_memory_budget=budget, offload_mode="elastic",
                       expert_offload_limit=5, max_num_batched_tokens=64, async_scheduling=async_scheduling)
         assert elastic.engine.async_scheduling is async_scheduling
-        assert elastic.engine.elastic.async_steps is async_scheduling
+        assert elastic.engine.runtime.async_steps is async_scheduling
         got_elastic = [o.outputs[0].token_ids for o in elastic.generate(heavy, params)]
         got_elastic += [o.outputs[0].token_ids for o in elastic.generate(light, params)]
         st = elastic.stats()

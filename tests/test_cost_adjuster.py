@@ -465,7 +465,7 @@ def test_simulation_with_the_cost_adjuster_accounts_for_every_page() -> None:
     assert not sim.scheduler.has_unfinished()
     pages = res.final_pages
     assert pages["kv_pages"] == 0 and pages["pending_deferred"] == 0
-    assert pages["expert_pages"] == 3 * int(sim.residency.resident.sum())
+    assert pages["expert_pages"] == 3 * int(sim.residency.in_tables.sum()) + 2 * 3 * 4  # + the load buffers
     assert pages["free_bytes"] + pages["used_bytes"] == 72 * PAGE
-    assert sim.residency.resident.sum(axis=1).min() >= 8 - 4
-    assert sim.step_cost.steps == res.forward_steps
+    assert sim.residency.in_tables.sum(axis=1).min() >= 8 - 4
+    assert sim.core.step_cost.steps == res.forward_steps

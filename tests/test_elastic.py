@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rimuru import LLM, SamplingParams
-from rimuru.experts.cache import EXPERT, ExpertCache
+from rimuru.experts.cache import ExpertCache
+from rimuru.experts.residency import EXPERT, ExpertResidency
 from rimuru.memory.allocator import PageAllocator
 from rimuru.memory.geometry import PageGeometry
 from rimuru.model_spec import load_model_spec
@@ -40,7 +41,7 @@ def tight_budget(path: Path, kv_blocks: int, limit: int, **engine_args: str | bo
     with `engine_args`: the workspace bound depends on the device)."""
     args = {"device": "cpu", **engine_args}
     probe = LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, **args)
-    split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
+    split, geo = probe.engine.budget_split, probe.engine.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     buffers = 2 * 3 * limit * geo.size("expert")
     return (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + buffers
@@ -53,7 +54,7 @@ def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
     llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
               max_num_batched_tokens=64)
     engine = llm.engine
-    experts = engine.experts
+    experts = engine.runtime.cache
     start_resident = experts.num_resident
     assert start_resident >= experts.total_experts - experts.num_layers * limit
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
@@ -72,8 +73,8 @@ def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
     # the light batch leaves pages free: experts come back
     assert st["expert_grows"] > 0 and experts.num_resident > after_heavy
     # the resident set of each layer is a prefix of its ranking, at most `limit` experts offloaded
-    for layer, ranking in enumerate(engine.elastic.popularity.rankings):
-        resident = {e for e in range(experts.num_experts) if experts.is_resident(layer, e)}
+    for layer, ranking in enumerate(engine.runtime.core.popularity.rankings):
+        resident = {e for e in range(experts.num_experts) if experts.residency.is_resident(layer, e)}
         assert resident == set(ranking[: len(resident)].tolist())
         assert experts.num_experts - len(resident) <= limit
     # no page lost: KV empty, expert pages = 3 per resident expert + the two load buffers
@@ -103,7 +104,7 @@ def test_cost_adjuster_preempts_rather_than_offload_beyond_its_model(ckpt: Path)
     got = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]
     st = llm.stats()
     assert st["preemptions"] > 0 and st["expert_evictions"] == 0, st
-    assert llm.engine.elastic.adjuster.max_offloaded() == 0
+    assert llm.engine.runtime.core.adjuster.max_offloaded() == 0
     assert st["kv_pages_used"] == 0
     llm.engine.pool.allocator.check_invariants()
     static = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu")
@@ -114,42 +115,47 @@ def _tiny_cache() -> tuple[ExpertCache, PageAllocator]:
     spec = load_model_spec("olmoe-1b-7b")
     geo = PageGeometry.custom(mid_sizes={EXPERT: 64}, small_sizes={"kv": 16})
     alloc = PageAllocator(geo, num_huge_pages=3 * 4 + 3)  # room for 4 experts + 1 more
-    view = torch.zeros(alloc_pages := 15, 16)
-    assert alloc_pages == 15
-    cache = ExpertCache(spec, alloc, view, torch.device("cpu"))
-    return cache, alloc
+    view = torch.zeros(15, 16)
+    residency = ExpertResidency(alloc, spec.num_moe_layers, spec.num_experts)
+    return ExpertCache(residency, view, torch.device("cpu")), alloc
 
 
 def test_evicted_pages_are_not_reused_inside_the_same_forward_pass() -> None:
     cache, alloc = _tiny_cache()
+    r = cache.residency
     cache.make_resident([(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)])
     assert alloc.mid_capacity(EXPERT) == 0
-    pages = cache.pages_of(0, 3)
-    cache.begin_eviction(0, 3)
+    pages = r.pages_of(0, 3)
+    r.begin_eviction(0, 3)
     # during the forward pass: still in the table, and its pages cannot be handed out
-    assert cache.tables[0, 3].tolist() == list(pages) and cache.is_resident(0, 3)
+    assert cache.tables[0, 3].tolist() == list(pages) and r.is_resident(0, 3) and r.in_tables[0, 3]
+    assert 3 not in r.planned_resident()[0]
     assert alloc.allocate_mid(EXPERT, 1, owner=7) is None and alloc.allocate_small("kv", 1, owner=7) is None
     with pytest.raises(ValueError, match="already being evicted"):
-        cache.begin_eviction(0, 3)
-    cache.finish_evictions()  # the forward pass ended
-    assert cache.tables[0, 3].tolist() == [-1, -1, -1] and not cache.is_resident(0, 3)
+        r.begin_eviction(0, 3)
+    cache.clear_rows(r.finish_evictions())  # the forward pass ended
+    assert cache.tables[0, 3].tolist() == [-1, -1, -1] and not r.is_resident(0, 3) and not r.in_tables[0, 3]
     assert alloc.allocate_mid(EXPERT, 1, owner=7) is None  # still deferred until complete_forward()
     alloc.complete_forward()
     assert sorted(alloc.allocate_mid(EXPERT, 3, owner=7)) == sorted(pages)
+    r.check()
 
 
 def test_grown_expert_enters_the_table_only_when_committed() -> None:
     cache, alloc = _tiny_cache()
+    r = cache.residency
     cache.make_resident([(0, 0), (0, 1)])
-    pages = cache.reserve_grow(0, 5)
-    assert pages is not None and alloc.num_used(EXPERT) == 9
+    pages = r.reserve_grow(0, 5)
+    assert pages is not None and alloc.num_used(EXPERT) == 9 and r.num_pages == 9
     # reserved, copy in flight: no kernel can address it
     assert cache.tables[0, 5].tolist() == [-1, -1, -1] and cache.host_tables[0, 5].tolist() == [-1, -1, -1]
-    assert not cache.is_resident(0, 5) and 5 in cache.planned_resident()[0]
+    assert not r.is_resident(0, 5) and 5 in r.planned_resident()[0] and r.growing == [(0, 5)]
     with pytest.raises(ValueError, match="already resident or growing"):
-        cache.reserve_grow(0, 5)
-    cache.commit_grow(0, 5)
-    assert cache.tables[0, 5].tolist() == list(pages) and cache.is_resident(0, 5)
+        r.reserve_grow(0, 5)
+    r.check()
+    cache.write_rows(r.commit_grows())
+    assert cache.tables[0, 5].tolist() == list(pages) and r.is_resident(0, 5) and r.growing == []
+    r.check()
 
 
 @pytest.mark.gpu
@@ -199,7 +205,7 @@ def test_fully_resident_elastic_replays_whole_graphs(ckpt: Path) -> None:
     assert runner.graphs is not None and runner.graphs.whole_graphs and runner.graphs.whole_mixed_graphs
     # the start-up measurement of what piecewise passes cost beyond whole ones reached the cost adjuster
     assert engine.piecewise_overhead_s is not None and engine.piecewise_overhead_s >= 0
-    assert engine.elastic.adjuster.piecewise_overhead_s == engine.piecewise_overhead_s
+    assert engine.runtime.core.adjuster.piecewise_overhead_s == engine.piecewise_overhead_s
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     batch = prompts(6, seed=1)
     got = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
@@ -208,7 +214,7 @@ def test_fully_resident_elastic_replays_whole_graphs(ckpt: Path) -> None:
     assert runner.graphs.whole_replays == runner.graph_steps == engine.forward_steps > 0
     assert runner.graphs.boundaries.host_waits == 0 and runner.graphs.boundaries.skipped_waits == 0
     # the whole graphs counted routing: the estimate holds more than the decayed prior (1000 per layer)
-    pop = engine.elastic.popularity
+    pop = engine.runtime.core.popularity
     decayed_prior = pop.config.prior_weight * pop.config.decay ** engine.forward_steps * pop.counts.shape[0]
     assert pop.counts.sum() > decayed_prior + 1
     static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", enforce_eager=True,
@@ -216,53 +222,77 @@ def test_fully_resident_elastic_replays_whole_graphs(ckpt: Path) -> None:
     assert [o.outputs[0].token_ids for o in static.generate(batch, params)] == got
 
 
+def _tiny_runtime(adjuster, step_cost, async_steps: bool = False, limit: int = 2):
+    """An ElasticRuntime over a real residency and core (2 MoE layers x 4 experts, every expert resident) with
+    stand-ins for the parts that move bytes (loader, provider, host store)."""
+    from types import SimpleNamespace
+
+    from rimuru.experts.elastic_core import ElasticCore
+    from rimuru.experts.elastic_runtime import ElasticRuntime
+    from rimuru.experts.loader import LoadCounters
+    from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
+    from rimuru.experts.routing_counter import RoutingCounter
+
+    geo = PageGeometry.custom(mid_sizes={EXPERT: 64}, small_sizes={"kv": 16})
+    alloc = PageAllocator(geo, num_huge_pages=64)
+    residency = ExpertResidency(alloc, 2, 4)
+    cache = ExpertCache(residency, torch.zeros(64, 16), torch.device("cpu"))
+    cache.make_all_resident()
+    core = ElasticCore(residency, adjuster, OnlinePopularity(ExpertPopularity.uniform("m", 2, 4)), limit, 4,
+                       step_cost)
+    core.place_start(4)
+    loader = SimpleNamespace(counters=LoadCounters(), attach=lambda pages: None, detach=lambda: [])
+    provider = SimpleNamespace(begin_pass=lambda n: None, counter=None)
+    return ElasticRuntime(core, cache, SimpleNamespace(), loader, provider, RoutingCounter(2, 4), 52e9, async_steps)
+
+
 def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The controller feeds the cost tracker each pass's time minus the piecewise-graph overhead when that pass had
+    """The runtime feeds the cost tracker each pass's time minus the piecewise-graph overhead when that pass had
     an expert offloaded (it replayed piecewise graphs), so the compute estimate does not depend on which graphs
     ran; with async scheduling the flag travels with its pass, one step late like the pass's time."""
     from types import SimpleNamespace
 
-    from rimuru.experts.adjuster import AdjustPlan
-    from rimuru.experts.elastic import ElasticController
-    from rimuru.experts.loader import LoadCounters
-    from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
+    from rimuru.experts.adjuster import AdjustPlan, PaperAdjuster
+    from rimuru.experts.runtime import StepDemand
     from rimuru.experts.step_cost import StepCostTracker
 
     clock = [0.0]
-    monkeypatch.setattr("rimuru.experts.elastic.time", SimpleNamespace(monotonic=lambda: clock[0]))
-    host_tables = torch.zeros(2, 4, 3, dtype=torch.int32)  # every expert resident
-    cache = SimpleNamespace(
-        num_experts=4, host_tables=host_tables, planned_resident=lambda: [set(range(4)), set(range(4))],
-        all_resident=lambda: bool((host_tables[:, :, 0] >= 0).all()),
-        allocator=SimpleNamespace(mid_capacity=lambda kind: 0, num_used=lambda kind: 0),
-        finish_evictions=lambda: None)
-    loader = SimpleNamespace(counters=LoadCounters())
-    adjuster = SimpleNamespace(plan=lambda state: AdjustPlan(), max_offloaded=lambda: None)
+    monkeypatch.setattr("rimuru.experts.elastic_runtime.time", SimpleNamespace(monotonic=lambda: clock[0]))
 
-    def controller(async_steps: bool) -> tuple[ElasticController, StepCostTracker]:
+    class Idle(PaperAdjuster):
+        def plan(self, state):  # the test moves experts itself
+            return AdjustPlan()
+
+    def runtime(async_steps: bool):
         tracker = StepCostTracker(alpha=1.0, copy_overlap=0.8)
-        c = ElasticController(cache, loader, adjuster, OnlinePopularity(ExpertPopularity.uniform("m", 2, 4)),
-                              offload_limit=2, smalls_per_mid=1, step_cost=tracker)
-        c.piecewise_overhead_s = 0.002
-        c.async_steps = async_steps
-        return c, tracker
+        rt = _tiny_runtime(Idle(), tracker, async_steps)
+        rt.set_piecewise_overhead(0.002)
+        return rt, tracker
 
-    def step(c: ElasticController, offloaded: bool, tokens: int = 8, launched: int | None = None,
-             seconds: float = 0.010) -> None:
-        host_tables[0, 3, 0] = -1 if offloaded else 0
-        c.adjust(0, num_batched_tokens=tokens)
-        c.launching(tokens if launched is None else launched)
+    def step(rt, offloaded: bool, tokens: int = 8, launched: int | None = None, seconds: float = 0.010) -> None:
+        r = rt.core.residency
+        if offloaded and r.all_resident():  # expert 3 of layer 0 leaves (between passes)
+            r.begin_eviction(0, 3)
+            rt.cache.clear_rows(r.finish_evictions())
+            r.allocator.complete_forward()
+        elif not offloaded and not r.all_resident():  # and comes back
+            r.reserve_grow(0, 3)
+            rt.cache.write_rows(r.commit_grows())
+        rt.begin_step()
+        rt.plan(StepDemand(num_batched_tokens=tokens))
+        rt.before_pass(tokens if launched is None else launched)
         clock[0] += seconds  # the pass's wall time
-        c.after_forward()
+        rt.after_pass()
+        r.allocator.complete_forward()
 
-    sync, tracker = controller(async_steps=False)
+    sync, tracker = runtime(async_steps=False)
     step(sync, offloaded=True)
     assert tracker() == pytest.approx(0.008)
     step(sync, offloaded=False)
     assert tracker() == pytest.approx(0.010)
 
     # async: call k times pass k-1 (the host waited for it in step k); the first two calls observe nothing
-    asyn, tracker = controller(async_steps=True)
+    asyn, tracker = runtime(async_steps=True)
     step(asyn, offloaded=True)
     step(asyn, offloaded=True)
     assert tracker() is None
@@ -276,10 +306,10 @@ def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyP
     assert (tracker(8), tracker(300)) == (pytest.approx(0.040), pytest.approx(0.010))  # alpha 1: last samples
     # a step whose planned requests all finished before the launch runs no pass: nothing is timed, and the next
     # interval (no pass in flight before it) is not taken for one either
-    sync, tracker = controller(async_steps=False)
+    sync, tracker = runtime(async_steps=False)
     step(sync, offloaded=False, launched=0, seconds=0.0005)
     assert tracker() is None
-    asyn, tracker = controller(async_steps=True)
+    asyn, tracker = runtime(async_steps=True)
     for launched in (8, 8, 8, 0, 8, 8, 8):
         step(asyn, offloaded=False, launched=launched, seconds=0.0005 if launched == 0 else 0.010)
     # timed: pass 2 (by call 3) and pass 6 (by call 7); never the 0.5 ms of host time of call 4
@@ -288,15 +318,11 @@ def test_step_times_leave_the_piecewise_overhead_out(monkeypatch: pytest.MonkeyP
 
 def test_cost_stats_reach_metrics() -> None:
     """The cost adjuster's view (compute estimate, measured copy overlap and slowdown, target, stall bound, grow
-    reserve) goes from the elastic controller's stats to /metrics; the paper's adjuster exports none of it."""
-    from types import SimpleNamespace
-
+    reserve) goes from the elastic core's stats to /metrics; the paper's adjuster exports none of it."""
     import numpy as np
 
     from rimuru.experts.adjuster import AdjusterState, PaperAdjuster
     from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
-    from rimuru.experts.elastic import ElasticController
-    from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
     from rimuru.experts.step_cost import StepCostTracker
     from rimuru.server.metrics import ServerMetrics
 
@@ -307,47 +333,39 @@ def test_cost_stats_reach_metrics() -> None:
     # requests of 100 mid pages: bringing it home pays, so its 3 pages + 9 are kept from admissions
     adjuster = CostAdjuster(CostAdjusterConfig(), expert_bytes=52_000_000, top_k=2, compute_time=tracker,
                             copy_slowdown=tracker.copy_slowdown, copy_overlap=tracker.copy_overlap_share)
-    pop = OnlinePopularity(ExpertPopularity.uniform("m", 2, 4))
-    cache = SimpleNamespace(num_experts=4)
-    c = ElasticController(cache, SimpleNamespace(), adjuster, pop, offload_limit=2, smalls_per_mid=4,
-                          step_cost=tracker)
+    core = _tiny_runtime(adjuster, tracker).core
     ranks = np.tile(np.arange(4), (2, 1))
     adjuster.plan(AdjusterState(shortfall_mid_pages=0, free_mid_pages=0, resident=[{0, 1, 2, 3}, {0, 1, 2}],
                                 probabilities=np.full((2, 4), 0.25), rankings=ranks, offload_limit=2,
                                 num_batched_tokens=8, num_running=8, num_waiting=5, kv_mid_pages=800))
-    stats = c.cost_stats()
+    stats = core.stats()
     assert stats["cost_compute_ms"] == pytest.approx(10.0)
     assert (stats["cost_copy_overlap"], stats["cost_copy_slowdown"]) == (0.0, pytest.approx(1.25))
     assert stats["cost_copy_excess"] == 1.0  # no loads seen
     assert (stats["cost_target_offloaded"], stats["cost_max_offloaded"]) == (0.0, 1.0)  # home; stalls: 1
     assert stats["cost_grow_reserve_mid_pages"] == 3 + 9
-    assert c.admission_reserve_kv_pages() == 12 * 4  # mid pages -> KV pages
+    assert core.admission_reserve_kv_pages() == 12 * 4  # mid pages -> KV pages
     text = ServerMetrics(lambda: stats).render().decode()
     for name, value in stats.items():
         assert f"rimuru:{name} {float(value)}" in text
-    paper = ElasticController(cache, SimpleNamespace(), PaperAdjuster(), pop, offload_limit=2, smalls_per_mid=1)
-    assert paper.cost_stats() == {}
+    assert _tiny_runtime(PaperAdjuster(), None).core.stats() == {}
 
 
 def test_loads_after_each_pass_feed_the_copy_excess() -> None:
-    """after_forward hands the loader's routed (hits + misses) and copied (prefetched + on demand) experts since
-    the last pass to the cost tracker; grows are not copies for a pass."""
-    from types import SimpleNamespace
-
-    from rimuru.experts.elastic import ElasticController
-    from rimuru.experts.loader import LoadCounters
+    """after_pass hands the loader's routed (hits + misses) and copied (prefetched + on demand) experts since the
+    last pass to the cost tracker; grows are not copies for a pass."""
+    from rimuru.experts.adjuster import PaperAdjuster
     from rimuru.experts.step_cost import StepCostTracker
 
     tracker = StepCostTracker(alpha=1.0)
-    counters = LoadCounters()
-    c = ElasticController(SimpleNamespace(finish_evictions=lambda: None), SimpleNamespace(counters=counters),
-                          adjuster=None, popularity=None, offload_limit=2, smalls_per_mid=4, step_cost=tracker)
+    rt = _tiny_runtime(PaperAdjuster(), tracker)
+    counters = rt.loader.counters
     counters.hits, counters.misses, counters.prefetched, counters.on_demand, counters.grown = 3, 1, 9, 1, 50
-    c.after_forward()
+    rt.after_pass()
     assert tracker.copy_excess() == pytest.approx(11 / 5)  # (copied + 1) / (routed + 1)
     counters.hits += 5
     counters.prefetched += 5
-    c.after_forward()
+    rt.after_pass()
     assert tracker.copy_excess() == 1.0  # this pass: every copy routed (alpha 1: the latest pass only)
 
 
@@ -358,14 +376,14 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
     first evictions (which also free their pages), and gives them back once every expert is home. Tokens equal
     Hugging Face's (CPU) or static mode's (GPU: CUDA graphs, piecewise while offloading, async scheduling, float32)
     throughout; every page is accounted for."""
-    from rimuru.experts.loader import lazy_load_buffers
+    from rimuru.experts.residency import lazy_load_buffers
 
     assert lazy_load_buffers(8) and not lazy_load_buffers(7)
     ckpt = tiny_checkpoint("qwen2_moe", num_hidden_layers=9)  # layer 1 is dense: 8 MoE layers
     limit = 2
     args = {"device": device, "dtype": "float32"} if device == "cuda" else {"device": device}
     probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, **args)
-    split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
+    split, geo = probe.engine.budget_split, probe.engine.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 10 * per_block
               + geo.huge_size)  # every expert and ~10 KV blocks, no load buffers
@@ -373,12 +391,12 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
     llm = LLM(str(ckpt), gpu_memory_budget=budget, offload_mode="elastic", expert_offload_limit=limit,
               max_num_batched_tokens=64, **args)
     engine = llm.engine
-    experts, loader, alloc = engine.experts, engine.parts.loader, engine.pool.allocator
+    experts, loader, alloc = engine.runtime.cache, engine.runtime.loader, engine.pool.allocator
 
     def expert_pages_accounted() -> bool:  # between steps: 3 per resident expert + the buffers' pages
         return alloc.num_used(EXPERT) == 3 * experts.num_resident + len(loader.buffer_pages)
 
-    assert experts.all_resident() and loader.buffer_pages == [] and engine.parts.budget_split["load_buffers"] == 0
+    assert experts.all_resident() and loader.buffer_pages == [] and engine.budget_split["load_buffers"] == 0
     assert expert_pages_accounted()
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     heavy, light = prompts(6, seed=1), prompts(1, seed=2)
@@ -416,14 +434,14 @@ def test_the_longest_request_accepted_runs_although_offloading_attaches_the_buff
     ckpt = tiny_checkpoint("qwen2_moe", num_hidden_layers=9)
     limit = 2
     probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, device="cpu")
-    split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
+    split, geo = probe.engine.budget_split, probe.engine.geometry
     budget = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 40 * geo.size("expert")
     llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
               max_num_batched_tokens=64)
     engine = llm.engine
-    assert engine.elastic.lazy_buffers and engine.parts.loader.buffer_pages == []
+    assert engine.runtime.core.lazy_buffers and engine.runtime.loader.buffer_pages == []
     spm = geo.smalls_per_mid("kv", EXPERT)
-    evictable = 3 * engine.experts.num_layers * limit - 2 * 3 * limit  # every allowed expert out, buffers in
+    evictable = 3 * engine.runtime.cache.num_layers * limit - 2 * 3 * limit  # every allowed expert out, buffers in
     assert engine.max_kv_pages() == engine.kv.capacity_pages() + evictable * spm
     total = engine.max_model_len
     prompt = [3 + i % 290 for i in range(total - 8)]

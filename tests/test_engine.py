@@ -62,7 +62,7 @@ def test_chunked_prefill_and_preemption_keep_greedy_tokens(arch: str, checkpoint
     # a pool that holds the experts and only 8 KV blocks (3 requests need up to 5 each): requests must be
     # preempted and recomputed. One huge page of slack: the pool is rounded down to whole huge pages.
     probe = LLM(str(checkpoints[arch]), gpu_memory_budget="64MiB", device="cpu", max_num_batched_tokens=16)
-    split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
+    split, geo = probe.engine.budget_split, probe.engine.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 8 * per_block
               + geo.huge_size)
@@ -129,12 +129,12 @@ def test_text_prompts_and_bad_input(checkpoints) -> None:
 
 def test_static_mode_refuses_a_budget_without_room_for_experts(checkpoints) -> None:
     llm = LLM(str(checkpoints["qwen2_moe"]), gpu_memory_budget="64MiB", device="cpu")
-    split = llm.engine.parts.budget_split
+    split = llm.engine.budget_split
     budget = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] // 2
     with pytest.raises(ValueError, match="offload_mode='fixed' or 'elastic'"):
         LLM(str(checkpoints["qwen2_moe"]), gpu_memory_budget=budget, device="cpu", offload_mode="static")
     # asking for nothing: elastic when the experts don't all fit with room for KV cache, static when they do
-    page = llm.engine.parts.geometry.size("expert")
+    page = llm.engine.geometry.size("expert")
     tight = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 2 * page
     assert LLM(str(checkpoints["qwen2_moe"]), gpu_memory_budget=tight, device="cpu",
                expert_offload_limit=2).stats()["offload_mode"] == "elastic"
@@ -154,7 +154,7 @@ def test_dummy_routing_realises_the_promised_shares(tiny_checkpoint) -> None:
     llm = LLM(path, load_format="dummy", device="cpu", gpu_memory_budget="64MiB", dummy_routing="zipf:1.0",
               enforce_eager=True, seed=5)
     zipf = ExpertPopularity.zipf(path, 2, 32, 1.0, seed=5).probabilities  # [L, E], what the flag promises
-    moes = [m for m in llm.engine.parts.model.modules() if hasattr(m, "router_bias")]
+    moes = [m for m in llm.engine.model.modules() if hasattr(m, "router_bias")]
     for m in moes:  # the Gumbel transform's scale: each gate row's norm (RMS-1 inputs)
         torch.testing.assert_close(m.router_noise_scale, m.gate.weight.float().norm(dim=1))
     g = torch.Generator().manual_seed(0)

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.model_spec import ModelSpec
 from rimuru.models import (
-    StaticExpertProvider,
     build_model,
     init_dummy_expert_pages,
     init_dummy_weights,
@@ -29,7 +29,7 @@ def load(ckpt: Path) -> tuple[torch.nn.Module, Experts]:
     spec = ModelSpec.from_pretrained(ckpt)
     provider = StaticExpertProvider(torch.empty(0, 1), torch.zeros(spec.num_moe_layers, spec.num_experts, 3))
     kv = torch.empty(1, 2, 16, spec.num_key_value_heads, spec.head_dim)
-    model = build_model(spec, torch.float32, "cpu", provider, kv)
+    model = build_model(spec, torch.float32, "cpu", kv, provider)
     experts: Experts = {}
 
     def sink(layer: int, e: int, w1: Tensor, w3: Tensor, w2: Tensor) -> None:
@@ -141,8 +141,8 @@ def test_init_dummy_weights(tiny_checkpoint: Callable[..., Path]) -> None:
     spec = ModelSpec.from_pretrained(tiny_checkpoint("qwen3_moe"))
     provider = StaticExpertProvider(torch.empty(0, 1), torch.zeros(spec.num_moe_layers, spec.num_experts, 3))
     kv = torch.empty(1, 2, 16, spec.num_key_value_heads, spec.head_dim)
-    a = build_model(spec, torch.bfloat16, "cpu", provider, kv)
-    b = build_model(spec, torch.bfloat16, "cpu", provider, kv)
+    a = build_model(spec, torch.bfloat16, "cpu", kv, provider)
+    b = build_model(spec, torch.bfloat16, "cpu", kv, provider)
     init_dummy_weights(a, seed=7)
     init_dummy_weights(b, seed=7)
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):

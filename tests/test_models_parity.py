@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.model_spec import ModelSpec
 from rimuru.models import (
     ForwardBatch,
-    StaticExpertProvider,
     build_model,
     load_checkpoint,
     write_expert_to_pages,
@@ -51,7 +51,7 @@ class PagedModel:
         kv_shape = (num_kv_pages, 2, BLOCK, spec.num_key_value_heads, spec.head_dim)
         self.kv_cache = torch.full(kv_shape, float("nan"), dtype=dtype, device=device)
         provider = StaticExpertProvider(self.expert_view, self.tables)
-        self.model = build_model(spec, dtype, device, provider, self.kv_cache)
+        self.model = build_model(spec, dtype, device, self.kv_cache, provider)
         self.loaded: set[tuple[int, int]] = set()
         load_checkpoint(self.model, spec, ckpt, self._sink)
         self.spec = spec

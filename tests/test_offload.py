@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from rimuru import LLM
-from rimuru.engine.setup import BUFFER_OWNER
-from rimuru.experts.cache import EXPERT, resolve_offload_limit, resolve_resident_count
+from rimuru.experts.cache import resolve_offload_limit, resolve_resident_count
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
-from rimuru.models.expert_provider import StaticExpertProvider
+from rimuru.experts.residency import BUFFER_OWNER, EXPERT
+from rimuru.experts.runtime import StaticRuntime
+from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.testing.reference import hf_greedy, random_prompts, run_greedy
 from rimuru.testing.tiny_models import ARCHS
 
@@ -57,7 +58,7 @@ class RoutingSpy:
     def __call__(self, moe_layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         routed = set(torch.unique(topk_ids).tolist())
-        self.non_resident_routed += sum(1 for e in routed if not self.cache.is_resident(moe_layer, e))
+        self.non_resident_routed += sum(1 for e in routed if not self.cache.residency.is_resident(moe_layer, e))
         table = self.inner(moe_layer, topk_ids)
         rows = table[sorted(routed)]
         assert bool((rows >= 0).all()), f"layer {moe_layer}: a routed expert has no pages"
@@ -118,11 +119,11 @@ def test_host_store_layout_and_errors() -> None:
 
 def test_provider_loads_misses_prefetches_hits_and_keeps_tables(checkpoints) -> None:
     llm = fixed(checkpoints["qwen3_moe"], 2)  # 2 MoE layers, 8 experts, top-2; resident 0, 1
-    parts = llm.engine.parts
-    provider, cache, store, loader = parts.provider, parts.experts, parts.host_store, parts.loader
+    eng = llm.engine
+    provider, cache, store, loader = eng.runtime.provider, eng.runtime.cache, eng.runtime.store, eng.runtime.loader
     assert isinstance(provider, OffloadExpertProvider) and loader.limit == 6 and loader.copy_stream is None
     view = cache.expert_view
-    f, d = parts.spec.moe_intermediate_size, parts.spec.hidden_size
+    f, d = eng.spec.moe_intermediate_size, eng.spec.hidden_size
 
     def assert_points_at_store(table: torch.Tensor, layer: int, experts: list[int]) -> None:
         for e in experts:
@@ -173,7 +174,7 @@ def test_predictor_applies_the_layers_own_routing(checkpoints) -> None:
     itself routes, its guesses are exactly the routed experts (a bias-blind guess prefetched a skewed router's cold
     experts every step on the H200). A dummy skewed router adds a bias and a Gumbel transform of the logits."""
     llm = fixed(checkpoints["qwen3_moe"], 0.5, load_format="dummy", dummy_routing="zipf:1.5")
-    predictor = llm.engine.parts.provider.predictor
+    predictor = llm.engine.runtime.provider.predictor
     hidden = torch.randn(7, predictor.routers[1][1].gate.in_features, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         norm, moe = predictor.routers[1]
@@ -186,10 +187,10 @@ def test_predictor_applies_the_layers_own_routing(checkpoints) -> None:
 
 def test_loader_reuses_slots_of_unneeded_prefetches(checkpoints) -> None:
     llm = fixed(checkpoints["qwen3_moe"], 2)
-    parts = llm.engine.parts
-    alloc = parts.pool.allocator
+    eng = llm.engine
+    alloc = eng.pool.allocator
     pages = alloc.allocate_mid(EXPERT, 12, owner=BUFFER_OWNER)
-    loader = ExpertLoader(parts.experts, parts.host_store, pages, limit=2)  # smaller than E - K on purpose
+    loader = ExpertLoader(eng.runtime.cache, eng.runtime.store, pages, 2, eng.fence)  # smaller than E - K on purpose
     buf = loader.claim(1)
     loader.load(buf, [2, 3], keep=set(), prefetch=True)
     s2, s3 = buf.slot_of[2], buf.slot_of[3]
@@ -198,12 +199,12 @@ def test_loader_reuses_slots_of_unneeded_prefetches(checkpoints) -> None:
     assert buf.slot_of == {2: s2, 4: s3}
     assert buf.table[3].tolist() == [-1, -1, -1] and tuple(buf.table[4].tolist()) == slot_of_3
     for j in range(3):
-        assert torch.equal(parts.experts.expert_view[slot_of_3[j]], parts.host_store.expert(1, 4)[j])
+        assert torch.equal(eng.runtime.cache.expert_view[slot_of_3[j]], eng.runtime.store.expert(1, 4)[j])
     with pytest.raises(RuntimeError, match="needs 1 more experts in a load buffer of 2 slots"):
         loader.load(buf, [5], keep={2, 4}, prefetch=False)
     alloc.free_mid(EXPERT, pages)
     with pytest.raises(ValueError, match="need 12 pages, got 3"):
-        ExpertLoader(parts.experts, parts.host_store, pages[:3], limit=2)
+        ExpertLoader(eng.runtime.cache, eng.runtime.store, pages[:3], 2, eng.fence)
 
 
 # ---------------------------------------------------------------- engine
@@ -217,21 +218,22 @@ def test_fixed_mode_greedy_equals_static_and_transformers(arch: str, checkpoints
         assert len(r) == STEPS and g == r
     for resident in (8, 4, 1):
         llm = fixed(checkpoints[arch], resident)
-        parts = llm.engine.parts
-        L = parts.spec.num_moe_layers
-        spy = RoutingSpy(parts.provider) if resident < 8 else None
+        eng = llm.engine
+        L = eng.spec.num_moe_layers
+        spy = RoutingSpy(eng.runtime.provider) if resident < 8 else None
         assert run(llm, prompts()) == ref, f"K={resident}"
         st = llm.stats()
         assert st["resident_experts"] == L * resident and st["total_experts"] == L * 8
-        alloc = parts.pool.allocator
+        alloc = eng.pool.allocator
         limit = 8 - resident
         assert alloc.num_used(EXPERT) == L * resident * 3 + 2 * limit * 3
         if resident == 8:
-            assert isinstance(parts.provider, StaticExpertProvider) and parts.loader is None
+            assert isinstance(eng.runtime, StaticRuntime) and eng.runtime.mode == "fixed"  # no loader, no host copies
+            assert isinstance(eng.runtime.provider, StaticExpertProvider)
             assert (st["expert_bytes_loaded"], st["prefetch_hits"], st["prefetch_misses"]) == (0, 0, 0)
             continue
-        c = parts.loader.counters
-        f, d = parts.spec.moe_intermediate_size, parts.spec.hidden_size
+        c = eng.runtime.loader.counters
+        f, d = eng.spec.moe_intermediate_size, eng.spec.hidden_size
         assert spy.calls > 0 and spy.non_resident_routed > 0
         assert st["prefetch_hits"] + st["prefetch_misses"] == spy.non_resident_routed
         assert (st["prefetch_hits"], st["prefetch_misses"]) == (c.hits, c.misses)
@@ -245,23 +247,23 @@ def test_fixed_mode_greedy_equals_static_and_transformers(arch: str, checkpoints
 
 def test_fraction_larger_limit_and_chunked_prefill(checkpoints, references) -> None:
     llm = fixed(checkpoints["qwen2_moe"], 0.25, expert_offload_limit=7, max_num_batched_tokens=7)
-    parts = llm.engine.parts
-    assert parts.loader.limit == 7 and llm.stats()["resident_experts"] == 2 * 2
-    assert parts.pool.allocator.num_used(EXPERT) == 2 * 2 * 3 + 2 * 7 * 3
+    eng = llm.engine
+    assert eng.runtime.loader.limit == 7 and llm.stats()["resident_experts"] == 2 * 2
+    assert eng.pool.allocator.num_used(EXPERT) == 2 * 2 * 3 + 2 * 7 * 3
     assert run(llm, prompts()) == references["qwen2_moe"]
-    split = parts.budget_split
-    assert split["load_buffers"] == 2 * 7 * 3 * parts.geometry.size(EXPERT)
-    assert split["host_experts"] == parts.host_store.nbytes == 2 * 8 * 3 * 32 * 64 * 4
+    split = eng.budget_split
+    assert split["load_buffers"] == 2 * 7 * 3 * eng.geometry.size(EXPERT)
+    assert split["host_experts"] == eng.runtime.store.nbytes == 2 * 8 * 3 * 32 * 64 * 4
 
 
 def test_dummy_weights_are_the_same_model_in_static_and_fixed(checkpoints) -> None:
     path = str(checkpoints["mixtral"])
     static = LLM(path, gpu_memory_budget=BUDGET, device="cpu", load_format="dummy", seed=4)
     fixed_llm = fixed(checkpoints["mixtral"], 3, load_format="dummy", seed=4)
-    store, cache = fixed_llm.engine.parts.host_store, static.engine.parts.experts
+    store, cache = fixed_llm.engine.runtime.store, static.engine.runtime.cache
     for layer in range(cache.num_layers):
         for e in range(cache.num_experts):
-            for j, page in enumerate(cache.pages_of(layer, e)):
+            for j, page in enumerate(cache.residency.pages_of(layer, e)):
                 assert torch.equal(store.expert(layer, e)[j], cache.expert_view[page])
     assert run(fixed_llm, prompts()[:2], steps=8) == run(static, prompts()[:2], steps=8)
 
@@ -278,7 +280,7 @@ def test_fixed_mode_bad_settings(checkpoints) -> None:
         LLM(str(path), gpu_memory_budget=BUDGET, device="cpu", offload_mode="elastic", expert_offload_limit=9)
     # a pool with room for fewer expert pages than 2 layers x 4 resident + 2 buffers x 4 experts (48 pages)
     probe = fixed(path, 1)
-    split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
+    split, geo = probe.engine.budget_split, probe.engine.geometry
     budget = split["non_expert_weights"] + split["workspace"] + geo.huge_size
     have = geo.huge_size // geo.size(EXPERT)
     assert have < 48
@@ -299,13 +301,13 @@ def test_cuda_bf16_fixed_equals_static(arch: str, checkpoints) -> None:
     static = run(LLM(path, **common), prompts())
     for resident in (4, 1):
         llm = LLM(path, offload_mode="fixed", resident_experts=resident, **common)
-        parts = llm.engine.parts
-        assert parts.host_store.pinned and parts.loader.copy_stream is not None
-        spy = RoutingSpy(parts.provider)
+        eng = llm.engine
+        assert eng.runtime.store.pinned and eng.runtime.loader.copy_stream is not None
+        spy = RoutingSpy(eng.runtime.provider)
         assert run(llm, prompts()) == static, f"K={resident}"
-        st, c = llm.stats(), parts.loader.counters
+        st, c = llm.stats(), eng.runtime.loader.counters
         assert st["prefetch_hits"] + st["prefetch_misses"] == spy.non_resident_routed > 0
-        f, d = parts.spec.moe_intermediate_size, parts.spec.hidden_size
+        f, d = eng.spec.moe_intermediate_size, eng.spec.hidden_size
         assert st["expert_bytes_loaded"] == c.experts_loaded * 3 * f * d * 2
 
 
@@ -320,11 +322,11 @@ def test_cuda_piecewise_graphs_fixed_equals_static(arch: str, checkpoints) -> No
     static = run(LLM(path, enforce_eager=True, **common), prompts())
     for resident in (4, 1):
         llm = LLM(path, offload_mode="fixed", resident_experts=resident, **common)
-        runner, parts = llm.engine.runner, llm.engine.parts
+        runner, eng = llm.engine.runner, llm.engine
         assert runner.graphs is not None and runner.graphs.boundaries is not None
         assert run(llm, prompts()) == static, f"K={resident}"
         assert runner.graph_steps == llm.engine.forward_steps > 0  # no eager step
         assert runner.graphs.boundaries.host_waits > 0
-        c = parts.loader.counters
+        c = eng.runtime.loader.counters
         assert c.experts_loaded == c.on_demand + c.prefetched and c.hits + c.misses > 0
         assert llm.stats()["kv_pages_used"] == 0

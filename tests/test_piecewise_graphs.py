@@ -29,15 +29,14 @@ class FakePiece:
 def test_boundaries_ask_the_provider_only_for_layers_with_offloaded_experts(tmp_path: Path) -> None:
     path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=1)
     llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", resident_experts=4)
-    parts = llm.engine.parts
-    provider, cache = parts.provider, parts.experts
+    eng = llm.engine
+    provider, cache = eng.runtime.provider, eng.runtime.cache
     L, E = cache.num_layers, cache.num_experts
     assert L >= 2
     # make layer 1 fully resident, keep layer 0 with offloaded experts
-    cache.make_resident([(1, e) for e in range(E) if not cache.is_resident(1, e)])
+    cache.make_resident([(1, e) for e in range(E) if not cache.residency.is_resident(1, e)])
     assert bool((cache.host_tables[1, :, 0] >= 0).all()) and not bool((cache.host_tables[0, :, 0] >= 0).all())
-    modules = [m for m in parts.model.modules() if hasattr(m, "provider")]
-    bounds = ExpertTableBoundaries(provider, modules)
+    bounds = ExpertTableBoundaries(provider, eng.model)
     calls: list[tuple] = []
     real_table = provider.table
 
@@ -46,7 +45,7 @@ def test_boundaries_ask_the_provider_only_for_layers_with_offloaded_experts(tmp_
         return real_table(layer, ids)
 
     provider.table = spy  # type: ignore[method-assign]
-    offloaded = [e for e in range(E) if not cache.is_resident(0, e)]
+    offloaded = [e for e in range(E) if not cache.residency.is_resident(0, e)]
     ids0 = torch.tensor([[offloaded[0], 0], [1, 2], [offloaded[1], 3]])  # [T=3, k=2]; row 2 is padding
     ids1 = torch.tensor([[0, 1], [2, 3], [4, 0]])
     pred = (1, torch.zeros(E))
@@ -66,14 +65,14 @@ def test_boundaries_ask_the_provider_only_for_layers_with_offloaded_experts(tmp_
     assert bool((act0[offloaded[0]] >= 0).all())  # routed by a real row: loaded, addressable
     assert int(act0[offloaded[1], 0]) == -1  # routed only by the padding row: not loaded
     assert provider.row_mask is None and provider._prediction is None  # nothing left behind
-    assert parts.loader.counters.experts_loaded >= 1
+    assert eng.runtime.loader.counters.experts_loaded >= 1
 
 
 def test_predictor_ignores_padding_rows(tmp_path: Path) -> None:
     """Captured predictions must not prefetch experts that only padding rows of a padded batch would use."""
     path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=1)
     llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", resident_experts=4)
-    predictor = llm.engine.parts.provider.predictor
+    predictor = llm.engine.runtime.provider.predictor
     g = torch.Generator().manual_seed(0)
     d = llm.engine.spec.hidden_size
     real, pad = torch.randn(3, d, generator=g), torch.randn(5, d, generator=g)

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from rimuru import LLM
 from rimuru.bench.profile_experts import (
     count_routing,
-    expert_providers,
     format_summary,
     popularity_from_counts,
     profile_routing,
@@ -26,7 +25,7 @@ from rimuru.cli import main
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.popularity import ExpertPopularity
 from rimuru.experts.routing_counter import RoutingCounter
-from rimuru.models.expert_provider import StaticExpertProvider
+from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.models.moe import SparseMoE
 
 BUDGET = "64MiB"
@@ -103,9 +102,9 @@ def test_counter_writes_into_one_fixed_tensor() -> None:
 
 def test_providers_record_only_when_a_counter_is_set(tiny_checkpoint) -> None:
     llm = LLM(str(tiny_checkpoint("qwen3_moe", seed=3)), device="cpu", gpu_memory_budget=BUDGET)
-    provider = llm.engine.parts.provider
+    provider = llm.engine.runtime.provider
     assert isinstance(provider, StaticExpertProvider) and provider.counter is None
-    assert expert_providers(llm.engine.parts.model) == [provider]
+    assert all(block.provider is provider for block in llm.engine.model.moe_blocks())
     ids = torch.tensor([[1, 5], [5, 7]])
     table = provider.table(0, ids)  # no counter: the contract is unchanged
     provider.counter = RoutingCounter(2, 8)
@@ -122,14 +121,14 @@ def test_static_and_fixed_providers_count_the_same(tiny_checkpoint, arch: str) -
     reqs = requests()
     static = LLM(path, device="cpu", gpu_memory_budget=BUDGET)
     fixed = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=2)
-    assert isinstance(fixed.engine.parts.provider, OffloadExpertProvider)
+    assert isinstance(fixed.engine.runtime.provider, OffloadExpertProvider)
     got = {}
     for name, llm in (("static", static), ("fixed", fixed)):
-        spy = RouterSpy(llm.engine.parts.model, 8)
+        spy = RouterSpy(llm.engine.model, 8)
         got[name] = count_routing(llm, reqs, temperature=0.0)
         spy.remove()
         assert np.array_equal(got[name], spy.counts), name  # the providers saw exactly what the routers chose
-        assert llm.engine.parts.provider.counter is None  # detached afterwards
+        assert llm.engine.runtime.provider.counter is None  # detached afterwards
         assert llm.stats()["kv_pages_used"] == 0
     assert fixed.stats()["prefetch_misses"] > 0  # routing did cross the load buffers
     assert np.array_equal(got["static"], got["fixed"])
@@ -140,11 +139,11 @@ def test_static_and_fixed_providers_count_the_same(tiny_checkpoint, arch: str) -
 
 def test_profile_matches_independent_count_and_round_trips(tiny_checkpoint, tmp_path: Path) -> None:
     llm = LLM(str(tiny_checkpoint("qwen3_moe", seed=3)), device="cpu", gpu_memory_budget=BUDGET)
-    provider = llm.engine.parts.provider
+    provider = llm.engine.runtime.provider
     outer = RoutingCounter(2, 8)  # a counter somebody else attached: left alone and restored
     provider.counter = outer
     reqs = requests()
-    spy = RouterSpy(llm.engine.parts.model, 8)
+    spy = RouterSpy(llm.engine.model, 8)
     pop = profile_routing(llm, reqs, model_name="tiny-qwen3", max_tokens=4, seed=5)
     spy.remove()
     assert provider.counter is outer and torch.count_nonzero(outer.counts) == 0
@@ -176,7 +175,7 @@ def test_profile_refuses_graphs_busy_engines_and_no_requests(tiny_checkpoint) ->
     with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 300\)"):
         count_routing(llm, bad)
     assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_pages_used"] == 0  # aborted cleanly
-    assert llm.engine.parts.provider.counter is None
+    assert llm.engine.runtime.provider.counter is None
 
 
 def test_popularity_from_counts_and_summary() -> None:

@@ -51,7 +51,7 @@ def test_streamed_text_never_retracts_a_stop_string_split_over_tokens(llm: LLM) 
 
 def _tight_elastic(path, kv_blocks: int, limit: int, **kw) -> LLM:
     probe = LLM(str(path), gpu_memory_budget="64MiB", device="cpu", **kw)
-    split, geo = probe.engine.parts.budget_split, probe.engine.parts.geometry
+    split, geo = probe.engine.budget_split, probe.engine.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"]
               + 2 * 3 * limit * geo.size("expert") + kv_blocks * per_block + geo.huge_size)
@@ -66,7 +66,7 @@ def test_elastic_aborts_preemptions_and_stalls_leak_no_page(tiny_checkpoint, max
     + the load buffers, nothing pending)."""
     import random
 
-    from rimuru.experts.cache import EXPERT
+    from rimuru.experts.residency import EXPERT
 
     limit = 4
     llm = _tight_elastic(tiny_checkpoint("qwen2_moe"), kv_blocks=6, limit=limit,
@@ -99,8 +99,9 @@ def test_elastic_aborts_preemptions_and_stalls_leak_no_page(tiny_checkpoint, max
     assert eng.kv.pages_in_use == 0 and alloc.num_used("kv") == 0
     assert alloc.pending_deferred == 0
     # a grow decided in the last step stays reserved until the next step commits it
-    in_flight = len(eng.elastic.pending)
-    assert alloc.num_used(EXPERT) == 3 * (eng.experts.num_resident + in_flight) + 2 * 3 * limit
+    in_flight = len(eng.runtime.cache.residency.growing)
+    assert alloc.num_used(EXPERT) == 3 * (eng.runtime.cache.num_resident + in_flight) + 2 * 3 * limit
+    eng.runtime.cache.residency.check()
     assert eng.stats()["expert_evictions"] > 0  # the pool was tight enough to move experts
 
 

@@ -54,7 +54,7 @@ class Server:
 def _small_pool_engine(ckpt: Path) -> LLMEngine:
     base = dict(model=str(ckpt), device="cpu", max_num_seqs=64, max_num_batched_tokens=512)
     probe = LLMEngine(EngineConfig(**base, gpu_memory_budget="64MiB"))
-    split = probe.parts.budget_split
+    split = probe.budget_split
     page = split["kv_free"] // probe.stats()["kv_pages_free"]
     budget = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + KV_PAGES * page
     del probe

@@ -49,23 +49,35 @@ def test_conservation(mode: str) -> None:
     assert not sim.scheduler.has_unfinished()  # ... and finished
     pages = res.final_pages
     assert pages["kv_pages"] == pages["kv_pages_tracked"] == 0
-    assert pages["expert_pages"] == pages["expert_pages_tracked"] == 3 * int(sim.residency.resident.sum())
+    buffers = 0 if mode == "static" else 2 * 3 * 4  # two load buffers of `limit` experts (held for good: 2 layers)
+    assert pages["expert_pages"] == pages["expert_pages_tracked"] == 3 * int(sim.residency.in_tables.sum()) + buffers
     assert pages["pending_deferred"] == 0
     assert pages["free_bytes"] + pages["used_bytes"] == pages["pool_bytes"] == 72 * PAGE
     assert pages["used_bytes"] == pages["expert_pages"] * PAGE
     if mode == "static":
-        assert sim.residency.resident.all() and res.pcie_bytes == 0
+        assert sim.residency.in_tables.all() and res.pcie_bytes == 0
     if mode == "fixed":
-        assert sim.residency.resident.sum(axis=1).tolist() == [4, 4]  # E - limit
+        assert sim.residency.in_tables.sum(axis=1).tolist() == [4, 4]  # E - limit
         for layer in range(2):  # the resident set is the top of the ranking
-            assert set(np.flatnonzero(sim.residency.resident[layer])) == set(POP.rankings[layer, :4].tolist())
+            assert set(np.flatnonzero(sim.residency.in_tables[layer])) == set(POP.rankings[layer, :4].tolist())
 
 
 def test_elastic_beats_fixed_under_a_binding_budget() -> None:
-    reqs = trace()
-    fixed = Simulation(TINY, POP, config("fixed", 72, expert_offload_limit=2)).run(reqs)
-    elastic = Simulation(TINY, POP, config("elastic", 72, expert_offload_limit=4)).run(reqs)
-    static = Simulation(TINY, POP, config("static", 72)).run(reqs)
+    """8 MoE layers, so that elastic mode holds its load buffers only while an expert is out (with 2 layers the
+    buffers of a limit of l experts take exactly the pages that offloading l experts per layer frees)."""
+    spec = ModelSpec.from_hf_config({**TINY_HF, "num_hidden_layers": 8})
+    pop = ExpertPopularity.zipf("tiny8", 8, 8, exponent=1.0, seed=0)
+
+    def cfg(mode: str, **kw) -> SimConfig:
+        probe = SimConfig(mode=mode, budget_bytes=1 << 40, max_num_seqs=64, max_num_batched_tokens=512)
+        mem = plan_memory(spec, probe)
+        return SimConfig(mode=mode, budget_bytes=mem.non_expert_weights + mem.workspace + 222 * PAGE,
+                         max_num_seqs=64, max_num_batched_tokens=512, hardware=SLOW_STEPS, **kw)
+
+    reqs = trace(200)
+    fixed = Simulation(spec, pop, cfg("fixed", expert_offload_limit=2)).run(reqs)
+    elastic = Simulation(spec, pop, cfg("elastic", expert_offload_limit=4)).run(reqs)
+    static = Simulation(spec, pop, cfg("static")).run(reqs)
     assert elastic.evictions > 0 and elastic.grows > 0
     assert elastic.peak_running >= fixed.peak_running > static.peak_running
     assert elastic.forward_steps <= fixed.forward_steps
@@ -76,18 +88,15 @@ def test_elastic_beats_fixed_under_a_binding_budget() -> None:
 def test_elastic_respects_limit_and_prefix() -> None:
     sim = Simulation(TINY, POP, config("elastic", 60, expert_offload_limit=3))
     seen = []
-    orig = sim.residency.complete_forward
 
-    def check() -> None:
-        orig()
-        counts = sim.residency.resident.sum(axis=1)
+    def check(sim: Simulation) -> None:
+        counts = sim.residency.in_tables.sum(axis=1)
         seen.append(counts.tolist())
         for layer, k in enumerate(counts):
             assert 8 - k <= 3
-            assert set(np.flatnonzero(sim.residency.resident[layer])) == set(POP.rankings[layer, :k].tolist())
+            assert set(np.flatnonzero(sim.residency.in_tables[layer])) == set(POP.rankings[layer, :k].tolist())
 
-    sim.residency.complete_forward = check
-    sim.run(trace(60))
+    sim.run(trace(60), after_step=check)
     assert min(min(c) for c in seen) == 5  # the limit was reached
 
 
@@ -146,19 +155,16 @@ def test_elastic_with_lazy_load_buffers_pays_for_them_and_gives_them_back() -> N
     cfg = SimConfig(mode="elastic", budget_bytes=mem.non_expert_weights + mem.workspace + pool * PAGE, max_num_seqs=64,
                     max_num_batched_tokens=512, hardware=SLOW_STEPS, expert_offload_limit=3)
     sim = Simulation(spec, pop, cfg)
-    assert sim.lazy_buffers and sim.residency.buffer_pages == [] and sim.residency.resident.all()
+    assert sim.core.lazy_buffers and sim.core.buffer_pages == [] and sim.residency.in_tables.all()
     held = []
-    orig = sim.residency.complete_forward
 
-    def watch() -> None:
-        orig()
-        held.append((len(sim.residency.buffer_pages), int((~sim.residency.resident).sum())))
+    def watch(sim: Simulation) -> None:
+        held.append((len(sim.core.buffer_pages), int((~sim.residency.in_tables).sum())))
 
-    sim.residency.complete_forward = watch
-    res = sim.run(trace())
+    res = sim.run(trace(), after_step=watch)
     assert res.evictions >= 2 and res.output_tokens == sum(r.output_len for r in trace())
     assert any(b == 2 * 3 * 3 for b, _ in held)  # held while experts were out
     assert all(b in (0, 18) for b, _ in held)
-    assert sim.residency.resident.all() and sim.residency.buffer_pages == []
+    assert sim.residency.in_tables.all() and sim.core.buffer_pages == []
     pages = res.final_pages
     assert pages["expert_pages"] == pages["expert_pages_tracked"] == 3 * 64 and pages["pending_deferred"] == 0

@@ -35,10 +35,10 @@ def test_streaming_changes_no_token_and_skips_routing_reads(arch: str, parity_ch
     for label, max_unused in (("never", -1.0), ("always", float("inf")), ("rule", offload_provider.STREAM_MAX_UNUSED)):
         monkeypatch.setattr(offload_provider, "STREAM_MAX_UNUSED", max_unused)
         llm = _fixed(path, 1)
-        provider = llm.engine.parts.provider
+        provider = llm.engine.runtime.provider
         assert isinstance(provider, OffloadExpertProvider)
         assert run_greedy(llm, ps, STEPS) == ref, label
-        c = llm.engine.parts.loader.counters
+        c = llm.engine.runtime.loader.counters
         runs[label] = (provider.routing_reads, provider.streamed_layers, c.experts_loaded, c.hits + c.misses)
         assert c.experts_loaded == c.on_demand + c.prefetched
     never, always, rule = runs["never"], runs["always"], runs["rule"]
@@ -52,7 +52,7 @@ def test_streaming_changes_no_token_and_skips_routing_reads(arch: str, parity_ch
 
 def test_streaming_decision_follows_expected_unused_loads(parity_checkpoints) -> None:
     llm = _fixed(parity_checkpoints["qwen3_moe"], 2)  # 2 MoE layers, 8 experts, top-2; 6 offloaded per layer
-    provider = llm.engine.parts.provider
+    provider = llm.engine.runtime.provider
     L, E, k = 2, 8, provider.top_k
     assert (provider.cache.num_layers, provider.cache.num_experts, k) == (L, E, 2)
     # uniform: expected unused = 6 * (1 - 2/8)^T <= 0.5  <=>  T >= 9
@@ -84,7 +84,7 @@ def test_elastic_with_streaming_evicts_grows_and_keeps_tokens(parity_checkpoints
     got += [o.outputs[0].token_ids for o in llm.generate(light, params)]
     st = llm.stats()
     assert st["expert_evictions"] > 0 and st["expert_grows"] > 0
-    provider = llm.engine.parts.provider
+    provider = llm.engine.runtime.provider
     assert provider.streamed_layers > 0 and provider.routing_reads == 0
     static = LLM(str(path), gpu_memory_budget="64MiB", device="cpu")
     want = [o.outputs[0].token_ids for o in static.generate(heavy + light, params)]
@@ -106,6 +106,6 @@ def test_cuda_piecewise_graphs_stream_without_host_waits(parity_checkpoints, mon
     llm = LLM(path, offload_mode="fixed", resident_experts=1, **common)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.boundaries is not None
     assert run_greedy(llm, ps, STEPS) == static
-    provider = llm.engine.parts.provider
+    provider = llm.engine.runtime.provider
     assert provider.routing_reads == 0 and provider.streamed_layers > 0
     assert llm.engine.runner.graph_steps == llm.engine.forward_steps

@@ -30,7 +30,7 @@ import numpy as np
 from rimuru.experts.popularity import ExpertPopularity
 
 if TYPE_CHECKING:  # torch is imported when a profile runs, not when the CLI registers the subcommand
-    import torch
+    pass
 
 logger = logging.getLogger("rimuru")
 
@@ -44,16 +44,6 @@ class ProfileRequest(Protocol):  # rimuru.bench.workload.SampleRequest has this 
 
     @property
     def output_len(self) -> int: ...
-
-
-def expert_providers(model: torch.nn.Module) -> list[Any]:
-    """The distinct expert providers of the model's MoE modules (those with a `.provider`), in module order."""
-    found: list[Any] = []
-    for m in model.modules():
-        p = getattr(m, "provider", None)
-        if p is not None and not any(p is q for q in found):
-            found.append(p)
-    return found
 
 
 def count_routing(llm: Any, requests: Sequence[ProfileRequest], *, max_tokens: int | None = None,
@@ -81,11 +71,7 @@ def count_routing(llm: Any, requests: Sequence[ProfileRequest], *, max_tokens: i
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     spec = engine.spec
-    providers = expert_providers(engine.parts.model)
-    if not providers:
-        raise ValueError("the model has no MoE layers with an expert provider: nothing to profile")
     counter = RoutingCounter(spec.num_moe_layers, spec.num_experts, engine.device)
-    previous = [getattr(p, "counter", None) for p in providers]
     # a float32 count is exact below 2**24: move the counts to the host before any entry could pass it
     per_step = engine.config.max_num_batched_tokens * spec.num_experts_per_tok
     flush_every = max(1, EXACT_LIMIT // per_step)
@@ -94,8 +80,7 @@ def count_routing(llm: Any, requests: Sequence[ProfileRequest], *, max_tokens: i
     def flush() -> None:
         total[...] += counter.snapshot_and_reset().numpy().astype(np.int64)
 
-    for p in providers:
-        p.counter = counter
+    previous = engine.runtime.swap_routing_counter(counter)
     submitted: list[str] = []
     try:
         for i, r in enumerate(requests):
@@ -122,8 +107,7 @@ def count_routing(llm: Any, requests: Sequence[ProfileRequest], *, max_tokens: i
             engine.step()
         raise
     finally:
-        for p, c in zip(providers, previous, strict=True):
-            p.counter = c
+        engine.runtime.swap_routing_counter(previous)
     return total
 
 

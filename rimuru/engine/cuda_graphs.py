@@ -41,7 +41,9 @@ import torch
 from rimuru.engine.piecewise_graphs import ExpertTableBoundaries, PiecewiseGraph
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.routing_counter import RoutingCounter
-from rimuru.models.expert_provider import ExpertProvider
+from rimuru.experts.runtime import GraphPlan
+from rimuru.experts.static_provider import StaticExpertProvider
+from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger("rimuru")
@@ -49,10 +51,6 @@ logger = logging.getLogger("rimuru")
 # Mixed-step token buckets: fine steps where prefill chunks are short, coarser (x1.5) above 1024.
 _TOKEN_LADDER = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 MAX_MIXED_GRAPH_TOKENS = _TOKEN_LADDER[-1]  # larger steps run eagerly (activation memory of the graph pool)
-# Per MoE layer, what a piecewise pass costs beyond a whole one, where it cannot be measured at start-up (elastic
-# starting with experts offloaded). H200, Qwen1.5-MoE at 10 req/s, nothing offloaded but piecewise: GPU forward
-# 7.24 against static's 5.45 ms over 24 MoE layers (2026-11-29-s4-serve-issue8-{elastic-cost,static}-uniform-h200.json).
-PIECEWISE_OVERHEAD_PER_LAYER_S = 75e-6
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -70,11 +68,27 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
     return [t for t in _TOKEN_LADDER if t < top] + [top]
 
 
+def capture_step_graphs(model: MoECausalLM, plan: GraphPlan, device: torch.device, num_attention_layers: int,
+                        max_num_seqs: int, max_model_len: int, block_size: int, max_num_batched_tokens: int,
+                        max_capture_size: int | None) -> StepGraphs:
+    """The graphs a runtime's GraphPlan asks for, captured: whole graphs (static experts), or piecewise graphs cut
+    at every MoE layer's expert-table decision, replayed with that decision on the host between the pieces
+    (engine/piecewise_graphs.py), plus whole graphs over the resident tables where the plan has them (elastic).
+    Expert tables and page tables change in place, so evictions, grows and loads never invalidate a graph."""
+    boundaries = ExpertTableBoundaries(plan.piecewise, model) if plan.piecewise is not None else None
+    graphs = StepGraphs(model, device, num_attention_layers, max_num_seqs, max_model_len, block_size,
+                        max_num_batched_tokens, counter=plan.counter, boundaries=boundaries,
+                        resident_provider=plan.resident, max_capture_size=max_capture_size)
+    graphs.capture()
+    return graphs
+
+
 class StepGraphs:
-    def __init__(self, model: torch.nn.Module, device: torch.device, num_layers: int, max_num_seqs: int,
+    def __init__(self, model: MoECausalLM, device: torch.device, num_layers: int, max_num_seqs: int,
                  max_model_len: int, block_size: int, max_num_batched_tokens: int | None = None,
                  counter: RoutingCounter | None = None, boundaries: ExpertTableBoundaries | None = None,
-                 resident_provider: ExpertProvider | None = None, max_capture_size: int | None = None) -> None:
+                 resident_provider: StaticExpertProvider | None = None,
+                 max_capture_size: int | None = None) -> None:
         if resident_provider is not None and boundaries is None:
             raise ValueError("resident_provider needs boundaries (whole graphs are the piecewise ones' fast path)")
         self.model = model
@@ -237,17 +251,14 @@ class StepGraphs:
 
     @contextlib.contextmanager
     def _resident_modules(self) -> Iterator[None]:
-        """The MoE modules read the resident tables directly (elastic mode's whole graphs) inside the block."""
+        """The MoE modules read the resident tables directly (elastic mode's whole graphs) inside the block; the
+        capture stand-in (the boundaries) again after it."""
         assert self.boundaries is not None and self.resident_provider is not None
-        modules = self.boundaries.modules
-        saved = [m.provider for m in modules]
-        for m in modules:
-            m.provider = self.resident_provider
+        self.model.attach_experts(self.resident_provider)
         try:
             yield
         finally:
-            for m, p in zip(modules, saved, strict=True):
-                m.provider = p
+            self.model.attach_experts(self.boundaries)
 
     def _capture_resident(self, todo: list[tuple[bool, int]], stream: torch.cuda.Stream) -> None:
         """Whole graphs with the MoE modules reading the resident tables directly (elastic mode's fast path);
@@ -258,12 +269,12 @@ class StepGraphs:
                 (self.whole_mixed_graphs if mixed else self.whole_graphs)[size] = graph
 
     def measure_piecewise_overhead(self, batch_size: int = 48, reps: int = 20) -> float | None:
-        """Seconds a decode pass of the piecewise graph takes beyond the whole graph of the same size, every
-        expert resident (the piecewise replay's fast path: no routing read, no copy). Wall time around `reps`
-        replays each, so host launch work counts where it outlasts the GPU. The replays read the static buffers
-        as capture left them (padding rows: slot -1, no KV write); their routing counts are discarded. None when
-        elastic's whole graphs are not captured or an expert is offloaded now."""
-        if self.resident_provider is None or self.boundaries is None or not self.boundaries.all_resident():
+        """Seconds a decode pass of the piecewise graph takes beyond the whole graph of the same size over the same
+        tables (the piecewise replay's fast path at every boundary: no routing read, no copy; an offloaded expert
+        is skipped by both). Wall time around `reps` replays each, so host launch work counts where it outlasts
+        the GPU. The replays read the static buffers as capture left them (padding rows: slot -1, no KV write);
+        their routing counts are discarded. None when no whole graphs were captured (every pass is piecewise)."""
+        if self.resident_provider is None or self.boundaries is None:
             return None
         bs = self.padded_size(min(batch_size, self.max_bs))
         whole, piecewise = self.whole_graphs[bs], self.graphs[bs]
@@ -280,7 +291,7 @@ class StepGraphs:
 
         waits = (self.boundaries.host_waits, self.boundaries.skipped_waits)
         t_whole = wall(whole.replay)
-        t_piecewise = wall(lambda: self.boundaries.replay(piecewise))
+        t_piecewise = wall(lambda: self.boundaries.replay(piecewise, as_resident=True))
         # timing passes are not traffic: their routing counts and boundary counts are dropped
         self.boundaries.host_waits, self.boundaries.skipped_waits = waits
         if self.counter is not None:

@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples.
 
-The runner never decides allocation: it reads the pages the scheduler gave each request.
+The runner never decides allocation: it reads the pages the scheduler gave each request; nor does it know
+how experts are found (the model's expert provider, set up by the expert runtime).
 
 Batch layout (all scheduled requests flattened, prefill chunks and decodes mixed):
     tokens     | r0: start0 .. start0+n0-1 | r1: ... | ...        T = sum(n_i) rows
@@ -16,25 +17,20 @@ On a GPU all inputs travel in ONE host->device copy (`InputStager`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from rimuru.engine.cuda_graphs import StepGraphs
-from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.scheduler import SchedulerOutput
-from rimuru.experts.offload_provider import OffloadExpertProvider
-from rimuru.experts.routing_counter import RoutingCounter
+from rimuru.engine.step_profiler import StepTrace
 from rimuru.kernels.paged_attention import q_tile_starts, tile_map_block_q
-from rimuru.models.expert_provider import ExpertProvider
+from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.forward_batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from rimuru.engine.step_profiler import StepProfiler
 
 _ALIGN = 16  # bytes: every packed field starts at a multiple (int64 views need 8)
 _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
@@ -112,8 +108,8 @@ class SampledTokens:
     and an event, so reading them (`tolist`, the step's one device->host wait) can come after the next
     step has been launched."""
 
-    def __init__(self, tokens: torch.Tensor | None, device: torch.device, profiler: StepProfiler | None) -> None:
-        self._profiler = profiler
+    def __init__(self, tokens: torch.Tensor | None, device: torch.device, trace: StepTrace) -> None:
+        self._trace = trace
         self._event: torch.cuda.Event | None = None
         if tokens is None:
             self._host = None
@@ -131,47 +127,37 @@ class SampledTokens:
         if self._event is not None:
             self._event.synchronize()
         out = self._host.tolist()
-        if self._profiler is not None and self._profiler.active:
-            self._profiler.mark("readback")
+        self._trace.mark("readback")
         return out
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, num_attention_layers: int,
+    def __init__(self, model: MoECausalLM, device: torch.device, num_attention_layers: int,
                  block_size: int, sampler: Sampler) -> None:
         self.model = model
         self.device = device
         self.num_layers = num_attention_layers
         self.block_size = block_size
         self.sampler = sampler
-        self.graphs: StepGraphs | None = None  # set by enable_cuda_graphs()
-        self.q_block = 0  # query tokens per q tile of the mixed graphs' attention launch
+        self.graphs: StepGraphs | None = None  # set by use_cuda_graphs()
         self.graph_steps = 0  # steps replayed from a CUDA graph (decode or mixed)
         self.mixed_graph_steps = 0
-        self.profiler: StepProfiler | None = None  # set by LLMEngine.enable_step_profiler()
         self.stager = InputStager(device) if device.type == "cuda" else None
-        # offloading modes: told each pass's real token count first (streaming layers, experts/offload_provider.py)
-        self.expert_provider: OffloadExpertProvider | None = None
         # the last launch's sampled tokens (device) and each sampling request's row in them, by seq_id
         self._last_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
         # request -> (its kv_pages list, int32 [capacity, L] pages, blocks filled): the pages as an array
         self._pages: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
 
-    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None,
-                           counter: RoutingCounter | None = None, boundaries: ExpertTableBoundaries | None = None,
-                           resident_provider: ExpertProvider | None = None,
-                           max_capture_size: int | None = None) -> None:
-        """Captures decode graphs and, with max_num_batched_tokens, mixed-step graphs (engine/cuda_graphs.py) of
-        at most `max_capture_size` rows (larger steps run eagerly);
-        piecewise around an offloading provider's decisions when `boundaries` is given, plus whole graphs over
-        the resident tables for fully resident passes when `resident_provider` is given (elastic mode)."""
+    def use_cuda_graphs(self, graphs: StepGraphs) -> None:
+        """Steps that fit a captured graph replay it from now on (engine/cuda_graphs.py)."""
+        self.graphs = graphs
+
+    @functools.cached_property
+    def q_block(self) -> int:
+        """Query tokens per q tile of the mixed graphs' attention launch."""
         spec = self.model.spec
-        elem = next(self.model.parameters()).element_size()
-        self.q_block = tile_map_block_q(spec.num_attention_heads, spec.num_key_value_heads, elem)
-        self.graphs = StepGraphs(self.model, self.device, self.num_layers, max_num_seqs, max_model_len,
-                                 self.block_size, max_num_batched_tokens, counter=counter, boundaries=boundaries,
-                                 resident_provider=resident_provider, max_capture_size=max_capture_size)
-        self.graphs.capture()
+        return tile_map_block_q(spec.num_attention_heads, spec.num_key_value_heads,
+                                next(self.model.parameters()).element_size())
 
     def step_kind(self, sched: SchedulerOutput) -> str:
         """decode-graph | decode-eager | mixed-graph | prefill-graph | prefill | mixed | idle (the step profiler's
@@ -302,14 +288,6 @@ class ModelRunner:
                             max_seq_len=int(h.seq_lens.max()))
 
     # ---- the step --------------------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput) -> list[int]:
-        """Runs one step; returns the sampled token of each scheduled request that samples, in order."""
-        return self.launch(sched).tolist()
-
-    def pass_reads_routing(self, num_tokens: int) -> bool:
-        """Whether a forward pass of `num_tokens` tokens will wait on the host for an offloaded layer's routing."""
-        return self.expert_provider is not None and self.expert_provider.pass_reads_routing(num_tokens)
-
     def _fill_pending(self, input_ids: torch.Tensor, h: HostBatch) -> None:
         """Async scheduling: input rows of tokens sampled by the previous launch, copied on the device."""
         if h.pending_rows is None:
@@ -324,14 +302,11 @@ class ModelRunner:
         input_ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> SampledTokens:
+    def launch(self, sched: SchedulerOutput, trace: StepTrace) -> SampledTokens:
         """Queues one step on the device and returns its sampled tokens, to be read later (`tolist()`): the
         host may schedule and launch the next step meanwhile (async scheduling). Rows of tokens that the
         previous launch sampled are filled on the device from its output."""
-        prof = self.profiler
         sampling = [s.request for s in sched.scheduled if s.samples]
-        if self.expert_provider is not None:
-            self.expert_provider.begin_pass(sched.num_tokens)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(sched):
             B = len(sched.scheduled)
@@ -339,42 +314,35 @@ class ModelRunner:
             h = self.host_arrays(sched, pad_to=bp)
             ids, pos, _, seq_lens, bt, slots, _ = self.to_device(h)
             self._fill_pending(ids, h)
-            if prof is not None:
-                prof.mark("prepare")
-                prof.forward_begin()
+            trace.mark("prepare")
+            trace.forward_begin()
             logits = graphs.run(B, ids, pos, seq_lens, bt, slots)
             self.graph_steps += 1
         elif graphs is not None and graphs.can_run_mixed(sched):
             h = self.host_arrays(sched, pad_tokens=graphs.padded_tokens(sched.num_tokens), pad_seqs=graphs.max_seqs)
             ids, pos, qsl, seq_lens, bt, slots, li, qts = self.to_device(h)
             self._fill_pending(ids, h)
-            if prof is not None:
-                prof.mark("prepare")
-                prof.forward_begin()
+            trace.mark("prepare")
+            trace.forward_begin()
             logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts)
             self.graph_steps += 1
             self.mixed_graph_steps += 1
         else:
             batch = self.prepare(sched)
-            if prof is not None:
-                prof.mark("prepare")
-                prof.forward_begin()
+            trace.mark("prepare")
+            trace.forward_begin()
             hidden = self.model(batch)  # [T, d]
             # [B', V] float32 logits of the sampled rows; a step that samples nothing (prefill chunks) needs none
             logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
-        if prof is not None:
-            prof.forward_end()
-            prof.mark("forward")
-        if self.expert_provider is not None:
-            self.expert_provider.loader.mark_pass_launched()
+        trace.forward_end()
+        trace.mark("forward")
         if not sampling:
             self._last_sampled = None
-            return SampledTokens(None, self.device, prof)
+            return SampledTokens(None, self.device, trace)
         tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
         self._last_sampled = (tokens, {r.seq_id: i for i, r in enumerate(sampling)})
-        out = SampledTokens(tokens, self.device, prof)
-        if prof is not None:
-            prof.mark("sample")
+        out = SampledTokens(tokens, self.device, trace)
+        trace.mark("sample")
         return out
 
 

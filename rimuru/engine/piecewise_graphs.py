@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from rimuru.experts.offload_provider import OffloadExpertProvider
+from rimuru.models.causal_lm import MoECausalLM
 
 
 @dataclass
@@ -59,9 +60,9 @@ class PiecewiseGraph:
 class ExpertTableBoundaries:
     """Stands in for an OffloadExpertProvider while graphs are captured, and replays its decisions."""
 
-    def __init__(self, provider: OffloadExpertProvider, modules: list[Any]) -> None:
+    def __init__(self, provider: OffloadExpertProvider, model: MoECausalLM) -> None:
         self.provider = provider
-        self.modules = modules  # the MoE modules whose `.provider` is swapped during capture
+        self.model = model  # its MoE blocks read through this object while capturing
         cache = provider.cache
         self.expert_view = provider.expert_view
         self.active = cache.tables.clone()  # [L_moe, E, 3] int32: what the captured MoE kernels read
@@ -90,12 +91,10 @@ class ExpertTableBoundaries:
 
     # ---- capture -------------------------------------------------------------------------------------
     def install(self) -> None:
-        for m in self.modules:
-            m.provider = self
+        self.model.attach_experts(self)
 
     def uninstall(self) -> None:
-        for m in self.modules:
-            m.provider = self.provider
+        self.model.attach_experts(self.provider)
 
     def begin_capture(self, pool: Any, row_mask: Tensor | None = None) -> None:
         self._pool = pool
@@ -124,16 +123,19 @@ class ExpertTableBoundaries:
         over the resident tables computes the same pass (engine/cuda_graphs.py)."""
         return self.provider.cache.all_resident()
 
-    def replay(self, graph: PiecewiseGraph) -> None:
+    def replay(self, graph: PiecewiseGraph, as_resident: bool = False) -> None:
+        """One pass. `as_resident`: every boundary takes the fully-resident path whatever the tables hold (timing
+        the replay itself, `StepGraphs.measure_piecewise_overhead`; an offloaded expert is then skipped)."""
         provider = self.provider
         cache = provider.cache
         counter = provider.counter
         if counter is not None:
             counter.row_mask = graph.row_mask
         provider.row_mask = graph.row_mask
-        # tables change only between forward passes (commit_grows before, finish_evictions after): one host
+        # tables change only between forward passes (grows commit before, evictions leave after): one host
         # read of which layers are fully resident serves every boundary of this pass
-        fully_resident = (cache.host_tables[:, :, 0] >= 0).all(dim=1).tolist()  # [L_moe] bool
+        fully_resident = [True] * cache.num_layers if as_resident \
+            else (cache.host_tables[:, :, 0] >= 0).all(dim=1).tolist()  # [L_moe] bool
         try:
             for k, piece in enumerate(graph.pieces):
                 piece.replay()
@@ -148,16 +150,14 @@ class ExpertTableBoundaries:
                     provider.prefetch_next(b.moe_layer)  # a streaming next layer starts its copies here
                     self.skipped_waits += 1
                     continue
-                provider._prediction = b.prediction
-                reads = provider.routing_reads
-                table = provider.table(b.moe_layer, b.topk_ids)  # routing read (unless streaming), loads, waits
+                # routing read (unless streaming), loads, waits
+                table, read = provider.replay_table(b.moe_layer, b.topk_ids, b.prediction)
                 self.active[b.moe_layer].copy_(table)
-                if provider.routing_reads > reads:
+                if read:
                     self.host_waits += 1
                 else:
                     self.skipped_waits += 1
         finally:
             provider.row_mask = None
-            provider._prediction = None
             if counter is not None:
                 counter.row_mask = None

@@ -13,12 +13,15 @@ phases, so that the phases sum to the step's wall time (the same two clock readi
     process    appending tokens, detokenising, stop checks, outputs
     finish     evictions leave the tables, deferred pages return, per-step metrics
 
+The engine calls a `StepTrace` at these points every step, whether or not it profiles: `NULL_TRACE` does
+nothing; a `StepProfiler` records its first `num_steps` steps and then does nothing too.
+
 Besides the host phases, per step:
   * gpu_forward: GPU time of the forward pass (+ logits) between two CUDA events recorded around it;
     the events are read only in `report()`, so profiling adds no synchronisation to the loop;
-  * expert_wait: host time inside offloading expert providers' `table()` (fixed / elastic modes): the one
-    routing read per MoE layer waits there for the GPU, on-demand expert copies included, and the
-    loads are issued there. None when every provider is static (nothing can block on experts);
+  * expert_wait: host time inside the offloading expert provider's `table()` (fixed / elastic modes; the
+    runtime's `expert_wait_s`): the one routing read per MoE layer waits there for the GPU, on-demand expert
+    copies included, and the loads are issued there. None when experts are static (nothing can block on them);
   * kernels: for the first `trace_steps` steps of each kind, torch.profiler counts the GPU kernels,
     memory copies and host launch calls (CUDA only; on the CPU "unavailable"); traced steps are left out
     of the time means, as the tracer slows the host.
@@ -34,9 +37,11 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+from rimuru.engine.scheduler import SchedulerOutput
 
 PHASES = ("schedule", "adjust", "prepare", "forward", "sample", "readback", "process", "finish")
 KINDS = ("decode-graph", "decode-eager", "mixed-graph", "prefill-graph", "prefill", "mixed", "idle")
@@ -57,24 +62,64 @@ class StepRecord:
     gpu_forward_s: float | None = None
 
 
+class StepTrace(Protocol):
+    """What the engine and the runner report during a step (the phases of the module docstring)."""
+
+    def begin(self, t0: float) -> None: ...
+
+    def scheduled(self, sched: SchedulerOutput) -> None: ...
+
+    def mark(self, phase: str) -> None: ...
+
+    def forward_begin(self) -> None: ...
+
+    def forward_end(self) -> None: ...
+
+    def end(self, t_end: float) -> None: ...
+
+
+class NullTrace:
+    def begin(self, t0: float) -> None:
+        return None
+
+    def scheduled(self, sched: SchedulerOutput) -> None:
+        return None
+
+    def mark(self, phase: str) -> None:
+        return None
+
+    def forward_begin(self) -> None:
+        return None
+
+    def forward_end(self) -> None:
+        return None
+
+    def end(self, t_end: float) -> None:
+        return None
+
+
+NULL_TRACE = NullTrace()
+
+
 class StepProfiler:
-    def __init__(self, num_steps: int, device: torch.device, trace_steps: int = 1,
-                 providers: Iterable[Any] = ()) -> None:
+    def __init__(self, num_steps: int, device: torch.device, step_kind: Callable[[SchedulerOutput], str],
+                 trace_steps: int = 1, expert_wait_s: Callable[[], float | None] = lambda: None) -> None:
+        """`step_kind`: the kind of a scheduled step (ModelRunner.step_kind); `expert_wait_s`: the runtime's
+        cumulative host seconds inside offloading table decisions (None: experts are static)."""
         if num_steps < 1:
             raise ValueError(f"the step profiler needs at least one step, got {num_steps}")
         self.num_steps = num_steps
         self.device = device
         self.cuda = device.type == "cuda"
+        self.step_kind = step_kind
         self.trace_steps = trace_steps if self.cuda else 0
         self.records: list[StepRecord] = []
         self._cur: StepRecord | None = None
         self._last = 0.0
         self._tracer: Any = None
         self._traced_kinds: dict[str, int] = {}
-        # offloading providers: their table() is timed while profiling (restored when done)
-        self._patched: list[tuple[Any, Callable[..., Any]]] = []
-        for p in providers:
-            self._wrap_table(p)
+        self.expert_wait_s = expert_wait_s
+        self._wait0: float | None = None  # expert_wait_s() at the step's begin
 
     # ---- recording (called by the engine and the runner) ---------------------------------------
     @property
@@ -82,8 +127,18 @@ class StepProfiler:
         return len(self.records) < self.num_steps
 
     def begin(self, t0: float) -> None:
-        self._cur = StepRecord(expert_wait_s=0.0 if self._patched else None)
+        if not self.active:
+            return
+        self._wait0 = self.expert_wait_s()
+        self._cur = StepRecord(expert_wait_s=None if self._wait0 is None else 0.0)
         self._last = t0
+
+    def scheduled(self, sched: SchedulerOutput) -> None:
+        """The scheduler is done: its time is `schedule`, and the step's kind is known."""
+        if self._cur is None:
+            return
+        self.mark("schedule")
+        self.set_kind(self.step_kind(sched), sched.num_tokens, len(sched.scheduled))
 
     def mark(self, phase: str) -> None:
         """The host time since the previous mark belongs to `phase`."""
@@ -124,39 +179,17 @@ class StepProfiler:
         if self._tracer is not None:
             cur.traced = True
             cur.kernels = self._stop_trace()
+        wait = self.expert_wait_s()
+        if wait is not None and self._wait0 is not None:
+            cur.expert_wait_s = wait - self._wait0
         cur.wall_s = sum(cur.host_s.values())
         self.records.append(cur)
         self._cur = None
-        if not self.active:
-            self._unwrap_tables()
 
     def close(self) -> None:
-        """Stops recording (no more steps) and restores the providers' table() methods."""
+        """Stops recording (no more steps)."""
         self.num_steps = len(self.records)
         self._cur = None
-        self._unwrap_tables()
-
-    # ---- expert waits ---------------------------------------------------------------------------
-    def _wrap_table(self, provider: Any) -> None:
-        original = provider.table
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.monotonic()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                cur = self._cur
-                if cur is not None and cur.expert_wait_s is not None:
-                    cur.expert_wait_s += time.monotonic() - t
-
-        provider.table = timed
-        self._patched.append((provider, original))
-
-    def _unwrap_tables(self) -> None:
-        for provider, _original in self._patched:
-            if "table" in vars(provider):
-                del provider.table  # back to the class's method
-        self._patched = []
 
     # ---- kernel counts --------------------------------------------------------------------------
     def _start_trace(self) -> None:

@@ -127,6 +127,19 @@ class Adjuster(Protocol):
         """Free mid pages the scheduler keeps from new admissions so that the adjuster's grows can take them."""
         ...
 
+    def offloaded_at_least(self, n: int) -> None:
+        """`n` experts are offloaded in all, more than the last plan moved (the first eviction also paid for the
+        load buffers' pages, `with_buffer_pages`): a stall bound covers them."""
+        ...
+
+    def set_piecewise_overhead(self, seconds: float) -> None:
+        """What a pass with any expert offloaded costs beyond one with every expert resident (measured)."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """The adjuster's view for /metrics (empty where it has none)."""
+        ...
+
 
 class PaperAdjuster:
     """The paper's threshold rules (module docstring)."""
@@ -139,6 +152,15 @@ class PaperAdjuster:
 
     def grow_reserve(self) -> int:
         return 0  # the paper grows only from pages nobody waits for
+
+    def offloaded_at_least(self, n: int) -> None:
+        return None  # no stall bound beyond the per-layer limits
+
+    def set_piecewise_overhead(self, seconds: float) -> None:
+        return None  # the paper's rules do not weigh time
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
     def plan(self, state: AdjusterState) -> AdjustPlan:
         return decide(state, self.config)
@@ -217,12 +239,13 @@ def pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
     return as_experts(eviction_order(state, n), state.rankings.shape[1])
 
 
-def with_buffer_pages(plan: AdjustPlan, state: AdjusterState, adjuster: object = None) -> AdjustPlan:
+def with_buffer_pages(plan: AdjustPlan, state: AdjusterState, adjuster: Adjuster) -> AdjustPlan:
     """Elastic mode's lazy load buffers (experts/elastic.py): while they hold no pages (`state.buffer_mid_pages`
     > 0), a plan that offloads the first expert must also free theirs. It evicts at least enough experts that free
     pages + theirs cover the buffers (the least popular first, `pick_evictions`), dropping any grows, or, where
-    the limits do not allow that many, nothing. A cost adjuster's stall bound is raised to what is then out
-    (`offloaded_at_least`: its own plan moved fewer). The engine and the simulator both apply it."""
+    the limits do not allow that many, nothing. The adjuster's stall bound is raised to what is then out
+    (`offloaded_at_least`: its own plan moved fewer). experts/elastic_core.py applies it for the engine and the
+    simulator alike."""
     if not plan.evict or state.buffer_mid_pages <= 0:
         return plan
     need = -(-(state.buffer_mid_pages - state.free_mid_pages) // 3)
@@ -231,10 +254,8 @@ def with_buffer_pages(plan: AdjustPlan, state: AdjusterState, adjuster: object =
     more = pick_evictions(state, need)
     if len(more) < need:
         return AdjustPlan()
-    bound = getattr(adjuster, "offloaded_at_least", None)
-    if bound is not None:
-        E = state.rankings.shape[1]
-        bound(sum(E - len(r) for r in state.resident) + len(more))
+    E = state.rankings.shape[1]
+    adjuster.offloaded_at_least(sum(E - len(r) for r in state.resident) + len(more))
     return AdjustPlan(evict=more)
 
 

@@ -1,13 +1,14 @@
-"""Which routed experts are resident in pool pages, and the device tables that say where.
+"""The device half of expert residency: the expert tables the MoE kernel reads, and the weights in the pages.
 
-Every resident expert owns three mid pages of kind "expert": W1 (gate, [f, d]), W3 (up, [f, d]) and
-W2 (down, [d, f]). The table of MoE layer l is a device tensor [E, 3] int32 of those page ids, -1
-when the expert is not resident; the fused MoE kernel reads weights through it. Tables are one
-[L_moe, E, 3] tensor updated in place, so CUDA graphs captured over them stay valid; `host_tables`
-is the same numbers on the host, so deciding what to load never reads the device.
+`ExpertResidency` (residency.py) decides which experts hold which pages; this object mirrors every change
+into the tables. Every resident expert owns three mid pages of kind "expert": W1 (gate, [f, d]), W3 (up,
+[f, d]) and W2 (down, [d, f]). The table of MoE layer l is a device tensor [E, 3] int32 of those page ids,
+-1 when the expert is not in the tables; the fused MoE kernel reads weights through it. Tables are one
+[L_moe, E, 3] tensor updated in place, so CUDA graphs captured over them stay valid; `host_tables` is the
+same numbers on the host, so deciding what to load never reads the device.
 
 Each layer has a popularity ranking (expert ids, most popular first; uniform order 0..E-1 when none is
-given). The resident set of a layer is always a prefix of its ranking (DESIGN.md §4).
+given); at start-up the resident set of a layer is a prefix of it.
 """
 
 from __future__ import annotations
@@ -17,15 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from rimuru.experts.host_store import HostExpertStore
+from rimuru.experts.residency import Expert, ExpertPages, ExpertResidency
 from rimuru.memory.allocator import PageAllocator
-from rimuru.model_spec import ModelSpec
-
-EXPERT = "expert"
-EXPERT_OWNER = -1  # allocator owner id of every expert page (requests use ids >= 0)
-
-
-class PoolTooSmallError(RuntimeError):
-    pass
 
 
 def resolve_resident_count(resident_experts: float | None, num_experts: int) -> int:
@@ -61,88 +55,57 @@ def resolve_offload_limit(expert_offload_limit: int | None, num_experts: int, re
 
 
 class ExpertCache:
-    def __init__(self, spec: ModelSpec, allocator: PageAllocator, expert_view: torch.Tensor,
-                 device: torch.device, ranking: Sequence[Sequence[int]] | None = None) -> None:
-        self.spec = spec
-        self.allocator = allocator
+    def __init__(self, residency: ExpertResidency, expert_view: torch.Tensor, device: torch.device) -> None:
+        self.residency = residency
         self.expert_view = expert_view  # [n_mid, f*d]
-        self.num_layers = spec.num_moe_layers
-        self.num_experts = spec.num_experts
-        self.tables = torch.full((self.num_layers, self.num_experts, 3), -1, dtype=torch.int32, device=device)
-        self.host_tables = torch.full((self.num_layers, self.num_experts, 3), -1, dtype=torch.int32)  # mirror
-        self._pages: dict[tuple[int, int], tuple[int, int, int]] = {}
-        self.ranking = self._check_ranking(ranking)  # per layer: expert ids, most popular first
-        self._evicting: list[tuple[int, int]] = []  # still in the tables until the forward pass ends
-        self._growing: dict[tuple[int, int], tuple[int, int, int]] = {}  # pages reserved, copy in flight
+        self.num_layers = residency.num_layers
+        self.num_experts = residency.num_experts
+        shape = (self.num_layers, self.num_experts, 3)
+        self.tables = torch.full(shape, -1, dtype=torch.int32, device=device)  # [L_moe, E, 3]
+        self.host_tables = torch.full(shape, -1, dtype=torch.int32)  # the same numbers on the host
 
-    def _check_ranking(self, ranking: Sequence[Sequence[int]] | None) -> list[list[int]]:
-        L, E = self.num_layers, self.num_experts
-        if ranking is None:
-            return [list(range(E)) for _ in range(L)]
-        rows = [[int(e) for e in row] for row in ranking]
-        if len(rows) != L:
-            raise ValueError(f"the expert ranking has {len(rows)} layers; the model has {L} MoE layers")
-        for layer, row in enumerate(rows):
-            if sorted(row) != list(range(E)):
-                raise ValueError(f"the expert ranking of MoE layer {layer} must order each of the {E} experts "
-                                 f"exactly once, got {row}")
-        return rows
+    @property
+    def expert_page_bytes(self) -> int:
+        return self.expert_view.shape[1] * self.expert_view.element_size()
+
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.residency.allocator
 
     @property
     def num_resident(self) -> int:
-        return len(self._pages)
+        return self.residency.num_resident
 
     @property
     def total_experts(self) -> int:
-        return self.num_layers * self.num_experts
+        return self.residency.total_experts
 
     def all_resident(self) -> bool:
-        """Every expert is in the tables now (`_pages` holds exactly the rows that are not -1): a pass over them
-        reads no host memory. O(1): asked once per step."""
-        return len(self._pages) == self.total_experts
+        return self.residency.all_resident()
 
-    def resident_per_layer(self) -> list[int]:
-        counts = [0] * self.num_layers
-        for layer, _ in self._pages:
-            counts[layer] += 1
-        return counts
-
-    def make_resident(self, experts: list[tuple[int, int]]) -> None:
+    # ------------------------------------------------------------------ start-up
+    def make_resident(self, experts: Sequence[Expert]) -> None:
         """Gives each (moe_layer, expert) three expert pages and points its table row at them.
-
         Raises PoolTooSmallError (nothing taken) when the pool can't hold them all."""
-        n = 3 * len(experts)
-        pages = self.allocator.allocate_mid(EXPERT, n, owner=EXPERT_OWNER)
-        if pages is None:
-            have = self.allocator.mid_capacity(EXPERT)
-            raise PoolTooSmallError(
-                f"{len(experts)} experts need {n} expert pages; the pool holds {have} "
-                f"({have // 3} experts)")
-        rows = torch.tensor(pages, dtype=torch.int32).view(-1, 3)
+        rows = self.residency.place(experts)
+        if not rows:
+            return
+        pages = torch.tensor(rows, dtype=torch.int32)  # [n, 3]
         idx = torch.tensor(experts, dtype=torch.int64).view(-1, 2)
-        self.tables[idx[:, 0], idx[:, 1]] = rows.to(self.tables.device)
-        self.host_tables[idx[:, 0], idx[:, 1]] = rows
-        for (layer, expert), row in zip(experts, rows.tolist(), strict=True):
-            self._pages[(layer, expert)] = tuple(row)  # type: ignore[assignment]
+        self.tables[idx[:, 0], idx[:, 1]] = pages.to(self.tables.device)
+        self.host_tables[idx[:, 0], idx[:, 1]] = pages
 
     def make_all_resident(self) -> None:
-        self.make_resident([(layer, e) for layer in range(self.num_layers) for e in range(self.num_experts)])
+        self.make_resident(self.residency.prefix(self.num_experts))
 
     def make_prefix_resident(self, per_layer: int) -> None:
-        """`fixed` mode: the first `per_layer` experts of each layer's ranking become resident."""
-        if not 0 <= per_layer <= self.num_experts:
-            raise ValueError(f"resident experts per layer must be in [0, {self.num_experts}], got {per_layer}")
-        self.make_resident([(layer, e) for layer in range(self.num_layers) for e in self.ranking[layer][:per_layer]])
+        """The first `per_layer` experts of each layer's ranking become resident."""
+        self.make_resident(self.residency.prefix(per_layer))
 
-    def is_resident(self, layer: int, expert: int) -> bool:
-        return (layer, expert) in self._pages
-
-    def pages_of(self, layer: int, expert: int) -> tuple[int, int, int] | None:
-        return self._pages.get((layer, expert))
-
+    # ------------------------------------------------------------------ weights
     def write(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
         """Copies one expert's matrices into its pages (the weight loader's sink)."""
-        pages = self._pages.get((layer, expert))
+        pages = self.residency.pages_of(layer, expert)
         if pages is None:
             raise KeyError(f"expert {expert} of MoE layer {layer} is not resident")
         for page, w in zip(pages, (w1, w3, w2), strict=True):
@@ -150,80 +113,38 @@ class ExpertCache:
 
     def write_if_resident(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor,
                           w2: torch.Tensor) -> None:
-        if (layer, expert) in self._pages:
+        if self.residency.is_resident(layer, expert):
             self.write(layer, expert, w1, w3, w2)
 
     def load_from_store(self, store: HostExpertStore) -> None:
         """Copies every resident expert's matrices from its home copy into its pages."""
-        for (layer, expert), pages in self._pages.items():
+        for (layer, expert), pages in self.residency.resident_items():
             src = store.expert(layer, expert)  # [3, f*d]
             for j, page in enumerate(pages):
                 self.expert_view[page].copy_(src[j], non_blocking=True)
-
-    # ------------------------------------------------------------------ elastic moves (DESIGN.md section 4)
-    #
-    #   step N:  schedule -> adjuster decides --> reserve_grow: pages taken now, copy issued (copy stream)
-    #                                         \-> begin_eviction: pages deferred, row STAYS in the table
-    #            forward pass N (reads the evicted expert if routed; never the grown one: not in the table)
-    #            finish_evictions: rows -> -1; the engine's allocator.complete_forward() frees the pages
-    #   step N+1: commit_grow (after the compute stream waited for the copy): row -> the grown pages
-
-    def begin_eviction(self, layer: int, expert: int) -> None:
-        """The expert leaves after the forward pass now being prepared; its pages are released with it."""
-        pages = self._pages.get((layer, expert))
-        if pages is None:
-            raise KeyError(f"expert {expert} of MoE layer {layer} is not resident: it cannot be evicted")
-        if (layer, expert) in self._evicting:
-            raise ValueError(f"expert {expert} of MoE layer {layer} is already being evicted")
-        self.allocator.defer_free(EXPERT, list(pages))
-        self._evicting.append((layer, expert))
-
-    def finish_evictions(self) -> list[tuple[int, int]]:
-        """After the forward pass has completed: evicted experts leave the tables (pages are deferred-freed)."""
-        done, self._evicting = self._evicting, []
-        for layer, expert in done:
-            # one fill per row, queued on the compute stream: no index tensor to copy over, so no host wait
-            # for the pass that may still be in flight (async scheduling)
-            self.tables[layer, expert] = -1
-            self.host_tables[layer, expert] = -1
-            del self._pages[(layer, expert)]
-        return done
-
-    def reserve_grow(self, layer: int, expert: int) -> tuple[int, int, int] | None:
-        """Three expert pages for an expert that will come back; None when the pool has none."""
-        if (layer, expert) in self._pages or (layer, expert) in self._growing:
-            raise ValueError(f"expert {expert} of MoE layer {layer} is already resident or growing")
-        pages = self.allocator.allocate_mid(EXPERT, 3, owner=EXPERT_OWNER)
-        if pages is None:
-            return None
-        self._growing[(layer, expert)] = (pages[0], pages[1], pages[2])
-        return self._growing[(layer, expert)]
-
-    def commit_grow(self, layer: int, expert: int) -> None:
-        """The expert's copy has completed (the caller made sure): it enters the tables."""
-        pages = self._growing.pop((layer, expert))
-        row = torch.tensor(pages, dtype=torch.int32)
-        # from pinned memory: a copy from pageable memory would first wait for the pass in flight
-        self.tables[layer, expert] = (row.pin_memory() if self.tables.is_cuda else row).to(self.tables.device,
-                                                                                           non_blocking=True)
-        self.host_tables[layer, expert] = row
-        self._pages[(layer, expert)] = pages
-
-    def planned_resident(self) -> list[set[int]]:
-        """Per layer, the experts resident after the moves in flight: resident - evicting + growing."""
-        out: list[set[int]] = [set() for _ in range(self.num_layers)]
-        for layer, e in self._pages:
-            out[layer].add(e)
-        for layer, e in self._evicting:
-            out[layer].discard(e)
-        for layer, e in self._growing:
-            out[layer].add(e)
-        return out
 
     def fill_random(self, seed: int, std: float = 0.02) -> None:
         """Dummy weights: normal(0, std) in every resident expert page (load_format="dummy")."""
         gen = torch.Generator(device=self.expert_view.device)
         gen.manual_seed(seed)
-        for pages in self._pages.values():
+        for _, pages in self.residency.resident_items():
             for page in pages:
                 self.expert_view[page].normal_(0.0, std, generator=gen)
+
+    # ------------------------------------------------------------------ moves (the order: residency.py)
+    def clear_rows(self, experts: Sequence[Expert]) -> None:
+        """Evicted experts (already out of the residency) leave the tables."""
+        for layer, expert in experts:
+            # one fill per row, queued on the compute stream: no index tensor to copy over, so no host wait
+            # for the pass that may still be in flight (async scheduling)
+            self.tables[layer, expert] = -1
+            self.host_tables[layer, expert] = -1
+
+    def write_rows(self, grown: Sequence[tuple[Expert, ExpertPages]]) -> None:
+        """Grown experts (committed in the residency; their copies completed) enter the tables."""
+        for (layer, expert), pages in grown:
+            row = torch.tensor(pages, dtype=torch.int32)
+            # from pinned memory: a copy from pageable memory would first wait for the pass in flight
+            src = row.pin_memory() if self.tables.is_cuda else row
+            self.tables[layer, expert] = src.to(self.tables.device, non_blocking=True)
+            self.host_tables[layer, expert] = row

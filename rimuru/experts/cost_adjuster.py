@@ -196,6 +196,22 @@ class CostAdjuster:
         if self._short_bound is not None:
             self._short_bound = max(self._short_bound, n)
 
+    def set_piecewise_overhead(self, seconds: float) -> None:
+        self.piecewise_overhead_s = seconds
+
+    def stats(self) -> dict[str, float]:
+        """The compute estimate of the last plan, the split it aims for and its stall bound, and the mid pages it
+        keeps from admissions."""
+        out = {"cost_grow_reserve_mid_pages": float(self.grow_reserve())}
+        last = self.last
+        if last is not None:
+            out["cost_target_offloaded"] = float(last.target)
+            if last.compute_s is not None:
+                out["cost_compute_ms"] = 1e3 * last.compute_s
+            if last.max_allowed is not None:
+                out["cost_max_offloaded"] = float(last.max_allowed)
+        return out
+
     def plan(self, state: AdjusterState) -> AdjustPlan:
         cfg = self.config
         self.step += 1

@@ -18,6 +18,8 @@ Ordering on a GPU (all host-side decisions; the device only sees events):
     so a buffer is never overwritten while the layer using it may still run.
   * ready(b): recorded on the copy stream after the last copy into b; the compute stream waits on it
     before the layer's kernel, so a kernel never reads a half-copied expert.
+  * pages the buffers or a grow take may have been read by a pass still in flight (async scheduling): copies
+    into them go behind the pass fence (memory/pass_fence.py).
 Without CUDA the same calls run as plain synchronous copies and the events are absent.
 """
 
@@ -32,19 +34,8 @@ from torch import Tensor
 
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.host_store import HostExpertStore
-
-BUFFER_OWNER = -2  # allocator owner id of the load buffers' pages
-
-
-def load_buffer_pages(limit: int) -> int:
-    """Mid pages of the two load buffers of `limit` expert slots (3 pages each)."""
-    return 2 * 3 * limit
-
-
-def lazy_load_buffers(num_moe_layers: int) -> bool:
-    """Elastic mode holds its two load buffers (2 x limit experts) only while an expert is offloaded where they
-    are at most a quarter of what offloading frees at the limits (num_moe_layers x limit experts): >= 8 layers."""
-    return 4 * 2 <= num_moe_layers
+from rimuru.experts.residency import load_buffer_pages
+from rimuru.memory.pass_fence import PassFence
 
 
 @dataclass
@@ -73,7 +64,8 @@ class LoadBuffer:
 
 
 class ExpertLoader:
-    def __init__(self, cache: ExpertCache, store: HostExpertStore, buffer_pages: list[int], limit: int) -> None:
+    def __init__(self, cache: ExpertCache, store: HostExpertStore, buffer_pages: list[int], limit: int,
+                 fence: PassFence) -> None:
         """`buffer_pages`: the 6 x limit pages of the two buffers, or none: detached (elastic mode while every expert
         is resident; `attach` gives them pages before an offloaded expert can be routed)."""
         if buffer_pages and len(buffer_pages) != load_buffer_pages(limit):
@@ -88,10 +80,7 @@ class ExpertLoader:
         device = cache.tables.device
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.counters = LoadCounters()
-        # recorded on the compute stream after each launched forward pass (mark_pass_launched): a grow's copy
-        # into pages that were KV or an evicted expert waits for it, since with async scheduling a pass that
-        # still reads those pages may be in flight when they are handed out
-        self.last_pass_done: torch.cuda.Event | None = None
+        self.fence = fence  # copies into pages that were KV or an evicted expert wait for the passes in flight
         E = cache.num_experts
         self.buffers = [LoadBuffer(index=b, slot_pages=[], host_table=torch.full((E, 3), -1, dtype=torch.int32),
                                    table=torch.full((E, 3), -1, dtype=torch.int32, device=device)) for b in range(2)]
@@ -113,10 +102,9 @@ class ExpertLoader:
             raise RuntimeError("the load buffers already hold pages")
         if len(pages) != load_buffer_pages(self.limit):
             raise ValueError(f"two load buffers of {self.limit} experts need {6 * self.limit} pages, got {len(pages)}")
-        if self.copy_stream is not None and self.last_pass_done is not None:
-            # the pages may have been read by a pass still in flight (async scheduling: an evicted expert's, freed
-            # at the end of the step that launched it); copies into them go behind it, as grows' do
-            self.copy_stream.wait_event(self.last_pass_done)
+        # the pages may have been read by a pass still in flight (an evicted expert's, freed at the end of the
+        # step that launched it): copies into them go behind it
+        self.fence.order_after_launched_passes(self.copy_stream)
         L3 = 3 * self.limit
         for b, buf in enumerate(self.buffers):
             own = pages[b * L3 : (b + 1) * L3]
@@ -213,8 +201,7 @@ class ExpertLoader:
         on the CPU, where the copy is done on return). The caller must not publish the pages before it."""
         src = self.store.layers[layer][expert]  # [3, f*d]
         done = None
-        if self.copy_stream is not None and self.last_pass_done is not None:
-            self.copy_stream.wait_event(self.last_pass_done)
+        self.fence.order_after_launched_passes(self.copy_stream)  # the pages may be read by a pass in flight
         with self._copy_stream():
             for j, page in enumerate(pages):
                 self.expert_view[page].copy_(src[j], non_blocking=True)
@@ -226,12 +213,6 @@ class ExpertLoader:
         c.bytes_loaded += self.store.expert_bytes
         c.grown += 1
         return done
-
-    def mark_pass_launched(self) -> None:
-        """After a forward pass has been queued on the compute stream (see last_pass_done)."""
-        if self.copy_stream is not None:
-            self.last_pass_done = torch.cuda.Event()
-            self.last_pass_done.record()
 
     def publish(self, buf: LoadBuffer) -> None:
         """Pushes `buf`'s host table to its device table (after the copy stream's fence wait)."""
@@ -248,3 +229,24 @@ class ExpertLoader:
             buf.ready = torch.cuda.Event()
             buf.ready.record(self.copy_stream)
         buf.dirty = False
+
+
+def measure_copy_bandwidth(store: HostExpertStore, device: torch.device, experts: int = 8, reps: int = 3) -> float:
+    """Bytes/s of expert copies host -> device as the loader issues them (pinned source, a side stream), timed
+    with CUDA events over `experts` experts of layer 0 into a scratch buffer, best of `reps`."""
+    n = min(experts, store.num_experts)
+    src = store.layers[0][:n]  # [n, 3, f*d]
+    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+    stream = torch.cuda.Stream(device)
+    best = float("inf")
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+    del dst
+    return n * store.expert_bytes / max(best, 1e-9)

@@ -29,6 +29,7 @@ queueing ahead of the GPU. Loading a superset of the routed experts never change
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -39,37 +40,38 @@ from rimuru.experts.cache import ExpertCache
 from rimuru.experts.loader import ExpertLoader, LoadCounters
 from rimuru.experts.predictor import ExpertPredictor
 from rimuru.experts.routing_counter import RoutingCounter
-from rimuru.models.expert_provider import ExpertProvider
 
 # A streaming layer may load, on average, at most this many offloaded experts that no token routes to.
 STREAM_MAX_UNUSED = 0.5
 
 
-class OffloadExpertProvider(ExpertProvider):
-    def __init__(self, cache: ExpertCache, loader: ExpertLoader, predictor: ExpertPredictor | None = None,
-                 top_k: int = 1) -> None:
+class OffloadExpertProvider:
+    def __init__(self, cache: ExpertCache, loader: ExpertLoader, predictor: ExpertPredictor | None,
+                 top_k: int, popularity: Callable[[], np.ndarray], counter: RoutingCounter | None = None) -> None:
         self.cache = cache
         self.loader = loader
         self.expert_view = cache.expert_view  # [n_mid, f*d]
-        self.predictor = predictor  # set after the model is built (its routers live in the model)
+        self.predictor = predictor  # layer l+1's router applied at layer l (None: no prefetch)
         self._prediction: tuple[int, Tensor] | None = None  # (MoE layer, scores [E] on the device)
-        self.counter: RoutingCounter | None = None  # when set, every routing decision is counted (on the device)
-        # [T] bool while a padded (CUDA-graph) batch is replayed: padding rows' routing loads nothing
+        self.counter = counter  # when set, every routing decision is counted (on the device)
+        # [T] bool while a padded (CUDA-graph) batch is replayed (set by the piecewise replay): padding rows'
+        # routing loads nothing
         self.row_mask: Tensor | None = None
         self.top_k = top_k
-        # [L, E] routing probabilities for the streaming decision (elastic: the online estimate); None: uniform
-        self.popularity: Callable[[], np.ndarray] | None = None
+        # [L, E] routing probabilities for the streaming decision (fixed: the ranking's; elastic: the online estimate)
+        self.popularity = popularity
         self.streaming = [False] * cache.num_layers  # this pass's streaming layers (begin_pass)
         self._planned: tuple[int, list[bool]] | None = None  # (num_tokens, streaming) from pass_reads_routing
         self.routing_reads = 0  # device->host routing reads (one per non-streaming layer with offloaded experts)
         self.streamed_layers = 0  # layers served without a routing read
+        self.table_wait_s = 0.0  # host seconds inside table(): routing reads and on-demand copies
 
     def plan_streaming(self, num_tokens: int) -> tuple[list[bool], list[bool]]:
         """(streaming, offloaded) per MoE layer for a pass of `num_tokens` real tokens, from the tables as they
         are now (they do not change within a pass). Pure: nothing is copied or recorded."""
         absent = (self.cache.host_tables[:, :, 0] < 0).numpy()  # [L, E]
         L, E = absent.shape
-        probs = self.popularity() if self.popularity is not None else np.full((L, E), 1.0 / E)
+        probs = self.popularity()
         hit = np.clip(self.top_k * probs, 0.0, 1.0)
         unused = np.where(absent, (1.0 - hit) ** max(num_tokens, 0), 0.0).sum(axis=1)  # [L] expected
         offloaded = absent.any(axis=1)
@@ -136,7 +138,25 @@ class OffloadExpertProvider(ExpertProvider):
         else:
             self._prediction = None
 
+    def replay_table(self, moe_layer: int, topk_ids: Tensor,
+                     prediction: tuple[int, Tensor] | None) -> tuple[Tensor, bool]:
+        """`table` for a piecewise CUDA-graph replay, with the prediction the captured piece computed; also says
+        whether the host read the routing (False: the layer streamed)."""
+        self._prediction = prediction
+        reads = self.routing_reads
+        try:
+            return self.table(moe_layer, topk_ids), self.routing_reads > reads
+        finally:
+            self._prediction = None
+
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+        t0 = time.perf_counter()
+        try:
+            return self._table(moe_layer, topk_ids)
+        finally:
+            self.table_wait_s += time.perf_counter() - t0
+
+    def _table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
         loader, E = self.loader, self.cache.num_experts
         if not 0 <= moe_layer < self.cache.num_layers:
             raise IndexError(f"MoE layer {moe_layer} is outside [0, {self.cache.num_layers})")

@@ -40,11 +40,3 @@ class ExpertPredictor:
         out = torch.zeros(probs.shape[-1], dtype=torch.float32, device=hidden.device)  # [E]
         return out.index_add_(0, ids.reshape(-1), weights.reshape(-1))
 
-
-def moe_routers(model: nn.Module) -> list[tuple[nn.Module, SparseMoE]]:
-    """(post-attention norm, MoE block) of every MoE layer of a built MoECausalLM, in MoE-layer order."""
-    routers = []
-    for layer in model.model.layers:  # type: ignore[union-attr]
-        if isinstance(layer.mlp, SparseMoE):
-            routers.append((layer.post_attention_layernorm, layer.mlp))
-    return routers

@@ -1,7 +1,7 @@
 """Models: layers shared by every architecture, one file per architecture, weight loading."""
 
 from rimuru.models.causal_lm import MoECausalLM
-from rimuru.models.expert_provider import ExpertProvider, StaticExpertProvider
+from rimuru.models.expert_provider import ExpertProvider
 from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.loader import (
     CheckpointError,
@@ -18,7 +18,6 @@ __all__ = [
     "ExpertProvider",
     "ForwardBatch",
     "MoECausalLM",
-    "StaticExpertProvider",
     "build_model",
     "init_dummy_expert_pages",
     "init_dummy_weights",

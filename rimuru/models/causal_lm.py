@@ -73,7 +73,7 @@ class MoECausalLM(nn.Module):
     # Per-expert checkpoint names of W1 (gate), W3 (up), W2 (down): `...mlp.experts.{e}.{name}.weight`.
     expert_weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, spec: ModelSpec, experts: ExpertProvider, kv_cache: Tensor) -> None:
+    def __init__(self, spec: ModelSpec, kv_cache: Tensor) -> None:
         super().__init__()
         self._check_supported(spec)
         self.spec = spec
@@ -83,7 +83,7 @@ class MoECausalLM(nn.Module):
         for i in range(spec.num_hidden_layers):
             attn = self.make_attention(spec, attn_ids.index(i))
             if spec.moe_layers[i]:
-                mlp = self.make_moe(spec, moe_ids.index(i), experts)
+                mlp = self.make_moe(spec, moe_ids.index(i))
             else:
                 mlp = self.make_mlp(spec)
             layers.append(DecoderLayer(attn, mlp, spec.hidden_size, spec.rms_norm_eps))
@@ -103,19 +103,37 @@ class MoECausalLM(nn.Module):
         )
 
     @staticmethod
-    def moe_kwargs(spec: ModelSpec, moe_idx: int, experts: ExpertProvider) -> dict:
+    def moe_kwargs(spec: ModelSpec, moe_idx: int) -> dict:
         """The routed-expert arguments every MoE block takes (SparseMoE and its subclasses)."""
         return dict(hidden_size=spec.hidden_size, num_experts=spec.num_experts, top_k=spec.num_experts_per_tok,
                     intermediate_size=spec.moe_intermediate_size, renormalize=spec.norm_topk_prob,
-                    moe_idx=moe_idx, experts=experts)
+                    moe_idx=moe_idx)
 
-    def make_moe(self, spec: ModelSpec, moe_idx: int, experts: ExpertProvider) -> nn.Module:
-        return SparseMoE(**self.moe_kwargs(spec, moe_idx, experts))
+    def make_moe(self, spec: ModelSpec, moe_idx: int) -> nn.Module:
+        return SparseMoE(**self.moe_kwargs(spec, moe_idx))
 
     def make_mlp(self, spec: ModelSpec) -> nn.Module:
         if spec.intermediate_size <= 0:
             raise ValueError(f"{spec.model_type}: a dense layer needs intermediate_size > 0")
         return GatedMLP(spec.hidden_size, spec.intermediate_size)
+
+    # ------------------------------------------------------------------ routed experts
+
+    def moe_blocks(self) -> list[SparseMoE]:
+        """Every MoE block, in MoE-layer order."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def moe_routers(self) -> list[tuple[nn.Module, SparseMoE]]:
+        """(the norm before it, the MoE block) of every MoE layer, in MoE-layer order: what the expert predictor
+        applies one layer early."""
+        return [(layer.post_attention_layernorm, layer.mlp) for layer in self.model.layers
+                if isinstance(layer.mlp, SparseMoE)]
+
+    def attach_experts(self, provider: ExpertProvider) -> None:
+        """Every MoE block reads its routed experts through `provider` from now on (the expert runtime's provider,
+        or a stand-in while CUDA graphs are captured)."""
+        for block in self.moe_blocks():
+            block.provider = provider
 
     # ------------------------------------------------------------------ forward
 

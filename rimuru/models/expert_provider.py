@@ -7,20 +7,17 @@ buffer it fills now) and returns the layer's expert table:
     expert_view   [n_mid, f*d]     the pool seen as expert pages
     table[e]      (p_W1, p_W3, p_W2) page ids into expert_view; -1 = not addressable
 
-W1/W3 pages hold [f, d] row-major, W2 pages hold [d, f] (docs/architecture.md).
+W1/W3 pages hold [f, d] row-major, W2 pages hold [d, f] (docs/architecture.md). The implementations live in
+experts/ (static_provider.py, offload_provider.py); the model only knows this protocol.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from rimuru.experts.routing_counter import RoutingCounter
 
-
-@runtime_checkable
 class ExpertProvider(Protocol):
     expert_view: Tensor  # [n_mid, f*d]
 
@@ -31,22 +28,5 @@ class ExpertProvider(Protocol):
 
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         """Called with the input hidden states [T, d] of the decoder layer that holds MoE layer
-        `moe_layer`, before its attention runs: a chance to start prefetching. No-op by default
-        (subclass ExpertProvider explicitly to inherit it)."""
-        return None
-
-
-class StaticExpertProvider(ExpertProvider):
-    """Every expert resident at fixed pages: the tables never change (`static` mode, tests)."""
-
-    def __init__(self, expert_view: Tensor, tables: Tensor) -> None:
-        if tables.dim() != 3 or tables.shape[2] != 3:
-            raise ValueError(f"expert tables must be [L_moe, E, 3], got {tuple(tables.shape)}")
-        self.expert_view = expert_view  # [n_mid, f*d]
-        self.tables = tables  # [L_moe, E, 3] int32
-        self.counter: RoutingCounter | None = None  # when set, every routing decision is counted (on the device)
-
-    def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
-        if self.counter is not None:
-            self.counter.record(moe_layer, topk_ids)
-        return self.tables[moe_layer]  # [E, 3]
+        `moe_layer`, before its attention runs: a chance to start prefetching."""
+        ...

@@ -19,6 +19,23 @@ from rimuru.models.expert_provider import ExpertProvider
 from rimuru.models.layers import GatedMLP
 
 
+class _NoExperts:
+    """The provider of a model whose experts were never attached: a clear error instead of a missing attribute."""
+
+    @property
+    def expert_view(self) -> Tensor:
+        raise RuntimeError("this model has no routed experts attached (MoECausalLM.attach_experts)")
+
+    def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
+        return None
+
+    def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+        raise RuntimeError("this model has no routed experts attached (MoECausalLM.attach_experts)")
+
+
+NO_EXPERTS: ExpertProvider = _NoExperts()
+
+
 class SparseMoE(nn.Module):
     def __init__(
         self,
@@ -28,7 +45,6 @@ class SparseMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         moe_idx: int,
-        experts: ExpertProvider,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
@@ -36,7 +52,8 @@ class SparseMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
         self.moe_idx = moe_idx  # ordinal among MoE layers: which expert table
-        self.provider = experts  # a plain attribute: the provider's pages are not model state
+        # a plain attribute, set by MoECausalLM.attach_experts: the provider's pages are not model state
+        self.provider: ExpertProvider = NO_EXPERTS
         # A skewed router for dummy weights (EngineConfig.dummy_routing, models/dummy_routing.py): the bias is added
         # to the router logits (fp32), and with a nonzero noise scale the random logits are first made standard
         # Gumbel. Zeros otherwise. Not checkpoint state; reset_buffers() sets them after meta-device builds.

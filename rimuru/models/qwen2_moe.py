@@ -7,7 +7,6 @@ from torch import nn
 from rimuru.model_spec import ModelSpec
 from rimuru.models.attention import Attention
 from rimuru.models.causal_lm import MoECausalLM
-from rimuru.models.expert_provider import ExpertProvider
 from rimuru.models.moe import SharedExpertMoE
 
 
@@ -19,8 +18,8 @@ class Qwen2MoeForCausalLM(MoECausalLM):
             qkv_bias=qkv_bias, o_bias=False,
         )
 
-    def make_moe(self, spec: ModelSpec, moe_idx: int, experts: ExpertProvider) -> nn.Module:
+    def make_moe(self, spec: ModelSpec, moe_idx: int) -> nn.Module:
         if spec.shared_expert_intermediate_size <= 0:
-            return super().make_moe(spec, moe_idx, experts)
+            return super().make_moe(spec, moe_idx)
         return SharedExpertMoE(shared_intermediate_size=spec.shared_expert_intermediate_size,
-                               **self.moe_kwargs(spec, moe_idx, experts))
+                               **self.moe_kwargs(spec, moe_idx))

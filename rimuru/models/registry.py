@@ -28,15 +28,15 @@ def model_class(model_type: str) -> type[MoECausalLM]:
     return MODEL_CLASSES[model_type]
 
 
-def build_model(
-    spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, experts: ExpertProvider, kv_cache: Tensor
-) -> MoECausalLM:
+def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, kv_cache: Tensor,
+                experts: ExpertProvider | None = None) -> MoECausalLM:
     """The model with UNINITIALISED non-expert weights on `device`; fill them with
     `load_checkpoint` or `init_dummy_weights`. Built on the meta device first, so nothing is
-    initialised twice and full-size models appear on the GPU without a host copy."""
+    initialised twice and full-size models appear on the GPU without a host copy. Routed experts are
+    attached with `experts` here or `MoECausalLM.attach_experts` later."""
     cls = model_class(spec.model_type)
     with torch.device("meta"):
-        model = cls(spec, experts, kv_cache)
+        model = cls(spec, kv_cache)
     # dtype first, still on meta: materialising in float32 and casting after held a float32 copy of every
     # non-expert weight at once (2x their size: ~3.7 GB beyond the budget at the start for Qwen1.5-MoE)
     model = model.to(dtype).to_empty(device=device)
@@ -44,4 +44,6 @@ def build_model(
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     model.requires_grad_(False)
+    if experts is not None:
+        model.attach_experts(experts)
     return model.eval()

@@ -24,23 +24,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rimuru.engine.cuda_graphs import PIECEWISE_OVERHEAD_PER_LAYER_S
 from rimuru.model_spec import ModelSpec, dtype_bytes
+
+# Per MoE layer, what a pass with experts offloaded (piecewise CUDA graphs) costs beyond one with every expert
+# resident (whole graphs), as the engine measured it on the H200 (Qwen1.5-MoE at 10 req/s: GPU forward 7.24 against
+# static's 5.45 ms over 24 MoE layers). The engine measures its own at start-up; the simulator's H200 profile uses
+# this figure.
+H200_PIECEWISE_OVERHEAD_PER_LAYER_S = 75e-6
 
 
 @dataclass(frozen=True)
 class HardwareConfig:
     name: str = "h200"
-    peak_flops: float = 779e12  # bf16 dense GEMM, measured on the H200 (DESIGN.md section 9)
+    peak_flops: float = 779e12  # bf16 dense GEMM, measured on the H200
     hbm_bandwidth: float = 4.26e12  # device-to-device copy, measured on the H200
     flops_efficiency: float = 0.6  # share of peak a serving step reaches in its GEMMs
     bandwidth_efficiency: float = 0.8  # calibrated: 30-request decode ~7.5 ms, vLLM (CUDA graphs) TPOT 7.8 ms
     pcie_bandwidth: float = 55e9  # pinned host-to-device, measured (50-55 GB/s)
     copy_overlap: float = 1.0  # copies hide behind this share of compute (1: a perfect side stream)
     step_overhead_s: float = 0.0  # per-step launch / scheduling time (CUDA graphs: ~0)
-    # per MoE layer, a pass with experts offloaded (piecewise graphs) against one with all resident (whole graphs);
-    # the H200 figure is the engine's own fallback (engine/cuda_graphs.py)
-    piecewise_overhead_per_layer_s: float = PIECEWISE_OVERHEAD_PER_LAYER_S
+    # per MoE layer, a pass with experts offloaded (piecewise graphs) against one with all resident (whole graphs)
+    piecewise_overhead_per_layer_s: float = H200_PIECEWISE_OVERHEAD_PER_LAYER_S
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bandwidth", "flops_efficiency", "bandwidth_efficiency", "pcie_bandwidth"):

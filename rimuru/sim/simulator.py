@@ -1,18 +1,21 @@
-"""The capacity simulator: the real scheduler, KV cache manager, allocator and adjuster on a simulated clock.
+"""The capacity simulator: the engine's own scheduler, KV cache manager, allocator, expert residency and elastic
+core (experts/elastic_core.py) on a simulated clock.
 
-One loop iteration is one engine step (DESIGN.md section 6), with the GPU replaced by `CostModel`:
-  1. requests whose arrival time has passed join the queue; `Scheduler.schedule()` picks the batch;
-  2. elastic: the adjuster turns the shortfall R (mid pages) and free mid pages F into a plan; grows
-     reserve pages now, evictions are deferred;
+One loop iteration is one engine step (engine/llm_engine.py), with the GPU replaced by `CostModel`:
+  1. requests whose arrival time has passed join the queue; elastic: grows reserved last step enter the
+     residency and the load buffers take pages if an expert is out (`begin_step`, as the engine's runtime);
+  2. `Scheduler.schedule()` picks the batch; elastic: the core plans (evictions begin, grows reserve pages);
   3. the clock advances by the cost model's step time (evictees still readable, grows copied meanwhile);
   4. computed tokens are counted, sampled tokens appended, requests that reached their output length
-     finish (EOS ignored) and free their pages; deferred expert pages are released, grows become resident.
-The budget is split as the engine splits it (rimuru/engine/setup.py): non-expert weights + workspace + pool.
+     finish (EOS ignored) and free their pages; the core's after_pass, then the allocator's complete_forward.
+The budget is split, the modes start and requests are admitted as in the engine (engine/setup.py
+`plan_memory`, experts/runtime_builders.py, `max_kv_pages`); copy costs come from the hardware profile.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,25 +27,24 @@ from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler
 from rimuru.engine.setup import workspace_bytes
-from rimuru.experts.adjuster import (
-    Adjuster,
-    AdjusterConfig,
-    AdjusterState,
-    PaperAdjuster,
-    pick_grows,
-    reclaimable_experts,
-    shortfall_mid_pages,
-    with_buffer_pages,
+from rimuru.experts.adjuster import Adjuster, AdjusterConfig
+from rimuru.experts.cost_adjuster import CostAdjusterConfig
+from rimuru.experts.elastic_core import ElasticCore, elastic_start_resident
+from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
+from rimuru.experts.residency import (
+    BUFFER_OWNER,
+    EXPERT,
+    PAGES_PER_EXPERT,
+    ExpertResidency,
+    PoolTooSmallError,
+    load_buffer_pages,
 )
-from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
-from rimuru.experts.loader import lazy_load_buffers, load_buffer_pages
-from rimuru.experts.popularity import ExpertPopularity
-from rimuru.experts.step_cost import StepCostTracker
+from rimuru.experts.runtime import StepDemand
+from rimuru.experts.runtime_builders import build_adjuster
 from rimuru.memory.allocator import PageAllocator
 from rimuru.memory.geometry import PageGeometry
 from rimuru.model_spec import ModelSpec
 from rimuru.sim.cost_model import CostModel, HardwareConfig
-from rimuru.sim.residency import EXPERT, PAGES_PER_EXPERT, SimResidency
 
 MODES = ("static", "fixed", "elastic")
 ADJUSTERS = ("paper", "cost")
@@ -161,96 +163,85 @@ class Simulation:
         g = self.mem.geometry
         self.allocator = PageAllocator(g, self.mem.num_huge_pages)
         self.kv = KVCacheManager(self.allocator, len(spec.attention_layer_ids), cfg.block_size)
-        # elastic: running requests short of pages wait for evictions the adjuster allows, and admissions leave
-        # the pages its grows wait for (as in the engine)
-        elastic = cfg.mode == "elastic"
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   reclaimable=self._reclaimable_kv_pages if elastic else None,
-                                   admission_reserve=self._admission_reserve_kv_pages if elastic else None)
-        self.residency = SimResidency(self.allocator, spec.num_moe_layers, spec.num_experts)
+        self.residency = ExpertResidency(self.allocator, spec.num_moe_layers, spec.num_experts,
+                                         ranking=popularity.rankings.tolist())
         self.cost = CostModel(spec, popularity.probabilities, cfg.hardware, cfg.dtype)
-        # the cost adjuster reads the compute time and copy slowdown of recent steps, measured from their times
-        self.step_cost = StepCostTracker(copy_overlap=cfg.cost.copy_overlap,
-                                         initial_overlap=cfg.cost.initial_copy_overlap)
-        if adjuster is None and cfg.adjuster_kind == "cost":
-            adjuster = CostAdjuster(cfg.cost, expert_bytes=int(self.cost.expert_bytes),
-                                    top_k=spec.num_experts_per_tok, compute_time=self.step_cost,
-                                    copy_slowdown=self.step_cost.copy_slowdown,
-                                    copy_overlap=self.step_cost.copy_overlap_share)
-            adjuster.piecewise_overhead_s = self.cost.piecewise_overhead_s  # as the engine measures it at start-up
-        self.adjuster = adjuster or PaperAdjuster(cfg.adjuster)
         self.smalls_per_mid = g.smalls_per_mid(KV, EXPERT)
-        E = spec.num_experts
-        self.offload_limit = min(E, cfg.expert_offload_limit) if cfg.mode == "elastic" else 0
-        # elastic mode's load buffers, held while an expert is out where the engine's are lazy (>= 8 MoE layers);
-        # elsewhere the simulation models none
-        self.lazy_buffers = cfg.mode == "elastic" and lazy_load_buffers(spec.num_moe_layers)
-        self.buffer_mid_pages = load_buffer_pages(self.offload_limit) if self.lazy_buffers else 0
-        self._load_initial_experts()
+        self.core: ElasticCore | None = None
+        self.fixed_buffer_pages: list[int] = []  # fixed mode's load buffers, held for good
+        if cfg.mode == "elastic":
+            self.core = self._elastic_core(adjuster)
+        self._place_experts()
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   reclaimable=self.core.reclaimable_kv_pages if self.core else None,
+                                   admission_reserve=self.core.admission_reserve_kv_pages if self.core else None)
+        # what requests could ever get, as the engine's add_request checks it
+        self.max_kv_pages = self.kv.capacity_pages() + (self.core.evictable_kv_pages() if self.core else 0)
         self.memory = {"budget": self.mem.budget, "non_expert_weights": self.mem.non_expert_weights,
                        "workspace": self.mem.workspace, "pool": self.mem.pool,
                        "expert_page": g.size(EXPERT), "kv_page": g.size(KV),
-                       "initial_expert_bytes": self.residency.num_pages * g.size(EXPERT),
-                       "initial_resident_per_layer": int(self.residency.resident.sum(axis=1).min())}
+                       "initial_expert_bytes": self.allocator.num_used(EXPERT) * g.size(EXPERT),
+                       "initial_resident_per_layer": min(self.residency.resident_per_layer())}
 
-    # ------------------------------------------------------------------ start-up
+    @property
+    def adjuster(self) -> Adjuster | None:
+        return self.core.adjuster if self.core is not None else None
 
-    def _load_initial_experts(self) -> None:
+    # ------------------------------------------------------------------ start-up, as the runtime builders
+    def _elastic_core(self, adjuster: Adjuster | None) -> ElasticCore:
+        cfg, spec = self.cfg, self.spec
+        costs = None
+        if adjuster is None:
+            # the copy bandwidth the engine measures at start-up is, here, the hardware profile's
+            cost = replace(cfg.cost, pcie_bandwidth=cfg.hardware.pcie_bandwidth)
+            adjuster, costs = build_adjuster(cfg.adjuster_kind, int(self.cost.expert_bytes), spec.num_experts_per_tok,
+                                             cost, cfg.adjuster)
+            adjuster.set_piecewise_overhead(self.cost.piecewise_overhead_s)  # as the engine measures it
+        limit = min(spec.num_experts, cfg.expert_offload_limit)
+        return ElasticCore(self.residency, adjuster, OnlinePopularity(self.popularity), limit, self.smalls_per_mid,
+                           costs)
+
+    def _place_experts(self) -> None:
         E, L, mode = self.spec.num_experts, self.spec.num_moe_layers, self.cfg.mode
-        ranks = self.popularity.rankings
+        limit = min(E, self.cfg.expert_offload_limit)
         if mode == "static":
             k = E
         elif mode == "fixed":
-            default = E - min(E, self.cfg.expert_offload_limit)
-            k = self.cfg.resident_experts if self.cfg.resident_experts is not None else default
+            k = min(E, self.cfg.resident_experts if self.cfg.resident_experts is not None else E - limit)
+            limit = E - k
         else:
-            k = E - self.offload_limit  # the floor; grown further below
-        k = min(k, E)
-        if not self.residency.load((layer, int(e)) for layer in range(L) for e in ranks[layer, :k]):
-            have = self.allocator.mid_capacity(EXPERT) // PAGES_PER_EXPERT
-            hint = "use fixed or elastic mode" if mode == "static" else "raise the budget or offload more experts"
-            raise SimulationError(f"{mode} mode needs {k} resident experts per layer ({k * L} in all), the pool "
-                                  f"({format_bytes(self.mem.pool)}) holds {have}: {hint}")
-        if mode == "elastic":
-            # start as full as the adjuster would leave it with an empty queue: grow while F stays > high, beside
-            # the load buffers unless every expert fits without them
-            if self.lazy_buffers and not self.residency.attach_buffers(self.buffer_mid_pages):
-                raise SimulationError(f"the pool ({format_bytes(self.mem.pool)}) has no room for the load buffers")
-            high = self.cfg.adjuster.high_free_mid
-            while self.allocator.mid_capacity(EXPERT) - PAGES_PER_EXPERT >= high:
-                grow = pick_grows(self._state(0, 0), 1)
-                if not grow:
-                    break
-                self.residency.load(grow)
-            if self.residency.buffer_pages and self.residency.all_resident():
-                self.residency.release_buffers()
+            k = elastic_start_resident(L, E, self.allocator.mid_capacity(EXPERT), self.mem.pool,
+                                       self.mem.geometry.size(EXPERT), limit)
+        buffers = load_buffer_pages(limit) if mode != "static" and (mode == "elastic" or k < E) else 0
+        if PAGES_PER_EXPERT * L * k + buffers > self.allocator.mid_capacity(EXPERT):
+            self._too_small(mode, k, buffers)
+        try:
+            self.residency.place(self.residency.prefix(k))
+        except PoolTooSmallError:
+            self._too_small(mode, k, buffers)
+        if self.core is not None:
+            self.core.place_start(k)
+        elif buffers:  # fixed mode holds its load buffers for good (nothing reads them in the simulation)
+            self.fixed_buffer_pages = self.allocator.allocate_mid(EXPERT, buffers, owner=BUFFER_OWNER) or []
 
-    def _reclaimable_kv_pages(self) -> int:
-        """What stalls may wait for: evictions within the limits and the adjuster's bound (as the engine)."""
-        return self._evictable_kv_pages(self.adjuster.max_offloaded())
-
-    def _admission_reserve_kv_pages(self) -> int:
-        return self.adjuster.grow_reserve() * self.smalls_per_mid
-
-    def _state(self, shortfall: int, free: int, num_batched_tokens: int = 0, num_stalled: int = 0) -> AdjusterState:
-        return AdjusterState(shortfall_mid_pages=shortfall, free_mid_pages=free,
-                             resident=self.residency.resident_sets(), probabilities=self.popularity.probabilities,
-                             rankings=self.popularity.rankings, offload_limit=self.offload_limit,
-                             num_batched_tokens=num_batched_tokens, num_running=len(self.scheduler.running),
-                             num_waiting=len(self.scheduler.waiting), num_stalled=num_stalled,
-                             max_num_seqs=self.scheduler.max_num_seqs,
-                             kv_mid_pages=self.kv.pages_in_use / self.smalls_per_mid,
-                             buffer_mid_pages=0 if self.residency.buffer_pages else self.buffer_mid_pages)
+    def _too_small(self, mode: str, k: int, buffers: int) -> None:
+        have = self.allocator.mid_capacity(EXPERT) // PAGES_PER_EXPERT
+        hint = "use fixed or elastic mode" if mode == "static" else "raise the budget or offload more experts"
+        raise SimulationError(f"{mode} mode needs {k} resident experts per layer ({k * self.spec.num_moe_layers} in "
+                              f"all) and {buffers} load-buffer pages; the pool ({format_bytes(self.mem.pool)}) "
+                              f"holds {have} experts: {hint}")
 
     # ------------------------------------------------------------------ the loop
-
-    def run(self, requests: list[SimRequest], timeline_points: int = 2000) -> SimResult:
+    def run(self, requests: list[SimRequest], timeline_points: int = 2000,
+            after_step: Callable[[Simulation], None] | None = None) -> SimResult:
+        """`after_step` is called after every step's pages have been released (tests watch the residency)."""
         result = SimResult(mode=self.cfg.mode, memory=self.memory, num_requests=len(requests))
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         live: dict[int, SimRequest] = {}
         cols: dict[str, list[float]] = {k: [] for k in ("t", "running", "waiting", "kv_bytes", "expert_bytes",
                                                         "free_bytes", "step_s", "pcie_bytes")}
         g, clock, nxt, idle_steps = self.mem.geometry, 0.0, 0, 0
+        core = self.core
         while nxt < len(order) or self.scheduler.has_unfinished():
             while nxt < len(order) and requests[order[nxt]].arrival_s <= clock:
                 self._admit(order[nxt], requests[order[nxt]], live)
@@ -258,25 +249,21 @@ class Simulation:
             if not self.scheduler.has_unfinished():
                 clock = requests[order[nxt]].arrival_s
                 continue
-            if self.lazy_buffers and not self.residency.buffer_pages and not self.residency.resident.all():
-                # as the engine's commit_grows: the last step's evictions left an expert out
-                if not self.residency.attach_buffers(self.buffer_mid_pages):
-                    raise SimulationError("no free pages for the load buffers after evicting (with_buffer_pages)")
+            if core is not None:
+                core.attach_buffers()
+                core.commit_grows()
             out = self.scheduler.schedule()
             result.peak_running = max(result.peak_running, len(self.scheduler.running))
             result.peak_waiting = max(result.peak_waiting, len(self.scheduler.waiting))
-            grown = 0
-            if self.cfg.mode == "elastic":
-                R = shortfall_mid_pages(out.shortfall_pages, self.smalls_per_mid)
-                state = self._state(R, self.allocator.mid_capacity(EXPERT), out.num_tokens, len(out.stalled))
-                plan = with_buffer_pages(self.adjuster.plan(state), state, self.adjuster)
-                self.residency.evict(plan.evict)
-                grown = len(self.residency.grow(plan.grow))
-                moved = not plan.is_empty
-            else:
-                moved = False
+            grown, moved = 0, False
+            if core is not None:
+                moves = core.plan(StepDemand(
+                    shortfall_kv_pages=out.shortfall_pages, num_batched_tokens=out.num_tokens,
+                    num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                    num_stalled=len(out.stalled), max_num_seqs=self.scheduler.max_num_seqs))
+                grown, moved = len(moves.grow), bool(moves.evict or moves.grow)
             if out.is_empty:
-                self.residency.complete_forward()  # no forward pass reads the evicted pages
+                self._end_step(after_step)  # no forward pass reads the evicted pages
                 idle_steps = 0 if moved else idle_steps + 1
                 if idle_steps > 2:
                     if nxt < len(order):
@@ -289,18 +276,19 @@ class Simulation:
             idle_steps = 0
             chunks = [(s.start, s.num_new_tokens) for s in out.scheduled]
             sampled = sum(s.samples for s in out.scheduled)
-            cost = self.cost.step(chunks, sampled, self.residency.resident, grown)
+            cost = self.cost.step(chunks, sampled, self.residency.in_tables, grown)
             clock += cost.time_s
-            # as the engine measures it: the pass's time without the piecewise overhead, and the copies issued
-            self.step_cost.observe_forward(cost.time_s - cost.piecewise_s, cost.copy_s, out.num_tokens)
+            if core is not None and core.step_cost is not None:
+                # as the engine measures it: the pass's time without the piecewise overhead, the copies issued, and
+                # the offloaded experts routed and copied (the simulated loader copies exactly the routed ones)
+                core.step_cost.observe_forward(cost.time_s - cost.piecewise_s, cost.copy_s, out.num_tokens)
+                core.step_cost.observe_loads(round(cost.offloaded_activated), round(cost.offloaded_activated))
             result.forward_steps += 1
             result.pcie_bytes += cost.pcie_bytes
             for s in out.scheduled:
                 self._advance(s.request, s.start + s.num_new_tokens, s.samples, clock, live, result)
-            self.residency.complete_forward()
-            if self.residency.buffer_pages and self.residency.all_resident():
-                self.residency.release_buffers()
-            expert_bytes = self.residency.num_pages * g.size(EXPERT)
+            self._end_step(after_step)
+            expert_bytes = self.allocator.num_used(EXPERT) * g.size(EXPERT)
             kv_bytes = self.kv.pages_in_use * g.size(KV)
             for k, v in (("t", clock), ("running", len(self.scheduler.running)),
                          ("waiting", len(self.scheduler.waiting)),
@@ -311,33 +299,29 @@ class Simulation:
         first = requests[order[0]].arrival_s if requests else 0.0
         result.sim_time_s = clock - first
         result.preemptions = self.scheduler.num_preemptions
-        result.evictions, result.grows = self.residency.evictions, self.residency.grows
+        if core is not None:
+            result.evictions, result.grows = core.counters.evictions, core.counters.grows
         result.timeline = _subsample(cols, timeline_points)
         result.final_pages = self.page_accounting()
         return result
 
+    def _end_step(self, after_step: Callable[[Simulation], None] | None) -> None:
+        if self.core is not None:
+            self.core.after_pass()
+        self.allocator.complete_forward()
+        if after_step is not None:
+            after_step(self)
+
     def _admit(self, idx: int, r: SimRequest, live: dict[int, SimRequest]) -> None:
-        most = self.kv.capacity_pages() + self.kv.pages_in_use + self._evictable_kv_pages()
         need = self.kv.blocks_for(r.prompt_len + r.output_len) * self.kv.num_layers
-        if need > most:
+        if need > self.max_kv_pages:
             raise SimulationError(f"request {idx} needs {need} KV pages ({r.prompt_len} + {r.output_len} tokens), "
-                                  f"the pool can never hold more than {most}")
+                                  f"the pool can never hold more than {self.max_kv_pages}")
         req = Request(request_id=str(idx), seq_id=idx, prompt=None, prompt_token_ids=[0] * r.prompt_len,
                       params=SamplingParams(max_tokens=r.output_len, ignore_eos=True), max_tokens=r.output_len,
                       eos_token_id=None, arrival_time=r.arrival_s)
         live[idx] = r
         self.scheduler.add(req)
-
-    def _evictable_kv_pages(self, bound: int | None = None) -> int:
-        """KV pages that evicting every expert the limits (and `bound` offloaded in all) allow would free."""
-        if self.cfg.mode != "elastic":
-            return 0
-        E = self.spec.num_experts
-        offloaded = [E - int(n) for n in self.residency.resident.sum(axis=1)]
-        pages = reclaimable_experts(offloaded, self.offload_limit, bound) * PAGES_PER_EXPERT
-        if pages and not self.residency.buffer_pages:  # the first evictions pay for the load buffers
-            pages = max(0, pages - self.buffer_mid_pages)
-        return pages * self.smalls_per_mid
 
     def _advance(self, req: Request, computed: int, samples: bool, now: float,
                  live: dict[int, SimRequest], result: SimResult) -> None:
@@ -360,10 +344,12 @@ class Simulation:
     def page_accounting(self) -> dict[str, int]:
         """Every pool byte at the end: expert pages + KV pages + free = pool (checked by the allocator too)."""
         self.allocator.check_invariants()
+        self.residency.check()
         st = self.allocator.stats()
         g = self.mem.geometry
+        buffers = len(self.core.buffer_pages if self.core is not None else self.fixed_buffer_pages)
         return {"pool_bytes": self.mem.pool, "expert_pages": st.used_pages.get(EXPERT, 0),
-                "expert_pages_tracked": self.residency.num_pages, "kv_pages": st.used_pages.get(KV, 0),
+                "expert_pages_tracked": self.residency.num_pages + buffers, "kv_pages": st.used_pages.get(KV, 0),
                 "kv_pages_tracked": self.kv.pages_in_use, "free_bytes": st.total_free_bytes,
                 "used_bytes": st.total_used_bytes, "pending_deferred": st.pending_deferred,
                 "expert_page_bytes": g.size(EXPERT)}

@@ -1,0 +1,227 @@
+"""Elastic mode's decisions, without tensors: the one copy of the rules that the engine and the simulator run.
+
+Per step, in this order (the engine's device half, elastic_runtime.py, adds copies, events and table writes;
+the simulator, sim/simulator.py, adds a simulated clock):
+
+    commit_grows()          grows reserved last step enter the residency (their copies have completed)
+    attach_buffers()        the last step's evictions left an expert out: the load buffers take their pages
+    -- the scheduler schedules --
+    plan(demand)            the adjuster's plan: evictions begin (pages deferred, still readable), grows
+                            reserve pages (their copies start now)
+    -- the forward pass runs --
+    after_pass()            evicted experts leave the residency; idle load buffers give their pages back
+    -- allocator.complete_forward() frees what the pass could still read --
+
+Load buffers (2 x 3 x limit mid pages) hold a layer's offloaded experts while it computes. Where they are at
+most a quarter of what offloading frees at the limits (2 limit <= L limit / 4: at least 8 MoE layers,
+`lazy_load_buffers`) they are held only while some expert is offloaded: with every expert resident they would
+be KV cache. A plan that offloads the first expert also frees their pages (`with_buffer_pages`: more evictions,
+or none); the next step's `attach_buffers` takes them before the first pass whose tables lack an expert;
+`after_pass` gives them back once a pass ran with every expert resident and none is moving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rimuru.experts.adjuster import (
+    Adjuster,
+    AdjusterState,
+    AdjustPlan,
+    reclaimable_experts,
+    shortfall_mid_pages,
+    with_buffer_pages,
+)
+from rimuru.experts.popularity import OnlinePopularity
+from rimuru.experts.residency import (
+    BUFFER_OWNER,
+    EXPERT,
+    PAGES_PER_EXPERT,
+    Expert,
+    ExpertPages,
+    ExpertResidency,
+    lazy_load_buffers,
+    load_buffer_pages,
+)
+from rimuru.experts.runtime import StepDemand
+from rimuru.experts.step_cost import StepCostTracker
+
+# Start-up: the share of the pool left to KV cache when placing experts.
+ELASTIC_KV_RESERVE = 0.10
+
+
+def default_elastic_limit(num_experts: int) -> int:
+    """The paper found about ten offloadable experts (of 60) near the throughput peak: E / 6."""
+    return max(1, num_experts // 6)
+
+
+def elastic_start_resident(num_layers: int, num_experts: int, free_mid_pages: int, pool_bytes: int,
+                           expert_page_bytes: int, limit: int) -> int:
+    """Experts per layer resident at start-up: as many as fit beside the load buffers while leaving
+    ELASTIC_KV_RESERVE of the pool to KV cache, at most all and at least E - limit."""
+    have = free_mid_pages - load_buffer_pages(limit) - int(ELASTIC_KV_RESERVE * pool_bytes) // expert_page_bytes
+    return max(num_experts - limit, min(num_experts, have // (PAGES_PER_EXPERT * num_layers)))
+
+
+@dataclass
+class ElasticCounters:
+    evictions: int = 0
+    grows: int = 0
+    reranks: int = 0
+    last_plan: AdjustPlan = field(default_factory=AdjustPlan)
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    """One step's moves, for the device half: experts whose eviction began, grows with their reserved pages."""
+
+    evict: list[Expert] = field(default_factory=list)
+    grow: list[tuple[Expert, ExpertPages]] = field(default_factory=list)
+
+    @property
+    def adjust_plan(self) -> AdjustPlan:
+        return AdjustPlan(evict=list(self.evict), grow=[e for e, _ in self.grow])
+
+
+@dataclass(frozen=True)
+class PassEnd:
+    """What after_pass changed: experts that left the residency, load-buffer pages given back (deferred)."""
+
+    evicted: list[Expert] = field(default_factory=list)
+    released_buffer_pages: list[int] = field(default_factory=list)
+
+
+class ElasticCore:
+    def __init__(self, residency: ExpertResidency, adjuster: Adjuster, popularity: OnlinePopularity,
+                 offload_limit: int, smalls_per_mid: int, step_cost: StepCostTracker | None = None) -> None:
+        if not 1 <= offload_limit <= residency.num_experts:
+            raise ValueError(f"expert_offload_limit must be in [1, {residency.num_experts}] in elastic mode, "
+                             f"got {offload_limit}")
+        self.residency = residency
+        self.allocator = residency.allocator
+        self.adjuster = adjuster
+        self.popularity = popularity  # the online estimate the adjuster ranks by
+        self.offload_limit = offload_limit
+        self.smalls_per_mid = smalls_per_mid
+        self.step_cost = step_cost  # compute and copy costs of recent passes (cost-aware adjusters read it)
+        self.lazy_buffers = lazy_load_buffers(residency.num_layers)
+        self.buffer_mid_pages = load_buffer_pages(offload_limit)
+        self.buffer_pages: list[int] = []  # the load buffers' pages while they hold any
+        self.counters = ElasticCounters()
+        self.launched_offloaded = False  # the pass planned last: some expert out of the tables
+
+    # ------------------------------------------------------------------ start-up
+    def place_start(self, resident_per_layer: int) -> list[int]:
+        """Start-up: `resident_per_layer` experts of each layer's ranking are placed (by the caller's device half);
+        returns the load buffers' pages when they are held from the start (eager buffers, or an expert out)."""
+        if not self.lazy_buffers or resident_per_layer < self.residency.num_experts:
+            return self._take_buffer_pages()
+        return []
+
+    def evictable_kv_pages(self) -> int:
+        """KV pages that evicting every expert the limits allow would free, less what the load buffers then take
+        (the most KV requests could ever get beyond the free pages)."""
+        experts = reclaimable_experts(self.residency.planned_offloaded(), self.offload_limit, None)
+        buffers = self.buffer_mid_pages if experts and not self.buffer_pages and self.lazy_buffers else 0
+        return max(0, experts * PAGES_PER_EXPERT - buffers) * self.smalls_per_mid
+
+    # ------------------------------------------------------------------ the scheduler's questions
+    def reclaimable_kv_pages(self) -> int:
+        """KV pages that evicting the experts the limits and the adjuster still allow would free (after the moves
+        in flight). The scheduler lets a running request short of pages wait for these instead of preempting it;
+        a cost-aware adjuster bounds them by what its model allows (`max_offloaded`)."""
+        experts = reclaimable_experts(self.residency.planned_offloaded(), self.offload_limit,
+                                      self.adjuster.max_offloaded())
+        buffers = self.buffer_mid_pages if experts and not self.buffer_pages and self.lazy_buffers else 0
+        return max(0, experts * PAGES_PER_EXPERT - buffers) * self.smalls_per_mid
+
+    def admission_reserve_kv_pages(self) -> int:
+        """KV pages the scheduler keeps free from new admissions: the pages the adjuster's grows are waiting for."""
+        return self.adjuster.grow_reserve() * self.smalls_per_mid
+
+    # ------------------------------------------------------------------ one step
+    def commit_grows(self) -> list[tuple[Expert, ExpertPages]]:
+        """The grows reserved by the last plan enter the residency (the device half first made sure their copies
+        completed)."""
+        return self.residency.commit_grows()
+
+    def attach_buffers(self) -> list[int] | None:
+        """If the last step's evictions left an expert out and the buffers hold no pages, they take them now
+        (before this step's scheduler can give them to KV). Returns the pages taken, or None."""
+        if self.buffer_pages or self.residency.all_resident():
+            return None
+        return self._take_buffer_pages()
+
+    def plan(self, demand: StepDemand) -> MovePlan:
+        """The adjuster's plan for the step just scheduled, applied to the residency: evictions begin, grows
+        reserve their pages (a grow the pool can no longer hold is dropped, with every one after it)."""
+        state = self.state(demand)
+        plan = with_buffer_pages(self.adjuster.plan(state), state, self.adjuster)
+        for layer, expert in plan.evict:
+            self.residency.begin_eviction(layer, expert)
+        grown: list[tuple[Expert, ExpertPages]] = []
+        for layer, expert in plan.grow:
+            pages = self.residency.reserve_grow(layer, expert)
+            if pages is None:  # the pool changed under the plan: grow what fits
+                break
+            grown.append(((layer, expert), pages))
+        moves = MovePlan(evict=list(plan.evict), grow=grown)
+        c = self.counters
+        c.evictions += len(moves.evict)
+        c.grows += len(grown)
+        c.last_plan = moves.adjust_plan
+        # tables change only between passes: evictions begun here are still read by the pass planned now
+        self.launched_offloaded = not self.residency.all_resident()
+        return moves
+
+    def state(self, demand: StepDemand) -> AdjusterState:
+        allocator = self.allocator
+        return AdjusterState(
+            shortfall_mid_pages=shortfall_mid_pages(max(0, demand.shortfall_kv_pages), self.smalls_per_mid),
+            free_mid_pages=allocator.mid_capacity(EXPERT),
+            resident=self.residency.planned_resident(),
+            probabilities=self.popularity.probabilities(),
+            rankings=self.popularity.rankings,
+            offload_limit=self.offload_limit,
+            num_batched_tokens=demand.num_batched_tokens, num_running=demand.num_running,
+            num_waiting=demand.num_waiting, num_stalled=demand.num_stalled, max_num_seqs=demand.max_num_seqs,
+            kv_mid_pages=allocator.num_used("kv") / self.smalls_per_mid,
+            # the pages the first offloaded expert costs (while the buffers hold none; held buffers cost nothing more)
+            buffer_mid_pages=self.buffer_mid_pages if self.lazy_buffers and not self.buffer_pages else 0,
+        )
+
+    def after_pass(self) -> PassEnd:
+        """The pass planned last has been launched (and, for a page that becomes free, finished by the time
+        allocator.complete_forward() runs): evicted experts leave the residency; after a pass that ran with every
+        expert resident, with none moving, the load buffers' pages are deferred-freed. No pass reads them then:
+        the one in flight is that all-resident pass, and the one before it has been read."""
+        evicted = self.residency.finish_evictions()
+        released: list[int] = []
+        if (self.lazy_buffers and self.buffer_pages and not self.launched_offloaded
+                and self.residency.all_resident() and not self.residency.growing):
+            released, self.buffer_pages = self.buffer_pages, []
+            self.allocator.defer_free(EXPERT, released)
+        return PassEnd(evicted=evicted, released_buffer_pages=released)
+
+    def observe_routing(self, routed: np.ndarray) -> None:
+        """Routing counts [L, E] of recent passes: the online popularity estimate, re-ranking stale layers."""
+        self.popularity.update(routed)
+        self.counters.reranks += len(self.popularity.maybe_rerank())
+
+    def stats(self) -> dict[str, float]:
+        """The adjuster's view and the measured copy costs, for /metrics and the sweeps' timelines."""
+        out: dict[str, float] = {}
+        if self.step_cost is not None:
+            out |= {"cost_copy_overlap": self.step_cost.copy_overlap_share(),
+                    "cost_copy_slowdown": self.step_cost.copy_slowdown(),
+                    "cost_copy_excess": self.step_cost.copy_excess()}
+        return out | self.adjuster.stats()
+
+    def _take_buffer_pages(self) -> list[int]:
+        pages = self.allocator.allocate_mid(EXPERT, self.buffer_mid_pages, owner=BUFFER_OWNER)
+        if pages is None:  # with_buffer_pages evicted enough for them (or start-up checked): a broken invariant
+            raise RuntimeError(f"no {self.buffer_mid_pages} free mid pages for the load buffers")
+        self.buffer_pages = pages
+        return pages

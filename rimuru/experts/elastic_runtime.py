@@ -1,0 +1,174 @@
+"""`elastic` mode's runtime on a device: the decisions of elastic_core.py, plus what only a device has: the grow
+copies and their events, the expert-table writes, the load buffers' pages, routing counts read from the GPU and
+the wall-clock times of the passes that the cost-aware adjuster learns from.
+
+Ordering, per step (the engine calls these in the order of experts/runtime.py):
+  * begin_step: the compute stream waits for every grow copy of the last plan, then the grown enter the tables
+    (no kernel queued after this can read a half-copied expert); the load buffers take pages if an expert is out;
+  * plan: evicted experts stay in the tables (their pages are deferred-freed by the allocator until the end of
+    the step); grow copies go into freshly reserved pages on the loader's copy stream, behind the pass fence
+    (memory/pass_fence.py), since those pages may be read by a pass still in flight;
+  * after_pass: evicted experts leave the tables (a fill queued on the compute stream, after the pass).
+
+Step times. Sync: `plan` -> `after_pass` brackets the pass (the host waited for it). Async scheduling: after_pass
+runs while the pass it follows is still in flight, so a pass's time is the interval between consecutive
+after_pass calls (the loop runs at the GPU's pace) and routing counts are read one step late (non-blocking copy).
+A pass that replays piecewise graphs (some expert offloaded) is timed without the piecewise overhead the engine
+measured, so the compute estimate is the same whichever graphs ran; the cost adjuster charges it to offloading.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rimuru.experts.adjuster import AdjustPlan
+from rimuru.experts.cache import ExpertCache
+from rimuru.experts.elastic_core import ElasticCore
+from rimuru.experts.host_store import HostExpertStore
+from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.offload_provider import OffloadExpertProvider
+from rimuru.experts.offload_runtime import OffloadRuntime
+from rimuru.experts.routing_counter import RoutingCounter
+from rimuru.experts.runtime import GraphPlan, StepDemand
+from rimuru.experts.static_provider import StaticExpertProvider
+
+
+class ElasticRuntime(OffloadRuntime):
+    def __init__(self, core: ElasticCore, cache: ExpertCache, store: HostExpertStore, loader: ExpertLoader,
+                 provider: OffloadExpertProvider, counter: RoutingCounter, pcie_bandwidth: float,
+                 async_steps: bool) -> None:
+        super().__init__(cache, store, loader, provider, mode="elastic")
+        self.core = core
+        self.counter = counter  # routing counts of each pass feed the online popularity estimate
+        self.pcie_bandwidth = pcie_bandwidth  # bytes/s, measured at start-up: nominal copy time of a pass's bytes
+        self.async_steps = async_steps
+        self.piecewise_overhead_s = 0.0
+        self._grow_events: list[torch.cuda.Event] = []  # the last plan's grow copies (none on the CPU)
+        self._forward_start: tuple[float, int] | None = None  # (monotonic time, loader bytes) when tokens ran
+        self._tokens = 0  # batched tokens of the pass launched this step
+        self._tokens_in_flight = 0  # async: the same for the pass launched one step earlier
+        self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._last_after_pass: tuple[float, int] | None = None
+        self._copy_bytes: int | None = None  # bytes loaded for the pass in flight (async)
+        self._piecewise_in_flight = False  # async: the pass launched one step earlier had an expert offloaded
+        self._loads_seen = (0, 0)  # loader (hits + misses, prefetched + on_demand) at the last observation
+
+    def graph_plan(self) -> GraphPlan:
+        # passes with every expert resident replay whole graphs over the live tables, unless the pool can never
+        # hold every expert at once (free pages at start, before any KV, cannot take the offloaded ones back)
+        offloaded = self.cache.total_experts - self.cache.num_resident
+        can_all_fit = 3 * offloaded <= self.cache.allocator.mid_capacity("expert")
+        resident = StaticExpertProvider(self.cache.expert_view, self.cache.tables, self.counter) if can_all_fit \
+            else None
+        return GraphPlan(counter=self.counter, piecewise=self.provider, resident=resident)
+
+    def set_piecewise_overhead(self, seconds: float) -> None:
+        self.piecewise_overhead_s = seconds
+        self.core.adjuster.set_piecewise_overhead(seconds)
+
+    # ------------------------------------------------------------------ the scheduler's questions
+    def reclaimable_kv_pages(self) -> int:
+        return self.core.reclaimable_kv_pages()
+
+    def admission_reserve_kv_pages(self) -> int:
+        return self.core.admission_reserve_kv_pages()
+
+    def evictable_kv_pages(self) -> int:
+        return self.core.evictable_kv_pages()
+
+    # ------------------------------------------------------------------ one step
+    def begin_step(self) -> None:
+        pages = self.core.attach_buffers()
+        if pages is not None:
+            self.loader.attach(pages)
+        if self._grow_events:
+            stream = torch.cuda.current_stream()
+            for done in self._grow_events:
+                stream.wait_event(done)
+            self._grow_events = []
+        self.cache.write_rows(self.core.commit_grows())
+
+    def plan(self, demand: StepDemand) -> AdjustPlan:
+        moves = self.core.plan(demand)
+        for (layer, expert), pages in moves.grow:
+            done = self.loader.copy_to_pages(layer, expert, pages)
+            if done is not None:
+                self._grow_events.append(done)
+        self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded)
+                               if demand.num_batched_tokens > 0 else None)
+        return moves.adjust_plan
+
+    def before_pass(self, num_tokens: int) -> None:
+        """Requests that finished meanwhile (async scheduling) may have left the batch: the pass can be smaller
+        than planned, or not launched at all (0: no pass is timed this step)."""
+        self._tokens = num_tokens
+        if num_tokens == 0:
+            self._forward_start = None
+        super().before_pass(num_tokens)
+
+    def after_pass(self) -> None:
+        end = self.core.after_pass()
+        self.cache.clear_rows(end.evicted)
+        if end.released_buffer_pages:
+            self.loader.detach()  # its pages were deferred-freed by the core
+        self._observe_loads()
+        if self.async_steps:
+            self._after_pass_async()
+            return
+        step_cost = self.core.step_cost
+        if step_cost is not None and self._forward_start is not None:
+            t0, bytes0 = self._forward_start
+            copy_s = (self.loader.counters.bytes_loaded - bytes0) / self.pcie_bandwidth
+            overhead = self.piecewise_overhead_s if self.core.launched_offloaded else 0.0
+            step_cost.observe_forward(max(0.0, time.monotonic() - t0 - overhead), copy_s, self._tokens)
+        self._forward_start = None
+        self.core.observe_routing(self.counter.snapshot_and_reset().numpy())
+
+    def _after_pass_async(self) -> None:
+        # Between the previous call and this one the host waited for the pass launched before (pass n): that
+        # interval is pass n's time. The bytes loaded in the interval were issued for the pass launched now
+        # (n+1), so pass n's copies are the previous interval's bytes (`_copy_bytes`).
+        now, loaded = time.monotonic(), self.loader.counters.bytes_loaded
+        ran = self._forward_start is not None
+        step_cost = self.core.step_cost
+        if ran and self._last_after_pass is not None:
+            t0, bytes0 = self._last_after_pass
+            if step_cost is not None and self._copy_bytes is not None:
+                overhead = self.piecewise_overhead_s if self._piecewise_in_flight else 0.0
+                step_cost.observe_forward(max(0.0, now - t0 - overhead), self._copy_bytes / self.pcie_bandwidth,
+                                          self._tokens_in_flight)
+            self._copy_bytes = loaded - bytes0
+        self._piecewise_in_flight = self.core.launched_offloaded and ran
+        self._tokens_in_flight = self._tokens if ran else 0
+        self._last_after_pass = (now, loaded) if ran else None
+        if not ran:
+            self._copy_bytes = None
+        self._forward_start = None
+        previous, self._counts_in_flight = self._counts_in_flight, self.counter.snapshot_and_reset_async()
+        if previous is not None:
+            host, done = previous
+            if done is not None:
+                done.synchronize()  # the pass before the one in flight: finished
+            self.core.observe_routing(host.numpy())
+
+    def _observe_loads(self) -> None:
+        """The loader's routed and copied experts since the last call feed the cost tracker's copy excess."""
+        if self.core.step_cost is None:
+            return
+        c = self.loader.counters
+        now = (c.hits + c.misses, c.prefetched + c.on_demand)
+        routed, copied = now[0] - self._loads_seen[0], now[1] - self._loads_seen[1]
+        self._loads_seen = now
+        self.core.step_cost.observe_loads(routed, copied)
+
+    def memory_split(self) -> dict[str, int]:
+        split = super().memory_split()
+        split["load_buffers"] = len(self.core.buffer_pages) * self.cache.expert_page_bytes
+        return split
+
+    def stats(self) -> dict[str, float]:
+        c = self.core.counters
+        return {**super().stats(), "expert_evictions": c.evictions, "expert_grows": c.grows,
+                "expert_reranks": c.reranks, **self.core.stats()}

@@ -1,0 +1,182 @@
+"""One builder per offload mode: from the engine's settings, a pool and a built model to a typed expert runtime.
+
+    static   every routed expert resident                                   -> StaticRuntime
+    fixed    the first K of each layer's ranking resident, two load buffers   -> OffloadRuntime
+             of `limit` experts each for the rest (K = E: StaticRuntime)
+    elastic  as many resident as the start-up rule places (elastic_core.py), -> ElasticRuntime
+             the adjuster moves the boundary every step
+
+    pool = L_moe x K x 3 expert pages (resident) + 2 x limit x 3 (load buffers, fixed and elastic) + KV cache
+
+Each builder makes the experts addressable (the residency, its device tables) before anything slow (pinning the
+host store) and attaches its provider to the model; the weights come in afterwards through the runtime's
+`write_expert` / `fill_random_experts`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rimuru.config import format_bytes
+from rimuru.experts.adjuster import Adjuster, AdjusterConfig, PaperAdjuster
+from rimuru.experts.cache import ExpertCache, resolve_offload_limit, resolve_resident_count
+from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
+from rimuru.experts.elastic_core import ElasticCore, default_elastic_limit, elastic_start_resident
+from rimuru.experts.elastic_runtime import ElasticRuntime
+from rimuru.experts.host_store import HostExpertStore
+from rimuru.experts.loader import ExpertLoader, measure_copy_bandwidth
+from rimuru.experts.offload_provider import OffloadExpertProvider
+from rimuru.experts.offload_runtime import OffloadRuntime
+from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
+from rimuru.experts.predictor import ExpertPredictor
+from rimuru.experts.residency import BUFFER_OWNER, EXPERT, ExpertResidency, PoolTooSmallError, load_buffer_pages
+from rimuru.experts.routing_counter import RoutingCounter
+from rimuru.experts.runtime import ExpertRuntime, StaticRuntime
+from rimuru.experts.step_cost import StepCostTracker
+from rimuru.memory.pass_fence import PassFence
+from rimuru.memory.pool import PagePool
+from rimuru.model_spec import ModelSpec
+from rimuru.models.causal_lm import MoECausalLM
+
+logger = logging.getLogger("rimuru")
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """The engine settings the expert runtimes read (from EngineConfig)."""
+
+    mode: str  # static | fixed | elastic
+    resident_experts: float | None = None  # fixed
+    expert_offload_limit: int | None = None  # fixed, elastic
+    adjuster: str = "paper"  # elastic: paper | cost
+    tpot_slo_ms: float | None = None  # elastic with the cost adjuster
+    async_scheduling: bool = False  # elastic: how passes are timed
+
+
+def build_adjuster(kind: str, expert_bytes: int, top_k: int, cost: CostAdjusterConfig,
+                   paper: AdjusterConfig | None = None) -> tuple[Adjuster, StepCostTracker | None]:
+    """The elastic adjuster of `kind` (paper | cost) and, for the cost adjuster, the tracker of measured pass costs it
+    reads (the engine and the simulator feed it). The one place both are wired, for the engine and the simulator."""
+    if kind == "paper":
+        return PaperAdjuster(paper or AdjusterConfig()), None
+    if kind != "cost":
+        raise ValueError(f"adjuster must be paper or cost, got {kind!r}")
+    costs = StepCostTracker(copy_overlap=cost.copy_overlap, initial_overlap=cost.initial_copy_overlap)
+    adjuster = CostAdjuster(cost, expert_bytes=expert_bytes, top_k=top_k, compute_time=costs,
+                            copy_slowdown=costs.copy_slowdown, copy_overlap=costs.copy_overlap_share,
+                            copy_excess=costs.copy_excess)
+    return adjuster, costs
+
+
+def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
+                  model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ExpertRuntime:
+    residency = ExpertResidency(pool.allocator, spec.num_moe_layers, spec.num_experts,
+                                ranking=[popularity.ranking(layer) for layer in range(spec.num_moe_layers)])
+    cache = ExpertCache(residency, pool.expert_view(dtype), pool.device)
+    if settings.mode == "static":
+        runtime: ExpertRuntime = _static(cache, spec, pool)
+    elif settings.mode == "fixed":
+        runtime = _fixed(settings, cache, spec, dtype, pool, model, popularity, fence)
+    elif settings.mode == "elastic":
+        runtime = _elastic(settings, cache, spec, dtype, pool, model, popularity, fence)
+    else:
+        raise ValueError(f"offload_mode must be static, fixed or elastic, got {settings.mode!r}")
+    model.attach_experts(runtime.provider)
+    return runtime
+
+
+def _static(cache: ExpertCache, spec: ModelSpec, pool: PagePool) -> StaticRuntime:
+    try:
+        cache.make_all_resident()
+    except PoolTooSmallError as e:
+        need = cache.total_experts * 3 * cache.expert_page_bytes
+        short = need - pool.pool_bytes
+        raise ValueError(
+            f"offload_mode='static' needs every routed expert on the device ({format_bytes(need)}), "
+            f"but the page pool is {format_bytes(pool.pool_bytes)} ({e}); short by at least "
+            f"{format_bytes(max(short, pool.geometry.huge_size))}. Raise gpu_memory_budget or use "
+            "offload_mode='fixed' or 'elastic' to keep some experts in host memory") from None
+    return StaticRuntime(cache)
+
+
+def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
+           model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ExpertRuntime:
+    resident = resolve_resident_count(settings.resident_experts, spec.num_experts)
+    limit = resolve_offload_limit(settings.expert_offload_limit, spec.num_experts, resident)
+    _check_fits("fixed", cache, pool, resident, limit)  # before the slow pinning
+    cache.make_prefix_resident(resident)
+    if limit == 0:  # every expert resident for good: whole CUDA graphs stay possible
+        return StaticRuntime(cache, mode="fixed")
+    store = _host_store(spec, dtype, pool.device)
+    pages = pool.allocator.allocate_mid(EXPERT, load_buffer_pages(limit), owner=BUFFER_OWNER)
+    assert pages is not None  # _check_fits counted them
+    loader = ExpertLoader(cache, store, pages, limit, fence)
+    provider = OffloadExpertProvider(cache, loader, _predictor(model, spec), spec.num_experts_per_tok,
+                                     popularity=lambda: popularity.probabilities)
+    return OffloadRuntime(cache, store, loader, provider)
+
+
+def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
+             model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ElasticRuntime:
+    E = spec.num_experts
+    limit = default_elastic_limit(E) if settings.expert_offload_limit is None else settings.expert_offload_limit
+    if not 1 <= limit <= E:
+        raise ValueError(f"expert_offload_limit must be in [1, {E}] in elastic mode, got {limit}")
+    resident = elastic_start_resident(cache.num_layers, E, pool.allocator.mid_capacity(EXPERT), pool.pool_bytes,
+                                      cache.expert_page_bytes, limit)
+    _check_fits("elastic", cache, pool, resident, limit)  # before the slow pinning
+    cache.make_prefix_resident(resident)
+    store = _host_store(spec, dtype, pool.device)
+    pcie = _copy_bandwidth(store, pool.device)
+    expert_bytes = 3 * cache.expert_page_bytes
+    slo = None if settings.tpot_slo_ms is None else settings.tpot_slo_ms / 1e3
+    adjuster, costs = build_adjuster(settings.adjuster, expert_bytes, spec.num_experts_per_tok,
+                                     CostAdjusterConfig(tpot_slo_s=slo, pcie_bandwidth=pcie))
+    online = OnlinePopularity(popularity)
+    core = ElasticCore(cache.residency, adjuster, online, limit, pool.geometry.smalls_per_mid("kv", EXPERT), costs)
+    loader = ExpertLoader(cache, store, core.place_start(resident), limit, fence)
+    counter = RoutingCounter(spec.num_moe_layers, E, pool.device)
+    provider = OffloadExpertProvider(cache, loader, _predictor(model, spec), spec.num_experts_per_tok,
+                                     popularity=online.probabilities, counter=counter)
+    return ElasticRuntime(core, cache, store, loader, provider, counter, pcie, settings.async_scheduling)
+
+
+def _host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> HostExpertStore:
+    return HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size, spec.hidden_size,
+                           dtype, pin=device.type == "cuda")
+
+
+def _predictor(model: MoECausalLM, spec: ModelSpec) -> ExpertPredictor:
+    return ExpertPredictor(model.moe_routers(), spec.num_experts_per_tok)
+
+
+def _copy_bandwidth(store: HostExpertStore, device: torch.device) -> float:
+    """The expert copy bandwidth the elastic runtime and its adjuster reckon with: measured on a GPU; on the CPU
+    (no link to measure) the H200's figure that CostAdjusterConfig names."""
+    if device.type != "cuda":
+        nominal = CostAdjusterConfig().pcie_bandwidth
+        logger.info("expert copies: no GPU link to measure; reckoning with %.0f GB/s", nominal / 1e9)
+        return nominal
+    measured = measure_copy_bandwidth(store, device)
+    logger.info("expert copies host -> device: %.1f GB/s (measured at start-up)", measured / 1e9)
+    return measured
+
+
+def _check_fits(mode: str, cache: ExpertCache, pool: PagePool, resident: int, limit: int) -> None:
+    """`resident` experts per layer and two load buffers of `limit` experts must fit the pool."""
+    L, E = cache.num_layers, cache.num_experts
+    need_resident, need_buffers = 3 * L * resident, load_buffer_pages(limit)
+    have = pool.allocator.mid_capacity(EXPERT)
+    if need_resident + need_buffers > have:
+        page = cache.expert_page_bytes
+        raise ValueError(
+            f"offload_mode={mode!r} with resident_experts={resident} of {E} per layer and expert_offload_limit="
+            f"{limit} needs {need_resident} expert pages for {L} x {resident} resident experts + {need_buffers} "
+            f"for 2 load buffers of {limit} experts = {need_resident + need_buffers} pages "
+            f"({format_bytes((need_resident + need_buffers) * page)}), but the page pool holds {have} "
+            f"({format_bytes(have * page)}); lower resident_experts, raise expert_offload_limit or raise "
+            "gpu_memory_budget")
+

@@ -1,0 +1,25 @@
+"""The expert provider of a model whose routed experts are all resident at fixed pages: the tables never change
+between two passes, so no decision reaches the host and the whole forward pass can be one CUDA graph."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from rimuru.experts.routing_counter import RoutingCounter
+
+
+class StaticExpertProvider:
+    def __init__(self, expert_view: Tensor, tables: Tensor, counter: RoutingCounter | None = None) -> None:
+        if tables.dim() != 3 or tables.shape[2] != 3:
+            raise ValueError(f"expert tables must be [L_moe, E, 3], got {tuple(tables.shape)}")
+        self.expert_view = expert_view  # [n_mid, f*d]
+        self.tables = tables  # [L_moe, E, 3] int32, updated in place by the expert cache
+        self.counter = counter  # when set, every routing decision is counted (on the device)
+
+    def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
+        return None
+
+    def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+        if self.counter is not None:
+            self.counter.record(moe_layer, topk_ids)
+        return self.tables[moe_layer]  # [E, 3]
