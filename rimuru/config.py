@@ -18,7 +18,7 @@ _UNITS = {
 }
 
 OFFLOAD_MODES = ("static", "fixed", "elastic")
-ADJUSTERS = ("paper", "cost")  # elastic mode: the paper's threshold rules | the cost-aware adjuster (issue 8)
+ADJUSTERS = ("paper", "cost")  # elastic mode: the paper's threshold rules | the cost-aware adjuster
 
 
 def parse_bytes(value: int | float | str) -> int:

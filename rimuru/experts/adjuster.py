@@ -1,6 +1,6 @@
 """The adjuster: after each schedule(), how many experts leave the pool (evict) or come back (grow), and which.
 
-The paper's rules (DESIGN.md section 4; numbers are `AdjusterConfig` defaults, never literals here), with
+The paper's rules (docs/design.md, Adjusters; numbers are `AdjusterConfig` defaults, never literals here), with
 R = mid pages the scheduler still lacks for the next waiting request and F = free mid pages:
 
     R > 0                    -> evict ceil((R + evict_margin) / pages_per_expert)   (R = 8 -> 3)
@@ -19,7 +19,7 @@ equally popular nominees (uniform routing) go to the layer with the most residen
 fewest (grow), then the lowest layer index, so offloading spreads evenly over layers.
 
 `Adjuster` is the interface the engine and simulator call (`plan(state) -> AdjustPlan`); `PaperAdjuster`
-implements the rules above; `CostAdjuster` (cost_adjuster.py, issue 8) also reads the batch fields of `AdjusterState`.
+implements the rules above; `CostAdjuster` (cost_adjuster.py) also reads the batch fields of `AdjusterState`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The cost-aware adjuster (issue 8): offload only the experts whose PCIe copies pay for the KV room they free.
+"""The cost-aware adjuster: offload only the experts whose PCIe copies pay for the KV room they free.
 
-Every offloaded expert that a step's batch routes to crosses PCIe in that step (DESIGN.md section 7). For a
+Every offloaded expert that a step's batch routes to crosses PCIe in that step (docs/design.md, Adjusters). For a
 candidate number n of offloaded experts (all layers; the n least popular the limits allow, in the order
 `pick_grows` / `pick_evictions` would move them) the adjuster models one decode step:
 
@@ -21,53 +21,46 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
     step(n)     = compute(n) + max(0, copy(n) - overlap compute(n)) + [n > 0] piecewise_overhead
     tput(n)     = conc(n) / step(n)                      decode tokens per second
 
-slowdown and overlap are measured from the engine's passes with copies (step_cost.py): how much longer its copies
-take than nominal, and how much of the compute they hide behind (at most `copy_overlap`). The overlap starts at
-`initial_copy_overlap` = 0: until copies were measured to hide, none is assumed to. So without a TPOT SLO the
-adjuster offloads voluntarily only experts the batch is not expected to route to, and otherwise only when the
-experts do not all fit (forced offloading, below); with `--tpot-slo-ms` it trades exposed copies for KV room
-within the SLO. (Starting at the 0.8 cap cost the H200 a 45-expert eviction it could not take back quickly;
-see CostAdjusterConfig.)
+slowdown, overlap and excess are learned from the engine's passes with copies (step_cost.py); the overlap is at
+most `copy_overlap` and starts at `initial_copy_overlap` = 0, so copies not yet measured count as exposed (see
+CostAdjusterConfig). Without a TPOT SLO the adjuster therefore offloads voluntarily only experts the batch is not
+expected to route to, and otherwise only when the experts do not all fit (forced offloading, below); with
+`--tpot-slo-ms` it trades exposed copies for KV room within the SLO. piecewise_overhead (measured by the engine
+at start-up) is what a pass with any expert offloaded costs beyond one with all resident (piecewise CUDA graphs
+instead of whole ones); the elastic controller takes it out of piecewise passes' times before they reach the
+compute estimate, and the model charges it to every n > 0.
 
-piecewise_overhead (measured by the engine at start-up): what a pass with any expert offloaded costs beyond one
-with all resident (piecewise CUDA graphs instead of whole ones); the elastic controller takes it out of the step
-times of piecewise passes before they reach the compute estimate.
-
-Candidates n reach from n_min (grows take free pages only, so fewer offloaded than n_now - free/P is not
-reachable) to every expert the limits allow. Allowed n: copies hide (copy(n) - overlap compute(n) <=
-exposed_copy_share compute(n)) or, with a TPOT SLO, step(n) <= tpot_slo_s. The best allowed n maximises tput.
-Forced offloading (no SLO, and even n_min exposes copies: the experts do not all fit, e.g. Qwen3-30B-A3B at
-48 GiB) allows every n: copies show whatever the split, so the most tokens per second decides.
-Forced offloading is told apart from a pool that is merely full of KV: n_now - (F + KV pages) / P > 0. When KV
-fills the pool and no reachable split hides its copies (they were measured costlier after the evictions), no
-split above n_now is allowed.
-Direction: while the scheduler is short of pages (requests wait) the adjuster evicts towards the best n; when it is
-not short it aims for the smallest n within `min_gain` of the best (experts come home once it costs no throughput).
-Either way, experts also come home when fewer offloaded serve more tokens per second in the long run, with the
-pages they take counted as requests not admitted (`_home_target`): copies measured to hide less than assumed when
-the experts were evicted. While requests wait, the pool's free pages go to those grows first: the adjuster asks
-the scheduler to keep them from new admissions (`grow_reserve`).
-(An earlier rule also held still while short when the current n was within `min_gain`: simulated Qwen3-30B at
-48 GiB then left requests waiting seconds for a +2 % split, TTFT p99 4.4 s at 1 req/s against 0.56 s with the
-paper's rules.)
-A grow needs `reverse_cooldown_steps` steps since the last eviction (evictions never wait), and each step
-moves at most `max_evict_per_step` / `max_grow_per_step` experts; grows keep `grow_reserve_mid` pages free.
-
-Hard shortfall: when the scheduler is short (R > 0) and nothing could be scheduled (no tokens), no running
-request will free pages, so the adjuster evicts ceil((R + evict_margin) / P) experts whatever the cost,
-bounded only by the limits. A short scheduler with running requests is not stuck: they finish and free pages.
-Until the first compute time is measured, the adjuster only honours hard shortfalls and grows nothing back.
-
-Stalls are bounded by the model (`max_offloaded`): the engine's scheduler lets a running request that lacks
-pages sit out a step, waiting for evictions, only while evicting stays within the largest allowed n of the
-last plan; beyond it the request is preempted, as in static mode. (Without that bound, measured on the H200
-on 2026-11-29, stalls drove ~230 experts out at 20 req/s and every step copied them: 1,675 against
-static's 3,538 output tok/s.)
-
-Candidates: every n when there are at most `dense_candidates` of them, else every n within
-`dense_candidates // 4` of the current count plus a geometric grid over the rest (the model costs
-O(candidates x offloadable experts) per step; 24 layers x 10 offloadable experts evaluated densely took
-3-5 ms of host time per step on the H200's host).
+Rules, every step:
+  * Allowed n: reachable (from n_min = n_now - free/P, since grows take free pages only, up to every expert the
+    limits allow) and either hiding its copies (copy(n) - overlap compute(n) <= exposed_copy_share compute(n))
+    or, with a TPOT SLO, within it (step(n) <= tpot_slo_s). The best allowed n maximises tput.
+  * Forced offloading (no SLO, and n_now - (F + KV pages) / P > 0: the experts do not all fit even without KV,
+    e.g. Qwen3-30B-A3B at 48 GiB) allows every n: copies show whatever the split, so tokens per second decide.
+    A pool merely full of KV is not forced: when no reachable split hides its copies there (they were measured
+    costlier after the evictions), no n above n_now is allowed.
+  * Direction: while requests wait for pages (R > 0) the adjuster evicts towards the best n, even when n_now is
+    within `min_gain` of it (holding still there leaves requests waiting seconds for a split a few per cent
+    better); when nobody is short it aims for the smallest n within `min_gain` of the best, so experts come home
+    once that costs no throughput. Experts also come home, even while requests wait, when fewer offloaded serve
+    more tokens per second in the long run with the pages they take counted as requests not admitted
+    (`_home_target`): that undoes evictions whose copies turned out to hide less than assumed. The free pages
+    those grows need are kept from new admissions (`grow_reserve`), for at most `reserve_patience_steps` plans
+    without a grow.
+  * Pace: a grow waits `reverse_cooldown_steps` steps after an eviction (no flapping; evictions never wait), a
+    step moves at most `max_evict_per_step` / `max_grow_per_step` experts, and grows leave `grow_reserve_mid`
+    pages free.
+  * Hard shortfall: when the scheduler is short (R > 0) and nothing could be scheduled (no tokens), no running
+    request will free pages, so the adjuster evicts ceil((R + evict_margin) / P) experts whatever the cost,
+    bounded only by the limits. A short scheduler with running requests is not stuck: they finish and free pages.
+    Until the first compute time is measured, the adjuster only honours hard shortfalls and grows nothing back.
+  * Stalls are bounded by the model (`max_offloaded`): the engine's scheduler lets a running request that lacks
+    pages sit out a step, waiting for evictions, only while evicting stays within the largest allowed n of the
+    last plan; beyond it the request is preempted, as in static mode. Unbounded, stalls would drive experts out
+    until every step copies them.
+  * Candidates: every n when there are at most `dense_candidates` of them, else every n within
+    `dense_candidates // 4` of the current count plus a geometric grid over the rest, because the model costs
+    O(candidates x offloadable experts) of host time per step (benchmarks/bench_adjuster_host.py; results in
+    benchmarks/results/2026-11-29-adjuster-host-cpu.json).
 """
 
 from __future__ import annotations
@@ -82,14 +75,17 @@ from rimuru.experts.adjuster import AdjusterState, AdjustPlan, as_experts, evict
 
 @dataclass(frozen=True)
 class CostAdjusterConfig:
-    pcie_bandwidth: float = 52e9  # bytes/s, one expert load through the loader on the H200 (52-55 GB/s)
-    copy_overlap: float = 0.8  # the most compute a copy may hide behind (H200: 0.70-0.88 in isolation, 1-256 tokens)
-    # What the step-cost tracker assumes before any copy was measured in the engine. 0: unmeasured copies are
-    # exposed. In served passes the H200 measured ~0 (2026-11-30, seventh session: on-demand misses and the
-    # per-layer routing reads serialise with compute; the learned overlap fell from 0.8 to < 0.01 within 2 s,
-    # slowdown 2-3); a start at 0.8 made the first evictions look free, and at 30 req/s elastic-cost offloaded
-    # 34-45 experts at once, whose pages KV took: going back needed requests to finish (2,480 output tok/s
-    # against static's 4,268, zipf 1.0). Where copies do hide, the tracker learns it upward from such passes.
+    # bytes/s, expert loads through the loader on the H200 (47-53 GB/s by batch size, plain pinned copies 55:
+    # benchmarks/results/2026-11-29-expert-transfer-h200.json)
+    pcie_bandwidth: float = 52e9
+    # the most compute a copy may hide behind (the H200 in isolation, one expert per layer: 0.70-0.88 over
+    # 1-256 tokens, same file)
+    copy_overlap: float = 0.8
+    # What the step-cost tracker assumes before any copy is measured in the engine. 0: unmeasured copies are
+    # exposed, because in served passes on-demand misses and the per-layer routing reads serialise with compute
+    # and copies hide next to nothing (on the H200 the learned overlap drops to ~0 within seconds, slowdown 2-3);
+    # a start at the cap makes the first evictions look free, and the KV that then takes their pages keeps the
+    # experts out until requests finish. Where copies do hide, the tracker learns it upward from such passes.
     initial_copy_overlap: float = 0.0
     compute_fixed_share: float = 0.8  # share of step compute that does not grow with the batch (weight reads)
     tpot_slo_s: float | None = None  # when set: allowed n keep the modelled step time within it

@@ -31,8 +31,8 @@ class ExpertPredictor:
         `moe_layer` would get from these hidden states (0 = not picked by any token). Rows where `row_mask` [T]
         is False (padding of a CUDA-graph batch) add nothing."""
         norm, moe = self.routers[moe_layer]
-        # the layer's own routing (a bias-blind guess prefetched the cold experts of a skewed router every step:
-        # 67 copied against 4 routed per decode step, H200, 2026-11-29)
+        # the layer's own routing, bias included: a bias-blind guess prefetches the cold experts of a skewed router
+        # every step (on the H200, 67 copied against 4 routed per decode step)
         probs = torch.softmax(moe.router_logits(norm(hidden)).float() + moe.router_bias, dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, min(self.top_k, probs.shape[-1]), dim=-1)  # [T, k]
         if row_mask is not None:

@@ -5,15 +5,14 @@ Compute. A pass that copied nothing (`copy_s == 0`) is a clean measure of the ba
 feed an EMA per batch size (buckets of batched tokens, powers of two), and `compute_s` is the estimate for the
 bucket asked for (the cost adjuster asks for a decode step of the running batch: tokens = running requests; else
 the latest pass's), or the nearest measured bucket below (above when none is below): a smaller batch's time
-underestimates, which makes copies look less hideable, the safe direction. (The latest pass's bucket alone made
-the estimate jump to a prefill-heavy step's time after each one, ~19 against ~8 ms in the simulator.)
-Passes with copies do not feed the compute estimate once any clean pass was seen. The earlier estimator
-subtracted the copy time its model said was exposed, `forward - max(0, copy - overlap c)`: every cost the model
-missed (copies hiding less than `overlap`, on-demand misses, the host's per-layer routing reads) came back into
-the estimate multiplied by up to 1 / (1 - overlap) = 5, until the copies looked hidden; from then on the whole
-pass counted as compute, which kept them looking hidden. Measured on the H200 (2026-11-29, fifth session): from
-25 req/s the cost adjuster offloaded its whole limit, 240 experts, and served 1,682 output tok/s against vLLM's
-3,627 in the same run (benchmarks/sim_step_cost_regression.py reproduces it in the simulator).
+underestimates, which makes copies look less hideable, the safe direction. (The latest pass's bucket alone would
+make the estimate jump to a prefill-heavy step's time after each one, ~19 against ~8 ms in the simulator.)
+Passes with copies do not feed the compute estimate once any clean pass was seen. Subtracting from them the copy
+time the model says is exposed, `forward - max(0, copy - overlap c)`, would bring every cost the model misses
+(copies hiding less than `overlap`, on-demand misses, the host's per-layer routing reads) back into the estimate,
+multiplied by up to 1 / (1 - overlap) = 5, until the copies look hidden; from then on the whole pass would count
+as compute, which keeps them looking hidden, and the adjuster offloads its whole limit
+(benchmarks/sim_step_cost_regression.py reproduces that runaway in the simulator; tests/test_step_cost.py pins it).
 Forced offloading (the experts never all fit, e.g. Qwen3-30B-A3B at 48 GiB) has no clean pass. There the sample is
 `forward - copy_s`, the compute time if the copies hid behind nothing, one EMA over all passes.
 
@@ -33,9 +32,9 @@ see there). Without clean passes both keep their starting values.
 Excess. The adjuster's model counts the offloaded experts the batch routes to; the engine copies more: prefetches
 of experts the predictor guessed and the routing then did not pick. `observe_loads` keeps EMAs of both counts
 (routed offloaded experts, and experts copied for passes), and `copy_excess` = (copied + 1) / (routed + 1) >= 1
-scales the modelled copies. Measured on the H200 (2026-11-29, sixth session): ~1.2 with a working predictor; 18-67
-with one that ignored a skewed router's bias, which the model did not see: it offloaded 240 experts to save copies
-it believed were ~4 per step, and 67 were made.
+scales the modelled copies. With a working predictor it stays near 1 (~1.2 on the H200); a predictor blind to a
+skewed router's bias copies the cold experts every step (67 copied against 4 routed per decode step on the H200),
+and without this factor the model would offload experts to save copies it believes are few.
 """
 
 from __future__ import annotations
@@ -63,8 +62,8 @@ class StepCostTracker:
         self.noise_share = noise_share  # exposed time within this share of compute counts as hidden
         self._clean: dict[int, float] = {}  # token bucket -> EMA of copy-free pass times
         # EMA of forward - copy over every pass while no clean pass was seen (one for all batch sizes: per bucket,
-        # decode passes whose copies take nearly all the pass gave ~0 and the simulated Qwen3-30B at 48 GiB
-        # left requests waiting, TTFT p99 14.6 s against 0.85 s at 2 req/s)
+        # decode passes whose copies take nearly all the pass give ~0, and the simulated Qwen3-30B at 48 GiB then
+        # leaves requests waiting, TTFT p99 14.6 s against 0.85 s at 2 req/s)
         self._forced: float | None = None
         self._bucket = 0  # bucket of the latest pass
         # EMA: share of compute the copies hide behind (<= copy_overlap), `initial_overlap` until measured
