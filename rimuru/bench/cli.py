@@ -44,8 +44,8 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
 
 def git_commit() -> str | None:
     """The source commit results are recorded with: RIMURU_COMMIT when set, else HEAD of the checkout. The GPU
-    machine's copy of the tree carries a `.git` that is NOT the tree's commit (on 2026-11-29 it answered the
-    session's first HEAD for every later tree), so device commands set RIMURU_COMMIT and it wins."""
+    machine's copy of the tree carries a `.git` that need not be the tree's commit (it can answer an earlier HEAD
+    for a later tree), so device commands set RIMURU_COMMIT and it wins."""
     env = os.environ.get("RIMURU_COMMIT")
     if env:
         return env

@@ -1,6 +1,6 @@
 """Page-table-aware fused MoE: experts read straight from scattered mid pages of the pool.
 
-Weight layout (DESIGN.md §3, §5). `expert_view` is the pool seen as `[num_mid_pages, f*d]`;
+Weight layout (docs/architecture.md, Memory). `expert_view` is the pool seen as `[num_mid_pages, f*d]`;
 `expert_table[e] = (p1, p3, p2)` names expert e's pages, -1 = not resident:
 
     page p1 (W1, gate): [f, d] row-major    page p3 (W3, up): [f, d] row-major

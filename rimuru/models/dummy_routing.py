@@ -13,12 +13,12 @@ N(0, sigma_e^2), Phi of it close to uniform, and G of that standard Gumbel. Top-
 sampling k experts without replacement with weights exp(b) (the Gumbel-top-k trick). The bias b is fitted so that
 the expected share of each expert among all k x T picks equals the target (`fit_topk_bias`).
 
-Why not the log of the shares added to the raw logits (the router of 2026-11-29, up to 04fa9a3): Gaussian
-logits have light tails, so an expert 4 log-units behind the leaders is almost never picked. With Qwen1.5-MoE's
-60 experts and S = 1.0 the realised shares fell off about as r^-1.7 at the head and faster in the tail (the
-coldest expert got ~0.02 % of the picks against the 0.36 % the flag promised; benchmarks/dummy_router_shares.py),
-and in the H200 sweep the 240 coldest experts were routed ~4 times per decode step of ~100 tokens, where r^-1
-predicts ~200.
+Why not simply add the log of the shares to the raw logits: Gaussian logits have light tails, so an expert 4
+log-units behind the leaders is almost never picked. With Qwen1.5-MoE's 60 experts and S = 1.0 such a router's
+realised shares fall off about as r^-1.7 at the head and faster in the tail (the coldest expert gets ~0.02 % of
+the picks against the 0.36 % the flag promises; benchmarks/dummy_router_shares.py, results in
+benchmarks/results/2026-11-29-dummy-router-shares-cpu.json), and on the H200 it routes the 240 coldest experts
+~4 times per decode step of ~100 tokens, where r^-1 predicts ~200.
 
 No top-k router can give an expert more than 1/k of the picks (a token picks it at most once): target shares
 above 1/k are capped there and the rest rescaled (`cap_shares`), e.g. Qwen3-30B-A3B (top-8 of 128) at S = 1.0.

@@ -28,19 +28,24 @@ from rimuru.model_spec import ModelSpec, dtype_bytes
 
 # Per MoE layer, what a pass with experts offloaded (piecewise CUDA graphs) costs beyond one with every expert
 # resident (whole graphs), as the engine measured it on the H200 (Qwen1.5-MoE at 10 req/s: GPU forward 7.24 against
-# static's 5.45 ms over 24 MoE layers). The engine measures its own at start-up; the simulator's H200 profile uses
-# this figure.
+# static's 5.45 ms over 24 MoE layers; static's figure is in
+# benchmarks/results/2026-11-29-serve-qwen1.5-32gib-uniform-static-h200.json). The engine measures its own at
+# start-up; the simulator's H200 profile uses this figure.
 H200_PIECEWISE_OVERHEAD_PER_LAYER_S = 75e-6
 
 
 @dataclass(frozen=True)
 class HardwareConfig:
     name: str = "h200"
-    peak_flops: float = 779e12  # bf16 dense GEMM, measured on the H200
-    hbm_bandwidth: float = 4.26e12  # device-to-device copy, measured on the H200
+    # bf16 dense GEMM and device-to-device copy, measured on the H200 (the `ceilings` of
+    # benchmarks/results/2026-11-29-fused-moe-h200.json)
+    peak_flops: float = 779e12
+    hbm_bandwidth: float = 4.26e12
     flops_efficiency: float = 0.6  # share of peak a serving step reaches in its GEMMs
     bandwidth_efficiency: float = 0.8  # calibrated: 30-request decode ~7.5 ms, vLLM (CUDA graphs) TPOT 7.8 ms
-    pcie_bandwidth: float = 55e9  # pinned host-to-device, measured (50-55 GB/s)
+    # pinned host-to-device, measured on the H200 (55 GB/s plain, 47-53 through the loader:
+    # benchmarks/results/2026-11-29-expert-transfer-h200.json)
+    pcie_bandwidth: float = 55e9
     copy_overlap: float = 1.0  # copies hide behind this share of compute (1: a perfect side stream)
     step_overhead_s: float = 0.0  # per-step launch / scheduling time (CUDA graphs: ~0)
     # per MoE layer, a pass with experts offloaded (piecewise graphs) against one with all resident (whole graphs)
