@@ -300,9 +300,12 @@ class Sweep:
 
     # -- commands
 
-    def env_for(self, server: str) -> dict[str, str]:
+    def env_for(self, server: str, client: bool = False) -> dict[str, str]:
+        """The environment of a server (`client`: of a benchmark client). A Rimuru server runs the code under
+        --server-root (default: this tree), so two versions can be measured by one client."""
         env = dict(os.environ)
-        paths = [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        root = REPO if client else self.root_for(server)
+        paths = [str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         if server == "vllm":
             env.update(VLLM_ENV)
             if self.args.vllm_site:
@@ -311,10 +314,15 @@ class Sweep:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
+    def root_for(self, server: str) -> Path:
+        """Where a server runs from (its cwd and the head of its PYTHONPATH: `python -m` imports from the cwd)."""
+        return Path(self.args.server_root).resolve() if server == "rimuru" else REPO
+
     def server_command(self, cfg: Config, port: int) -> list[str]:
         a = self.args
         if cfg.server == "rimuru":
-            return [sys.executable, "-m", "rimuru.cli", "serve", a.model, "--load-format", a.load_format,
+            model = str(Path(a.model).resolve()) if Path(a.model).exists() else a.model  # cwd may be another tree
+            return [sys.executable, "-m", "rimuru.cli", "serve", model, "--load-format", a.load_format,
                     "--gpu-memory-budget", a.gpu_memory_budget, "--device", a.device, *cfg.flags,
                     *shlex.split(a.rimuru_args), "--host", "127.0.0.1", "--port", str(port),
                     "--served-model-name", a.served_model_name, "--log-level", "warning"]
@@ -352,7 +360,8 @@ class Sweep:
             out_dir = Path(tmp)
             log_path = out_dir / "client.log"
             cmd = self.client_command(base_url, rate, num_prompts, seed, out_dir)
-            proc = start_process(cmd, self.env_for("vllm" if self.args.client == "vllm" else "rimuru"), log_path)
+            proc = start_process(cmd, self.env_for("vllm" if self.args.client == "vllm" else "rimuru", client=True),
+                                 log_path)
             try:
                 deadline = time.monotonic() + timeout_s
                 while proc.poll() is None:
@@ -409,7 +418,7 @@ class Sweep:
             print(f"[sweep] {time.monotonic() - self.started:.1f} s: starting {cfg.name}: {shlex.join(cmd)}",
                   flush=True)
             t0 = time.monotonic()
-            server = start_process(cmd, self.env_for(cfg.server), log_path)
+            server = start_process(cmd, self.env_for(cfg.server), log_path, cwd=self.root_for(cfg.server))
         base_url = f"http://127.0.0.1:{port}"
         try:
             try:
@@ -472,7 +481,7 @@ class Sweep:
         log_path = Path(a.log_dir) / f"server-{cfg.name}.log"
         cmd = self.server_command(cfg, a.port)
         env = self.env_for(cfg.server)
-        pid = start_detached(cmd, env, log_path)
+        pid = start_detached(cmd, env, log_path, cwd=self.root_for(cfg.server))
         record = {"command": shlex.join(cmd), "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
                   "port": a.port, "pid": pid, "start_ticks": process_start_ticks(pid), "log": str(log_path),
                   "started_at": time.time()}
@@ -603,13 +612,13 @@ def vllm_importable(env: dict[str, str]) -> bool:
         return False
 
 
-def check_rimuru_flags(flags: list[str], env: dict[str, str]) -> None:
+def check_rimuru_flags(flags: list[str], env: dict[str, str], cwd: Path = REPO) -> None:
     """Fails fast when --rimuru-args names a flag `rimuru serve` does not have (e.g. a router not built yet)."""
     wanted = [f.split("=")[0] for f in flags if f.startswith("--")]
     if not wanted:
         return
     out = subprocess.run([sys.executable, "-m", "rimuru.cli", "serve", "--help"], env=env, capture_output=True,
-                         text=True, timeout=120, cwd=REPO)
+                         text=True, timeout=120, cwd=cwd)
     missing = [f for f in wanted if not re.search(rf"(^|\s){re.escape(f)}\b", out.stdout)]
     if missing:
         raise SystemExit(f"rimuru serve has no flag {', '.join(missing)} (see `rimuru serve --help`)")
@@ -621,6 +630,7 @@ def sweep_metadata(args: argparse.Namespace, command: str) -> dict[str, Any]:
              "seed": args.seed, "gpu_memory_budget": args.gpu_memory_budget, "label": args.label,
              "dataset_path": str(args.dataset_path) if args.dataset_path else "packaged ShareGPT",
              "ignore_eos": True, "rimuru_args": args.rimuru_args, "vllm_args": args.vllm_args,
+             "server_root": args.server_root, "server_commit": args.server_commit,
              "client_args": args.client_args}
     code = ("import json, sys; from benchmarks.common import metadata; "
             "print(json.dumps(metadata('serve_sweep', **json.loads(sys.argv[1]))))")
@@ -687,6 +697,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-budget", default="32GiB", help="Rimuru servers' budget")
     p.add_argument("--device", default="auto", help="Rimuru servers' device (auto | cuda | cpu)")
     p.add_argument("--rimuru-args", default="", help="more flags for every Rimuru server (one string)")
+    p.add_argument("--server-root", default=str(REPO),
+                   help="the source tree Rimuru servers run (e.g. an older commit's `git archive`; the client and "
+                        "this script stay this tree's)")
+    p.add_argument("--server-commit", default=None, help="the commit --server-root holds (stored in the metadata)")
     p.add_argument("--vllm-args", default="", help="more flags for every vLLM server, e.g. --enforce-eager")
     p.add_argument("--vllm-max-model-len", type=int, default=4096)
     p.add_argument("--vllm-site", default=str(VLLM_SITE) if VLLM_SITE.is_dir() else None,
@@ -773,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.enter_context(exit_on_signals())
         sweep = Sweep(args, {})
         if any(c.server == "rimuru" for c in configs):
-            check_rimuru_flags(shlex.split(args.rimuru_args), sweep.env_for("rimuru"))
+            check_rimuru_flags(shlex.split(args.rimuru_args), sweep.env_for("rimuru"), sweep.root_for("rimuru"))
         if args.client == "vllm" and not vllm_importable(sweep.env_for("vllm")):
             raise SystemExit(f"--client vllm: vLLM is not importable (PYTHONPATH + --vllm-site {args.vllm_site})")
         sweep.meta = sweep_metadata(args, command)

@@ -30,12 +30,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+def start_process(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path = REPO) -> subprocess.Popen:
     """A child in its own process group (same session), output to log_path, killed if we die."""
     log = open(log_path, "wb")  # noqa: SIM115 - closed by stop_process
     try:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=REPO, process_group=0,
+                                cwd=cwd, process_group=0,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     except BaseException:
         log.close()
@@ -108,11 +108,11 @@ class DetachedServer:
         return self.returncode  # type: ignore[return-value]
 
 
-def start_detached(cmd: list[str], env: dict[str, str], log_path: Path) -> int:
+def start_detached(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path = REPO) -> int:
     """A server in a new session that outlives this process (no death signal); returns its pid."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=REPO, start_new_session=True)
+                                cwd=cwd, start_new_session=True)
     return proc.pid
 
 
