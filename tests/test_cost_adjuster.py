@@ -173,7 +173,7 @@ def test_offloads_when_queue_long_and_compute_long() -> None:
 def test_unmeasured_copies_count_as_exposed() -> None:
     # the state above, read through a step-cost tracker that has measured no copy yet (as the engine and the
     # simulator build it): with the configured start of 0 nothing hides, so nothing is offloaded; a tracker that
-    # started at 0.8 offloads all four (the H200 then measured ~0 while the freed pages filled with KV)
+    # started at 0.8 offloads all four (on the H200 served passes then measure ~0, after KV has taken the pages)
     from rimuru.experts.step_cost import StepCostTracker
 
     for initial, evict in ((BASE.initial_copy_overlap, []), (0.8, ORDER)):

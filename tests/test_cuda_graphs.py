@@ -48,9 +48,8 @@ def test_max_capture_size_caps_both_ladders() -> None:
 
 def test_a_capture_cap_leaves_the_workspace_bound_as_measured() -> None:
     # the H200 probe of a capped engine (cap 512, T = 4096) used 1,641 MB against 1,625 MB uncapped: its eager
-    # steps fill the room the smaller graph pool leaves, so the bound does not depend on the cap (an earlier
-    # version charged a whole eager pass, +681 MB, before that was measured). tests/test_engine.py holds the
-    # bound to that probe's peaks.
+    # steps fill the room the smaller graph pool leaves, so the bound does not depend on the cap (charging a whole
+    # eager pass would reserve ~681 MB for nothing). tests/test_engine.py holds the bound to that probe's peaks.
     import json
 
     from rimuru.config import EngineConfig

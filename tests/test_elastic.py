@@ -183,7 +183,7 @@ def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
     assert runner.graph_steps == engine.forward_steps  # no step fell back to eager
     bounds = runner.graphs.boundaries
     assert bounds.host_waits > 0  # passes with offloaded experts read the routing of those layers
-    # (fully resident passes replay the whole graphs now, so boundaries that skip the read are no longer certain)
+    # (fully resident passes replay the whole graphs, so boundaries that skip the read are not certain to occur)
     # passes with every expert resident (the start, before the first eviction) replayed the whole graphs,
     # the others the piecewise ones
     assert 0 < runner.graphs.whole_replays < runner.graph_steps
@@ -430,7 +430,8 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
 def test_the_longest_request_accepted_runs_although_offloading_attaches_the_buffers(tiny_checkpoint) -> None:
     """The KV room a request may count on (max_kv_pages, and max_model_len from it) is what evicting every allowed
     expert frees minus the load buffers that evicting attaches: a request of max_model_len tokens runs to the end
-    (before, one block more was accepted and then waited for ever, preempted and evicting in turn)."""
+    (counting the buffers' pages as KV room would accept one block more, which then waits for ever, preempted and
+    evicting in turn)."""
     ckpt = tiny_checkpoint("qwen2_moe", num_hidden_layers=9)
     limit = 2
     probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, device="cpu")

@@ -143,8 +143,8 @@ def test_static_mode_refuses_a_budget_without_room_for_experts(checkpoints) -> N
 
 def test_dummy_routing_realises_the_promised_shares(tiny_checkpoint) -> None:
     """`dummy_routing="zipf:S"`: the experts of every layer are picked with the power law's shares (ranks permuted
-    per layer), measured on the engine's own routing of random prompts. The earlier router (the log shares added to
-    the random logits) gave the popular experts far more than promised: it would fail the tolerance below."""
+    per layer), measured on the engine's own routing of random prompts. A router that adds the log shares to the
+    random logits gives the popular experts far more than promised: it would fail the tolerance below."""
     import numpy as np
 
     from rimuru.bench.profile_experts import count_routing
@@ -167,7 +167,7 @@ def test_dummy_routing_realises_the_promised_shares(tiny_checkpoint) -> None:
         ids = order[:, 8 * quarter: 8 * (quarter + 1)]
         want = np.take_along_axis(zipf, ids, axis=1).sum(axis=1)
         got = np.take_along_axis(realised, ids, axis=1).sum(axis=1)
-        np.testing.assert_allclose(got, want, atol=0.06, err_msg=f"quarter {quarter}")  # old router: 0.33 off
+        np.testing.assert_allclose(got, want, atol=0.06, err_msg=f"quarter {quarter}")  # log-share router: 0.33 off
     with pytest.raises(ValueError, match="zipf:S"):
         LLM(path, load_format="dummy", device="cpu", dummy_routing="pareto")
     with pytest.raises(ValueError, match="random weights only"):
@@ -177,8 +177,9 @@ def test_dummy_routing_realises_the_promised_shares(tiny_checkpoint) -> None:
 def test_workspace_bound_covers_every_measured_h200_peak() -> None:
     # benchmarks/probe_workspace.py measured, on the H200, what a served engine really uses beyond its weights and
     # pool (torch's peak reserved + memory outside its allocator). The bound the budget reserves, computed for each
-    # probe's settings, must cover it: the earlier formula fell 148 MB short at --max-num-batched-tokens 2048
-    # (the 2026-11-30 probe), so that engine ran past its budget.
+    # probe's settings, must cover it, or the engine runs past its budget (each probe also records the bound its own
+    # code reserved: benchmarks/results/2026-11-30-probe-workspace-elastic-2048tok-f3ae023-h200.json measured
+    # 1,492 MB against 1,344 MB reserved at --max-num-batched-tokens 2048).
     import json
 
     from rimuru.config import EngineConfig
@@ -196,8 +197,9 @@ def test_workspace_bound_covers_every_measured_h200_peak() -> None:
         bound = workspace_bytes(load_model_spec(probe["model"]), cfg, torch.bfloat16, torch.device("cuda"))
         assert probe["measured_workspace"] <= bound, (path.name, probe["measured_workspace"], bound)
         # the start-up peak too, for probes of the engine that warms every graph size up before the first capture
-        # (engine/cuda_graphs.py; before it, elastic mode's start-up peak stood ~160 MB above this bound). The
-        # probe writes `max_cudagraph_capture_size` since that same commit (acc2a51): its presence marks them.
+        # (engine/cuda_graphs.py; without those warm-ups elastic mode's start-up peak is the full graph pool plus an
+        # eager pass, ~160 MB above this bound). Only such probes record `max_cudagraph_capture_size` (the probe
+        # took the flag with the warm-ups, commit acc2a51): its presence marks them.
         if "max_cudagraph_capture_size" in probe:
             start = probe["start_peak_reserved_beyond_held"] + max(0, probe["outside_torch_allocator"])
             assert start <= bound, (path.name, "start-up", start, bound)

@@ -1,8 +1,9 @@
 """The hot memory-bound kernels load global memory 16 bytes at a time (checked in their PTX, on the CPU).
 
-Decode attention once loaded K and V one bf16 element per instruction: a reshape of the computed
-page offsets hid their divisibility from Triton, and the kernel ran at ~35 % of HBM bandwidth on the H200
-(2026-11-29-tune-paged-attention-h200.json). Nothing else fails in that case: the results stay right.
+A reshape of the computed page offsets can hide their divisibility from Triton: decode attention then loads K
+and V one bf16 element per instruction and runs at ~35 % of HBM bandwidth on the H200
+(benchmarks/results/2026-11-29-tune-paged-attention-h200.json). Nothing else fails in that case: the results
+stay right.
 These tests compile the kernels for sm_90 with Triton's own compiler (no GPU needed) and read the
 load widths from the PTX.
 """

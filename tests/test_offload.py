@@ -289,7 +289,7 @@ def test_fixed_mode_bad_settings(checkpoints) -> None:
         fixed(path, 4, gpu_memory_budget=budget)
 
 
-# ---------------------------------------------------------------- GPU (the lead runs these on the H200)
+# ---------------------------------------------------------------- GPU (marked gpu; skipped without CUDA)
 
 
 @pytest.mark.gpu

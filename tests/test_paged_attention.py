@@ -450,9 +450,8 @@ def test_gpu_cuda_graph_replay_with_new_lengths(q_len: int) -> None:
     # attend. Grids depend only on shapes and host ints, so one capture serves any lengths and pages
     # that fit the static buffers. Every case below has the same buffer shapes (pool, block table
     # width) and each sequence owns enough pages for its length: refilling the buffers and replaying
-    # must equal contiguous attention on the new contents. (The first version of this test grew a
-    # sequence past its pages, so the block table pointed outside the pool and the reference's
-    # gather asserted on the device.)
+    # must equal contiguous attention on the new contents. (A sequence grown past its pages would
+    # make the block table point outside the pool, and the reference's gather assert on the device.)
     B, hq, hkv, d, bs = 4, 16, 4, 128, 16
     shapes = dict(num_pages=100, max_blocks=30, dtype=torch.bfloat16, device="cuda")
     lengths = [[100, 200, 300, 400], [17, 400, 4, 250], [16, 33, 479, 5]]

@@ -107,8 +107,8 @@ def test_elastic_aborts_preemptions_and_stalls_leak_no_page(tiny_checkpoint, max
 
 def test_top_p_one_cuts_no_token_when_the_batch_has_cuts() -> None:
     """A row with top_p = 1.0 (and no top-k) in a batch where another row cuts must keep its whole
-    distribution: float32 cumulative sums reach 1.0 before the tail of a peaked distribution, which
-    used to drop those tokens (a seeded request's draws then depended on its batch-mates)."""
+    distribution: float32 cumulative sums reach 1.0 before the tail of a peaked distribution, so cutting
+    it at p = 1.0 would drop those tokens (a seeded request's draws would then depend on its batch-mates)."""
     import torch
 
     from rimuru.engine.sampler import _apply_top_k_top_p

@@ -1,5 +1,6 @@
 """The measured step cost the cost-aware adjuster reads: compute from copy-free passes per batch size, the copy
-slowdown from passes with copies, and the runaway the earlier estimator had (measured on the H200)."""
+slowdown from passes with copies, and why passes with copies never feed the compute estimate (the runaway that
+subtracting the modelled exposed copies causes)."""
 
 from __future__ import annotations
 
@@ -40,17 +41,18 @@ def test_clean_passes_give_the_compute_time_per_batch_size() -> None:
 
 
 def test_passes_with_copies_never_raise_the_compute_estimate() -> None:
-    """The regression measured on the H200 (2026-11-29, fifth session): copies that hid nothing, plus host time the
-    model did not know, fed through the old estimator `forward - max(0, copy - overlap c)`, grow it by
-    `overlap` x the estimate each pass until the copies look hidden (copy <= overlap c); from then on the whole
-    pass counts as compute, which keeps them looking hidden. Here 52 ms for 10 ms of compute; on the H200, from
-    25 req/s, the cost adjuster offloaded all 240 experts its limit allowed."""
+    """Copies that hide nothing, plus host time the model does not know, fed through the estimator
+    `forward - max(0, copy - overlap c)`, grow it by `overlap` x the estimate each pass until the copies look
+    hidden (copy <= overlap c); from then on the whole pass counts as compute, which keeps them looking hidden.
+    Here 52 ms for 10 ms of compute; on the H200 that estimator let the cost adjuster offload all 240 experts its
+    limit allowed from 25 req/s (benchmarks/sim_step_cost_regression.py reproduces it in the simulator). The
+    tracker takes the compute estimate from clean passes only, so it stays at 10 ms."""
     compute, extra, copy, overlap = 10 * MS, 2 * MS, 40 * MS, 0.8
 
     def forward() -> float:  # what the engine measured: copies serialised with compute, plus host time
         return compute + copy + extra
 
-    old = compute  # the old estimator, alpha = 1
+    old = compute  # the subtracting estimator, alpha = 1
     for _ in range(200):
         old = forward() - max(0.0, copy - overlap * old)
     assert old == pytest.approx(forward())  # 52 ms: the whole pass, 5.2x the true compute
