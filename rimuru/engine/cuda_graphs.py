@@ -200,10 +200,8 @@ class StepGraphs:
         with torch.cuda.stream(stream):
             # Every eager warm-up (compiles and autotunes kernels for each shape) runs before the first capture,
             # each one's activations given back before the next: no warm-up sits beside a graph pool that
-            # already holds the largest graph's activations. Interleaved (warm-up, capture, next warm-up), the
-            # start-up peak was the pool plus the next size's eager pass: on the H200 in elastic mode (whole
-            # graphs warmed up after the piecewise ladder was captured) 1,906 MB with memory outside torch,
-            # against 1,620 MB serving (2026-11-29-s6-probe-workspace-elastic-h200.json).
+            # already holds the largest graph's activations (interleaved, the start-up peak would be the pool
+            # plus the next size's eager pass: above what serving holds).
             for mixed, size in todo:
                 batch = self._sized_batch(mixed, size)
                 for _ in range(2):
@@ -234,8 +232,7 @@ class StepGraphs:
 
     def _release_warmup_cache(self) -> None:
         """The eager warm-up's activations are dead but cached outside the graphs' pool; give them back before
-        the capture allocates the same activations inside the pool, so start-up holds them once, not twice
-        (the start-up peak, 1,291 MiB beyond weights and pool on the H200, sat above the decode peak of 1,037)."""
+        the capture allocates the same activations inside the pool, so start-up holds them once, not twice."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
 

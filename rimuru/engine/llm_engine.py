@@ -39,6 +39,7 @@ from rimuru.engine.sampler import Sampler
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerOutput
 from rimuru.engine.setup import (
+    H200_WORKSPACE_SCRATCH,
     load_popularity,
     load_tokenizer,
     load_weights,
@@ -153,8 +154,9 @@ class LLMEngine:
         split = self.budget_split
         used = torch.cuda.memory_reserved(self.device) - split["non_expert_weights"] - split["pool"]
         log = logger.warning if used > split["workspace"] else logger.info
-        log("after start, torch holds %s beyond weights and pool; the workspace bound is %s",
-            format_bytes(used), format_bytes(split["workspace"]))
+        log("after start, torch holds %s beyond weights and pool; the workspace bound is %s (its fixed scratch is "
+            "the H200's measured %s, not measured on this GPU)", format_bytes(used), format_bytes(split["workspace"]),
+            format_bytes(H200_WORKSPACE_SCRATCH))
 
     # ---- requests ------------------------------------------------------------------------------------
     @property

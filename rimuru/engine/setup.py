@@ -35,6 +35,14 @@ from rimuru.models.loader import init_dummy_weights, load_checkpoint
 
 logger = logging.getLogger("rimuru")
 
+# Kernel scratch, cuBLAS workspaces, loaded module images, the decode graphs' pool and fragmentation: what the
+# workspace holds that does not shrink with the step's tokens. Measured on the H200 (benchmarks/probe_workspace.py,
+# Qwen1.5-MoE, 256 sequences, elastic): 1,620 MB at T = 4096 and 1,492 MB at T = 2048 (benchmarks/results/
+# 2026-11-29-probe-workspace-elastic-4096tok-04fa9a3-h200.json, 2026-11-30-probe-workspace-elastic-2048tok-
+# f3ae023-h200.json): ~62 kB per token on ~1.36 GB. With the per-token term below (83 kB) this covers both with
+# >= 5 % to spare; tests/test_engine.py holds the bound to every committed probe.
+H200_WORKSPACE_SCRATCH = 896 * 2**20
+
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -84,8 +92,8 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, d
     Per token: hidden states and residual, q/k/v/o, the MLP intermediates (routed: top-k copies of
     2f; shared expert: 2 * its width), the router logits. Per sampled sequence: the lm-head output (dtype)
     and the float32 logits; plus one sampler chunk's working copies (engine/sampler.py samples
-    SAMPLE_ROWS_PER_CHUNK rows at a time). Plus fixed scratch (896 MiB on a GPU, set from measurements;
-    16 MiB on the CPU).
+    SAMPLE_ROWS_PER_CHUNK rows at a time). Plus fixed scratch: on a GPU the H200's measured figure
+    (H200_WORKSPACE_SCRATCH; not measured on the GPU at hand, and the start-up log says so), 16 MiB on the CPU.
     benchmarks/probe_workspace.py measures the real peak against this bound on the GPU.
     """
     T, S = config.max_num_batched_tokens, config.max_num_seqs
@@ -95,19 +103,11 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, d
               3 * spec.shared_expert_intermediate_size, 3 * spec.intermediate_size)
     per_token = (6 * d + 2 * qkv + mlp + spec.num_experts) * el + spec.num_experts_per_tok * 16
     logits = S * spec.vocab_size * (el + 4) + min(S, SAMPLE_ROWS_PER_CHUNK) * spec.vocab_size * SAMPLER_BYTES_PER_ENTRY
-    # Kernel scratch, cuBLAS workspaces, loaded module images, the decode graphs' pool and fragmentation:
-    # what does not shrink with T. Measured on the H200 (benchmarks/probe_workspace.py, Qwen1.5-MoE, 256
-    # sequences, elastic): 1,620 MB at T = 4096 (2026-11-29-s6-probe-workspace-elastic-h200.json) and
-    # 1,492 MB at T = 2048 (2026-11-30-s7-probe-workspace-elastic-mbt2048-h200.json), i.e. ~62 kB per
-    # token (the per-token term above is 83 kB) on ~1.36 GB that does not shrink. The earlier bound, 2 T
-    # per_token + logits + 512 MiB, fit the first point and fell 148 MB short of the second: with
-    # --max-num-batched-tokens 2048 the engine ran past its budget. 896 MiB covers both with >= 5 % to spare
-    # (1,747 and 1,577 MB).
-    scratch = 896 * 2**20 if device.type == "cuda" else 16 * 2**20
+    scratch = H200_WORKSPACE_SCRATCH if device.type == "cuda" else 16 * 2**20
     # --max-cudagraph-capture-size below T needs no extra charge: steps above the cap run eagerly, and their
-    # activations take the room the smaller graph pool leaves. Measured (elastic, T = 4096, cap 512): 1,641 MB
-    # against 1,625 MB uncapped (2026-11-30-s8-probe-workspace-elastic{-cap512,}-h200.json), both under this
-    # bound (1,747 MB). So a cap does not buy KV room at this T either.
+    # activations take the room the smaller graph pool leaves (elastic, T = 4096, cap 512: 1,641 MB against
+    # 1,625 MB uncapped, both under this bound: benchmarks/results/2026-11-30-probe-workspace-elastic-4096tok-
+    # {cap512-,}5ca9050-h200.json).
     return T * per_token + logits + scratch
 
 

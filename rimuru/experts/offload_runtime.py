@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.routing_counter import RoutingCounter
-from rimuru.experts.runtime import GraphPlan, StepDemand
+from rimuru.experts.runtime import FixedResidency, GraphPlan
 
 
-class OffloadRuntime:
+class OffloadRuntime(FixedResidency):
     def __init__(self, cache: ExpertCache, store: HostExpertStore, loader: ExpertLoader,
                  provider: OffloadExpertProvider, mode: str = "fixed") -> None:
         self.mode = mode
@@ -27,9 +26,6 @@ class OffloadRuntime:
 
     def graph_plan(self) -> GraphPlan:
         return GraphPlan(counter=self.provider.counter, piecewise=self.provider)
-
-    def set_piecewise_overhead(self, seconds: float) -> None:
-        return None  # every pass is piecewise: nothing to compare it with
 
     def write_expert(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
         self.store.write(layer, expert, w1, w3, w2)
@@ -44,30 +40,12 @@ class OffloadRuntime:
         self.store.fill_random(seed=seed, device=self.cache.tables.device)
         self.cache.load_from_store(self.store)
 
-    def begin_step(self) -> None:
-        return None
-
-    def reclaimable_kv_pages(self) -> int:
-        return 0
-
-    def admission_reserve_kv_pages(self) -> int:
-        return 0
-
-    def evictable_kv_pages(self) -> int:
-        return 0
-
-    def plan(self, demand: StepDemand) -> AdjustPlan:
-        return AdjustPlan()
-
     def pass_reads_routing(self, num_tokens: int) -> bool:
         return self.provider.pass_reads_routing(num_tokens)
 
     def before_pass(self, num_tokens: int) -> None:
         if num_tokens > 0:
             self.provider.begin_pass(num_tokens)
-
-    def after_pass(self) -> None:
-        return None
 
     @property
     def bytes_loaded(self) -> int:

@@ -121,29 +121,12 @@ class ExpertRuntime(Protocol):
     def stats(self) -> dict[str, float]: ...
 
 
-class StaticRuntime:
-    """Every routed expert resident at fixed pages: nothing moves, no expert decision reaches the host."""
-
-    def __init__(self, cache: ExpertCache, mode: str = "static") -> None:
-        self.mode = mode
-        self.cache = cache
-        self.provider = StaticExpertProvider(cache.expert_view, cache.tables)
-
-    def graph_plan(self) -> GraphPlan:
-        return GraphPlan(counter=None)
+class FixedResidency:
+    """What a runtime whose resident experts never change answers: nothing moves between passes, no eviction could
+    free a page, no grow waits for one (static and fixed mode; elastic mode overrides every one of these)."""
 
     def set_piecewise_overhead(self, seconds: float) -> None:
-        return None  # whole graphs only
-
-    def write_expert(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
-        self.cache.write(layer, expert, w1, w3, w2)
-
-    def fill_random_experts(self, seed: int) -> None:
-        self.cache.fill_random(seed)
-
-    def swap_routing_counter(self, counter: RoutingCounter | None) -> RoutingCounter | None:
-        previous, self.provider.counter = self.provider.counter, counter
-        return previous
+        return None  # only elastic mode weighs passes with experts offloaded against passes without
 
     def begin_step(self) -> None:
         return None
@@ -160,13 +143,35 @@ class StaticRuntime:
     def plan(self, demand: StepDemand) -> AdjustPlan:
         return AdjustPlan()
 
+    def after_pass(self) -> None:
+        return None
+
+
+class StaticRuntime(FixedResidency):
+    """Every routed expert resident at fixed pages: nothing moves, no expert decision reaches the host."""
+
+    def __init__(self, cache: ExpertCache, mode: str = "static") -> None:
+        self.mode = mode
+        self.cache = cache
+        self.provider = StaticExpertProvider(cache.expert_view, cache.tables)
+
+    def graph_plan(self) -> GraphPlan:
+        return GraphPlan(counter=None)
+
+    def write_expert(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
+        self.cache.write(layer, expert, w1, w3, w2)
+
+    def fill_random_experts(self, seed: int) -> None:
+        self.cache.fill_random(seed)
+
+    def swap_routing_counter(self, counter: RoutingCounter | None) -> RoutingCounter | None:
+        previous, self.provider.counter = self.provider.counter, counter
+        return previous
+
     def pass_reads_routing(self, num_tokens: int) -> bool:
         return False
 
     def before_pass(self, num_tokens: int) -> None:
-        return None
-
-    def after_pass(self) -> None:
         return None
 
     @property

@@ -10,6 +10,9 @@ A page of kind K (size S_K) starting at byte offset o has id o // S_K. Every mid
 size (huge = lcm of the mid sizes) and every small size divides every mid size (small sizes are padded up
 until they do), so page boundaries of every level line up and one id names the same bytes in every view
 of its kind. Nothing outside this module multiplies or divides page ids by page sizes.
+
+The `ssm` (mid) and `conv` (small) kinds are sized for hybrid models (gated DeltaNet layers' recurrent and conv
+state per request); no served model uses them yet: the engine refuses hybrid models at load time.
 """
 
 from __future__ import annotations
