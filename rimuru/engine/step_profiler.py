@@ -57,7 +57,7 @@ class StepRecord:
     host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     expert_wait_s: float | None = None
     traced: bool = False  # torch.profiler ran during this step: not in the time means
-    kernels: dict[str, int] | None = None
+    kernels: dict[str, int | str] | None = None  # counts, or {"error": why the tracer failed}
     gpu_events: tuple[Any, Any] | None = None  # (start, end) torch.cuda.Event, read in report()
     gpu_forward_s: float | None = None
 
@@ -201,16 +201,16 @@ class StepProfiler:
         except Exception as e:  # a profiler that cannot start must not stop the engine
             self._tracer = None
             if self._cur is not None:
-                self._cur.kernels = {"error": repr(e)}  # type: ignore[dict-item]
+                self._cur.kernels = {"error": repr(e)}
 
-    def _stop_trace(self) -> dict[str, int] | None:
+    def _stop_trace(self) -> dict[str, int | str] | None:
         tracer, self._tracer = self._tracer, None
         try:
             torch.cuda.synchronize(self.device)
             tracer.__exit__(None, None, None)
             return count_kernels(tracer.events())
         except Exception as e:
-            return {"error": repr(e)}  # type: ignore[dict-item]
+            return {"error": repr(e)}
 
     # ---- results --------------------------------------------------------------------------------
     def _read_gpu_times(self) -> None:

@@ -143,8 +143,8 @@ class ExpertLoader:
         buf = self.buffers[layer % 2]
         if buf.layer == layer and not buf.consumed:
             return buf
-        if buf.fence is not None:
-            self.copy_stream.wait_event(buf.fence)  # type: ignore[union-attr]
+        if buf.fence is not None and self.copy_stream is not None:
+            self.copy_stream.wait_event(buf.fence)
         buf.layer, buf.consumed, buf.fence = layer, False, None
         buf.slot_of = {}
         buf.host_table.copy_(self.cache.host_tables[layer])  # resident rows only

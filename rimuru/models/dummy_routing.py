@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
+
+from rimuru.models.causal_lm import MoECausalLM
 
 
 def cap_shares(shares: np.ndarray, top_k: int) -> np.ndarray:
@@ -80,10 +81,10 @@ def fit_topk_bias(shares: np.ndarray, top_k: int, samples: int = 1 << 15, iterat
     return bias
 
 
-def set_dummy_routing(model: nn.Module, shares: np.ndarray, seed: int = 0) -> None:
+def set_dummy_routing(model: MoECausalLM, shares: np.ndarray, seed: int = 0) -> None:
     """Makes every MoE layer of a dummy-weight model route with the target shares [L_moe, E] (module docstring).
     Call after the gates hold their random weights."""
-    layers = sorted((m for m in model.modules() if hasattr(m, "router_bias")), key=lambda m: m.moe_idx)
+    layers = model.moe_blocks()
     if not layers or np.shape(shares) != (len(layers), layers[0].router_bias.shape[0]):
         raise ValueError(f"routing shares {np.shape(shares)} do not match {len(layers)} MoE layers")
     bias = fit_topk_bias(shares, layers[0].top_k, seed=seed)

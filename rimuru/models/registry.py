@@ -40,9 +40,8 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
     # dtype first, still on meta: materialising in float32 and casting after held a float32 copy of every
     # non-expert weight at once (2x their size: ~3.7 GB beyond the budget at the start for Qwen1.5-MoE)
     model = model.to(dtype).to_empty(device=device)
-    for module in model.modules():  # buffers are not weights: no checkpoint fills them, so set them here
-        if hasattr(module, "reset_buffers"):
-            module.reset_buffers()
+    for block in model.moe_blocks():  # buffers are not weights: no checkpoint fills them, so set them here
+        block.reset_buffers()
     model.requires_grad_(False)
     if experts is not None:
         model.attach_experts(experts)
