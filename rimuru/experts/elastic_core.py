@@ -70,7 +70,6 @@ class ElasticCounters:
     evictions: int = 0
     grows: int = 0
     reranks: int = 0
-    last_plan: AdjustPlan = field(default_factory=AdjustPlan)
 
 
 @dataclass(frozen=True)
@@ -171,7 +170,6 @@ class ElasticCore:
         c = self.counters
         c.evictions += len(moves.evict)
         c.grows += len(grown)
-        c.last_plan = moves.adjust_plan
         # tables change only between passes: evictions begun here are still read by the pass planned now
         self.launched_offloaded = not self.residency.all_resident()
         return moves

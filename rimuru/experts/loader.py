@@ -91,11 +91,6 @@ class ExpertLoader:
     def buffer_pages(self) -> list[int]:
         return [p for buf in self.buffers for slot in buf.slot_pages for p in slot]
 
-    @property
-    def attached(self) -> bool:
-        """Whether the buffers hold pages (detached: nothing can be loaded)."""
-        return bool(self.buffers[0].slot_pages) or self.limit == 0
-
     def attach(self, pages: list[int]) -> None:
         """Gives the detached buffers their 6 x limit pages (buffer b: pages[3 limit b : 3 limit (b + 1)])."""
         if self.buffer_pages:

@@ -65,7 +65,6 @@ class StepCostTracker:
         # decode passes whose copies take nearly all the pass give ~0, and the simulated Qwen3-30B at 48 GiB then
         # leaves requests waiting, TTFT p99 14.6 s against 0.85 s at 2 req/s)
         self._forced: float | None = None
-        self._bucket = 0  # bucket of the latest pass
         # EMA: share of compute the copies hide behind (<= copy_overlap), `initial_overlap` until measured
         self.overlap = initial_overlap
         self.slowdown = 1.0  # EMA: real copy time / nominal copy time (>= 1)
@@ -102,7 +101,6 @@ class StepCostTracker:
             raise ValueError(f"compute time must be >= 0, got {compute_s}")
         b = self.bucket(tokens)
         self._clean[b] = self._ema(self._clean.get(b), compute_s)
-        self._bucket = b
         self.compute_s = self._clean_estimate(b)
         self.steps += 1
 
@@ -115,7 +113,6 @@ class StepCostTracker:
             self.observe_compute(forward_s, tokens)
             return
         b = self.bucket(tokens)
-        self._bucket = b
         self.steps += 1
         if not self._clean:  # forced offloading: no clean pass to compare with
             self._forced = self._ema(self._forced, max(0.0, forward_s - copy_s))
