@@ -70,7 +70,7 @@ SHAPES = (
 
 
 def make_state(shape: Shape, seed: int = 0) -> AdjusterState:
-    """Like ElasticController.adjust builds it: planned residents (sets), the estimate, the committed ranking."""
+    """Like ElasticCore.state builds it: planned residents (sets), the estimate, the committed ranking."""
     rng = np.random.default_rng(seed)
     L, E = shape.layers, shape.experts
     committed = rng.zipf(1.3, size=(L, E)).astype(np.float64) + rng.random((L, E))

@@ -240,7 +240,7 @@ def pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
 
 
 def with_buffer_pages(plan: AdjustPlan, state: AdjusterState, adjuster: Adjuster) -> AdjustPlan:
-    """Elastic mode's lazy load buffers (experts/elastic.py): while they hold no pages (`state.buffer_mid_pages`
+    """Elastic mode's lazy load buffers (experts/elastic_core.py): while they hold no pages (`state.buffer_mid_pages`
     > 0), a plan that offloads the first expert must also free theirs. It evicts at least enough experts that free
     pages + theirs cover the buffers (the least popular first, `pick_evictions`), dropping any grows, or, where
     the limits do not allow that many, nothing. The adjuster's stall bound is raised to what is then out

@@ -48,8 +48,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--adjuster", default="paper", help="elastic mode's adjuster(s): paper | cost | paper,cost "
                    "(each one runs; sections 'elastic' for paper, 'elastic-cost' for cost)")
     p.add_argument("--tpot-slo-ms", type=float, help="cost adjuster: modelled step time target (default: hide copies)")
-    p.add_argument("--adjuster-pcie-bandwidth", type=float, default=52.0,
-                   help="GB/s the cost adjuster assumes (the engine's default, measured on the H200)")
     p.add_argument("--routing", default="uniform", help="uniform | zipf:S (seeded power-law router)")
     p.add_argument("--ranking", help="ranking JSON from `rimuru profile` (overrides --routing)")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
@@ -143,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
     if not adjusters or any(a not in ADJUSTERS for a in adjusters):
         raise SystemExit(f"bad --adjuster {args.adjuster!r}; choose from {', '.join(ADJUSTERS)} (comma list)")
     runs = [(m, a) for m in modes for a in (adjusters if m == "elastic" else ["paper"])]
-    cost_cfg = CostAdjusterConfig(pcie_bandwidth=args.adjuster_pcie_bandwidth * 1e9,
-                                  tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1e3)
+    # the cost adjuster reckons with the hardware's copy bandwidth, as the engine does with its start-up measurement
+    cost_cfg = CostAdjusterConfig(tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1e3)
     hw = hardware_from(args)
     pairs = load_requests(args.dataset, args.num_prompts, args.seed)
     base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,
