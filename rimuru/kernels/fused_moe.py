@@ -19,12 +19,7 @@ from torch import Tensor
 
 from rimuru.kernels.launch import next_pow2
 from rimuru.kernels.moe_align import MoeAlignment, moe_align
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: fused_moe uses the reference there
-    triton = None
+from rimuru.kernels.triton_import import tl, triton
 
 
 def _check_args(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, intermediate_size: int) -> None:

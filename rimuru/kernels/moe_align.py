@@ -19,12 +19,7 @@ import torch
 from torch import Tensor
 
 from rimuru.kernels.launch import next_pow2, warn_once
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: only the torch path below is usable
-    triton = None
+from rimuru.kernels.triton_import import tl, triton
 
 # Up to this many assignments the whole alignment is one single-program Triton launch (decode and
 # small prefill, where launch count dominates); beyond it, a handful of torch ops is cheap relative

@@ -24,16 +24,8 @@ import torch
 from torch import Tensor
 
 from rimuru.kernels.launch import next_pow2
-
-try:  # the CPU build of torch comes without Triton: the module must import without it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-
-if triton is not None:  # round_to is a Triton function: it exists only where Triton does
-    from rimuru.kernels.rounding import round_to
+from rimuru.kernels.rounding import round_to
+from rimuru.kernels.triton_import import tl, triton
 
 __all__ = [
     "fused_add_rms_norm",

@@ -21,13 +21,7 @@ import torch
 from torch import Tensor
 
 from rimuru.kernels.launch import next_pow2
-
-try:  # the CPU build of torch comes without Triton: the module must import without it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+from rimuru.kernels.triton_import import tl, triton
 
 __all__ = ["route_topk", "route_topk_reference", "route_topk_triton"]
 
