@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import rimuru.sim.simulator as simulator  # noqa: E402
+import rimuru.experts.runtime_builders as runtime_builders  # noqa: E402 - builds the tracker the simulator feeds
 from rimuru.bench.cli import git_commit  # noqa: E402
 from rimuru.config import parse_bytes  # noqa: E402
 from rimuru.experts.adjuster import AdjusterConfig  # noqa: E402
@@ -78,6 +78,12 @@ def old_tracker_class() -> type:
         def copy_overlap_share(self) -> float:
             return self.copy_overlap
 
+        def observe_loads(self, routed: int, copied: int) -> None:
+            return None  # it knew no copy excess
+
+        def copy_excess(self) -> float:
+            return 1.0
+
     return OldTracker
 
 
@@ -87,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         seed=args.seed)
     pairs = load_requests("sharegpt", args.num_prompts, args.seed)
     old = old_tracker_class()
-    current = simulator.StepCostTracker
+    current = runtime_builders.StepCostTracker
     rows = []
     for overlap in [float(x) for x in args.copy_overlaps.split(",")]:
         hw = replace(HARDWARE["h200"], copy_overlap=overlap, step_overhead_s=args.step_overhead_ms / 1e3,
@@ -100,12 +106,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                ("elastic-cost, old tracker", "elastic", old, base.cost),
                                                ("elastic-cost, start 0.8", "elastic", current, optimistic),
                                                ("elastic-cost", "elastic", current, base.cost)):
-                simulator.StepCostTracker = tracker
+                runtime_builders.StepCostTracker = tracker
                 try:
                     cfg = replace(base, mode=mode, adjuster_kind="cost", cost=cost)
                     result = Simulation(spec, pop, cfg).run(with_arrivals(pairs, rate, args.seed))
                 finally:
-                    simulator.StepCostTracker = current
+                    runtime_builders.StepCostTracker = current
                 s = result.summary()
                 row = {"copy_overlap": overlap, "rate": rate, "config": label,
                        **{k: s.get(k) for k in ("output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s",
