@@ -49,44 +49,31 @@ def usage_info(prompts: list[list[int]], outputs: Iterable[RequestOutput]) -> Bo
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _body(head: ResponseHead, object_name: str, choices: list[Body], usage: Body | None) -> Body:
+    return {"id": head.id, "object": object_name, "created": head.created, "model": head.model,
+            "choices": choices, "usage": usage}
+
+
+def _completion_choice(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> Body:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
 def completion_response(head: ResponseHead, choices: Choices, usage: Body) -> Body:
-    return {
-        "id": head.id,
-        "object": "text_completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": [
-            {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-             "stop_reason": c.stop_reason}
-            for i, c in choices
-        ],
-        "usage": usage,
-    }
+    return _body(head, "text_completion",
+                 [_completion_choice(i, c.text, c.finish_reason, c.stop_reason) for i, c in choices], usage)
 
 
 def chat_completion_response(head: ResponseHead, choices: Choices, usage: Body) -> Body:
-    return {
-        "id": head.id,
-        "object": "chat.completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-             "finish_reason": c.finish_reason}
-            for i, c in choices
-        ],
-        "usage": usage,
-    }
+    bodies = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+               "finish_reason": c.finish_reason} for i, c in choices]
+    return _body(head, "chat.completion", bodies, usage)
 
 
 def completion_chunk(head: ResponseHead, delta: ChoiceDelta | None, usage: Body | None = None) -> Body:
-    choices = [] if delta is None else [
-        {"index": delta.index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason,
-         "stop_reason": delta.stop_reason}
-    ]
+    choices = [] if delta is None else [_completion_choice(delta.index, delta.text, delta.finish_reason,
+                                                            delta.stop_reason)]
     # a completion chunk is the same object as the whole body, as in OpenAI's and vLLM's streams
-    return {"id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
-            "choices": choices, "usage": usage}
+    return _body(head, "text_completion", choices, usage)
 
 
 def chat_completion_chunk(head: ResponseHead, delta: ChoiceDelta | None, usage: Body | None = None) -> Body:
@@ -94,8 +81,7 @@ def chat_completion_chunk(head: ResponseHead, delta: ChoiceDelta | None, usage: 
     if delta is not None:
         message = {"role": "assistant", "content": delta.text} if delta.first else {"content": delta.text}
         choices = [{"index": delta.index, "delta": message, "logprobs": None, "finish_reason": delta.finish_reason}]
-    return {"id": head.id, "object": "chat.completion.chunk", "created": head.created, "model": head.model,
-            "choices": choices, "usage": usage}
+    return _body(head, "chat.completion.chunk", choices, usage)
 
 
 @dataclass(frozen=True)
