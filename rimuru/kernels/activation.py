@@ -19,10 +19,13 @@ dtypes take the torch reference.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rimuru.kernels.launch import as_rows
 from rimuru.kernels.rounding import round_to
 from rimuru.kernels.triton_import import libdevice, tl, triton
 
@@ -57,21 +60,27 @@ if triton is not None:
             return tl.exp(x)
 
     @triton.jit
+    def _row_block(n_cols, BLOCK_N: tl.constexpr):
+        """Program (row, column block): its row (int64), its BLOCK_N columns and which of them exist."""
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return tl.program_id(0).to(tl.int64), cols, cols < n_cols
+
+    @triton.jit
+    def _load_row(ptr, row, stride, cols, mask):
+        """Columns `cols` of row `row` of a [R, N] tensor whose rows are `stride` apart, in fp32."""
+        return tl.load(ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _silu_and_mul_kernel(
-        gate_ptr,  # [R, N] rows stride_g apart
-        up_ptr,  # [R, N] rows stride_u apart
         out_ptr,  # [R, N] contiguous
         n_cols,
-        stride_g,
-        stride_u,
-        BLOCK_N: tl.constexpr,
-        PRECISE: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        gate_ptr, stride_g,  # [R, N], rows stride_g apart
+        up_ptr, stride_u,  # [R, N], rows stride_u apart
+        BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
+    ):  # fmt: skip
+        row, cols, mask = _row_block(n_cols, BLOCK_N)
+        g = _load_row(gate_ptr, row, stride_g, cols, mask)
+        u = _load_row(up_ptr, row, stride_u, cols, mask)
         dtype = out_ptr.dtype.element_ty
         act = round_to(tl.div_rn(g, 1.0 + _exp(-g, PRECISE)), dtype)  # F.silu
         out = round_to(act * u, dtype)
@@ -79,50 +88,41 @@ if triton is not None:
 
     @triton.jit
     def _sigmoid_mul_add_kernel(
-        gate_ptr,  # [R] (a [R, 1] column), entries stride_gl apart
-        shared_ptr,  # [R, N] rows stride_s apart
-        routed_ptr,  # [R, N] rows stride_r apart
         out_ptr,  # [R, N] contiguous
         n_cols,
-        stride_gl,
-        stride_s,
-        stride_r,
-        BLOCK_N: tl.constexpr,
-        PRECISE: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
+        gate_ptr, stride_gl,  # [R] (a [R, 1] column), entries stride_gl apart
+        shared_ptr, stride_s,  # [R, N], rows stride_s apart
+        routed_ptr, stride_r,  # [R, N], rows stride_r apart
+        BLOCK_N: tl.constexpr, PRECISE: tl.constexpr,
+    ):  # fmt: skip
+        row, cols, mask = _row_block(n_cols, BLOCK_N)
         dtype = out_ptr.dtype.element_ty
         g = tl.load(gate_ptr + row * stride_gl).to(tl.float32)
         scale = round_to(tl.div_rn(1.0, 1.0 + _exp(-g, PRECISE)), dtype)  # torch.sigmoid
-        shared = tl.load(shared_ptr + row * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
-        routed = tl.load(routed_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        shared = _load_row(shared_ptr, row, stride_s, cols, mask)
+        routed = _load_row(routed_ptr, row, stride_r, cols, mask)
         out = round_to(routed + round_to(scale * shared, dtype), dtype)
         tl.store(out_ptr + row * n_cols + cols, out.to(dtype), mask=mask)
 
 
-def _rows(t: Tensor) -> Tensor:
-    t = t if t.stride(-1) == 1 else t.contiguous()
-    return t.reshape(-1, t.shape[-1])  # [R, N]
-
-
-def _grid(rows: int, cols: int) -> tuple[int, int]:
-    return rows, triton.cdiv(cols, _BLOCK_N)
+def _launch(kernel: Any, like: Tensor, *inputs: Tensor) -> Tensor:
+    """kernel(out, N, then each input and its row stride), one program per (row, BLOCK_N columns) of like's
+    [R, N] rows; out is a new contiguous tensor of like's shape and dtype."""
+    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    n_cols = like.shape[-1]
+    if out.numel():
+        kernel[(out.numel() // n_cols, triton.cdiv(n_cols, _BLOCK_N))](
+            out, n_cols, *(a for t in inputs for a in (t, t.stride(0))),
+            BLOCK_N=_BLOCK_N, PRECISE=like.is_cuda, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    return out
 
 
 def silu_and_mul_triton(gate: Tensor, up: Tensor) -> Tensor:
     """The Triton kernel on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1)."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
-    g2, u2 = _rows(gate), _rows(up)  # [R, N]
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    if out.numel():
-        _silu_and_mul_kernel[_grid(*g2.shape)](
-            g2, u2, out, g2.shape[1], g2.stride(0), u2.stride(0),
-            BLOCK_N=_BLOCK_N, PRECISE=gate.is_cuda, num_warps=4, enable_fp_fusion=False,
-        )  # fmt: skip
-    return out
+    return _launch(_silu_and_mul_kernel, gate, as_rows(gate), as_rows(up))  # [R, N] each
 
 
 def sigmoid_mul_add_triton(gate_logit: Tensor, shared: Tensor, routed: Tensor) -> Tensor:
@@ -131,15 +131,8 @@ def sigmoid_mul_add_triton(gate_logit: Tensor, shared: Tensor, routed: Tensor) -
                          f"dim of 1, routed {tuple(routed.shape)} the same as shared")
     if not gate_logit.dtype == shared.dtype == routed.dtype:
         raise ValueError(f"dtypes differ: {gate_logit.dtype}, {shared.dtype}, {routed.dtype}")
-    s2, r2 = _rows(shared), _rows(routed)  # [R, N]
-    g1 = gate_logit.reshape(-1)  # [R]
-    out = torch.empty(shared.shape, dtype=shared.dtype, device=shared.device)
-    if out.numel():
-        _sigmoid_mul_add_kernel[_grid(*s2.shape)](
-            g1, s2, r2, out, s2.shape[1], g1.stride(0), s2.stride(0), r2.stride(0),
-            BLOCK_N=_BLOCK_N, PRECISE=shared.is_cuda, num_warps=4, enable_fp_fusion=False,
-        )  # fmt: skip
-    return out
+    # gate_logit [R], shared and routed [R, N]
+    return _launch(_sigmoid_mul_add_kernel, shared, gate_logit.reshape(-1), as_rows(shared), as_rows(routed))
 
 
 def silu_and_mul(gate: Tensor, up: Tensor) -> Tensor:  # [..., F] x2

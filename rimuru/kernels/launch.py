@@ -1,4 +1,4 @@
-"""Host-side helpers shared by the kernels' launchers: tile sizes, and the notice of a slow fallback.
+"""Host-side helpers shared by the kernels' launchers: row views, tile sizes, and the notice of a slow fallback.
 
 Nothing here needs Triton: the dispatchers call `warn_once` exactly when Triton is missing.
 """
@@ -8,7 +8,15 @@ from __future__ import annotations
 import functools
 import logging
 
-__all__ = ["next_pow2", "warn_once"]
+from torch import Tensor
+
+__all__ = ["as_rows", "next_pow2", "warn_once"]
+
+
+def as_rows(t: Tensor) -> Tensor:
+    """[..., N] as [R, N] with a contiguous last dim (a view whenever the layout allows)."""
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    return t.reshape(-1, t.shape[-1])
 
 
 def next_pow2(x: int) -> int:

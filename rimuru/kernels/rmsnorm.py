@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rimuru.kernels.launch import next_pow2
+from rimuru.kernels.launch import as_rows, next_pow2
 from rimuru.kernels.rounding import round_to
 from rimuru.kernels.triton_import import tl, triton
 
@@ -90,16 +90,10 @@ if triton is not None:
         tl.store(out_ptr + rows64[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """[..., N] as [R, N] with a contiguous last dim (a view whenever the layout allows)."""
-    t = t if t.stride(-1) == 1 else t.contiguous()
-    return t.reshape(-1, t.shape[-1])
-
-
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
     n = x.shape[-1]
-    x2 = _rows(x)  # [R, N]
-    r2 = _rows(residual) if residual is not None else x2
+    x2 = as_rows(x)  # [R, N]
+    r2 = as_rows(residual) if residual is not None else x2
     num_rows = x2.shape[0]
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
