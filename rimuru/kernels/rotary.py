@@ -65,11 +65,10 @@ if triton is not None:
         cos_ptr,  # [T, HALF] contiguous
         sin_ptr,  # [T, HALF] contiguous
         num_tokens,
-        HALF: tl.constexpr,
-        HALF_PAD: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr,  # D / 2, and the next power of two
         BLOCK_T: tl.constexpr,
         PRECISE: tl.constexpr,
-    ):
+    ):  # fmt: skip
         toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
         offs = tl.arange(0, HALF_PAD)
         mask = (toks < num_tokens)[:, None] & (offs < HALF)[None, :]
@@ -111,19 +110,14 @@ if triton is not None:
         sin_ptr,  # [T, HALF] rows stride_s apart
         q_out_ptr,  # [T, HQ, 2 * HALF] contiguous
         k_out_ptr,  # [T, HK, 2 * HALF] contiguous
-        stride_qt,
-        stride_qh,
-        stride_kt,
-        stride_kh,
+        stride_qt, stride_qh,
+        stride_kt, stride_kh,
         stride_c,
         stride_s,
-        HQ: tl.constexpr,
-        HQ_PAD: tl.constexpr,
-        HK: tl.constexpr,
-        HK_PAD: tl.constexpr,
-        HALF: tl.constexpr,
-        HALF_PAD: tl.constexpr,
-    ):
+        HQ: tl.constexpr, HQ_PAD: tl.constexpr,  # each count with the next power of two
+        HK: tl.constexpr, HK_PAD: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         offs_d = tl.arange(0, HALF_PAD)
         c = tl.load(cos_ptr + t * stride_c + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
