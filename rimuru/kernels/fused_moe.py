@@ -203,11 +203,13 @@ def _run(
 if triton is not None:
 
     @triton.jit
-    def _block_coords(pid, num_pid_m, num_pid_n, block_end_ptr, num_experts,
-                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    def _block_coords(num_pid_m, block_end_ptr, num_experts, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+        """This program's (M block, N block) of an [M, N] output, and the M block's expert (E past the end)."""
         # Grouped ordering: GROUP_M consecutive M blocks (mostly one expert) sweep N together, so an
         # expert's weight tiles are reused from L2 across its M blocks.
-        width = GROUP_M * num_pid_n
+        pid = tl.program_id(0)
+        width = GROUP_M * tl.cdiv(N, BLOCK_N)
         first_m = (pid // width) * GROUP_M
         size_m = min(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (pid % width) % size_m
@@ -217,6 +219,36 @@ if triton is not None:
         ends = tl.load(block_end_ptr + e, mask=e < num_experts, other=2147483647)  # [BLOCK_E]
         expert = tl.sum((ends <= pid_m * BLOCK_M).to(tl.int32), axis=0)  # == E past the real end
         return pid_m, pid_n, expert
+
+    @triton.jit
+    def _expert_bases(table_ptr, expert, F: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr):
+        """Where expert's W1, W3 and W2 start (element offsets into w_ptr), and whether all three are resident.
+
+        PAGED: the pages table[expert] = (p1, p3, p2) of expert_view; else w13 [E, 2f, d] (W1 rows, then W3's)
+        and w2 [E, d, f]. A non-resident expert's W2 offset is clamped to page 0, in bounds."""
+        if PAGED:
+            p_gate = tl.load(table_ptr + expert * 3)
+            p_up = tl.load(table_ptr + expert * 3 + 1)
+            p_down = tl.load(table_ptr + expert * 3 + 2)
+            resident = (p_gate >= 0) & (p_up >= 0) & (p_down >= 0)
+            gate_base = p_gate.to(tl.int64) * F * D
+            up_base = p_up.to(tl.int64) * F * D
+            down_base = tl.maximum(p_down, 0).to(tl.int64) * F * D
+        else:
+            resident = True
+            gate_base = expert.to(tl.int64) * 2 * F * D
+            up_base = gate_base + F * D
+            down_base = expert.to(tl.int64) * D * F
+        return gate_base, up_base, down_base, resident
+
+    @triton.jit
+    def _block_tile(sorted_ptr, pid_m, pid_n, n, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The block's sorted positions, their assignment ids and which are real (not padding); its output
+        columns and which are inside N."""
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(sorted_ptr + offs_m)  # [BLOCK_M]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return offs_m, rows, rows < n, offs_n, offs_n < N
 
     @triton.jit
     def _gate_up_kernel(
@@ -235,29 +267,16 @@ if triton is not None:
         # A program computes gate columns [n0, n0+BLOCK_N) and the SAME up columns, so SiLU(g)*u is
         # fused in registers. Column c of the [2f]-wide GEMM reads page p1 (c < f) or p3 (c >= f):
         #   addr(c, t) = base + page(c)*f*d + (c mod f)*d + t, page looked up once per program.
-        pid_m, pid_n, expert = _block_coords(
-            tl.program_id(0), num_pid_m, tl.cdiv(F, BLOCK_N), block_end_ptr, num_experts,
-            BLOCK_M, BLOCK_E, GROUP_M,
-        )  # fmt: skip
+        pid_m, pid_n, expert = _block_coords(num_pid_m, block_end_ptr, num_experts, F,
+                                             BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
         if expert >= num_experts:
             return
-        if PAGED:
-            p_gate = tl.load(table_ptr + expert * 3).to(tl.int64)
-            p_up = tl.load(table_ptr + expert * 3 + 1).to(tl.int64)
-            p_down = tl.load(table_ptr + expert * 3 + 2)
-            if (p_gate < 0) | (p_up < 0) | (p_down < 0):
-                return  # not resident: never routed to by contract; its rows stay unwritten
-            gate_base = p_gate * F * D
-            up_base = p_up * F * D
-        else:
-            gate_base = expert.to(tl.int64) * 2 * F * D
-            up_base = gate_base + F * D
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = tl.load(sorted_ptr + offs_m)  # [BLOCK_M] assignment ids
-        row_ok = rows < n
+        gate_base, up_base, _, resident = _expert_bases(table_ptr, expert, F, D, PAGED)
+        if not resident:
+            return  # never routed to by contract; its rows stay unwritten
+        # offs_n: the column inside W1/W3 (c mod f)
+        offs_m, rows, row_ok, offs_n, n_ok = _block_tile(sorted_ptr, pid_m, pid_n, n, F, BLOCK_M, BLOCK_N)
         tok = (rows // top_k).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column inside W1/W3 (c mod f)
-        n_ok = offs_n < F
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + tok[:, None] * stride_a + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         # B tiles are [BLOCK_K, BLOCK_N] views of row-major [f, d] pages (row c, contiguous along t).
@@ -294,26 +313,13 @@ if triton is not None:
         PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
-        pid_m, pid_n, expert = _block_coords(
-            tl.program_id(0), num_pid_m, tl.cdiv(D, BLOCK_N), block_end_ptr, num_experts,
-            BLOCK_M, BLOCK_E, GROUP_M,
-        )  # fmt: skip
+        pid_m, pid_n, expert = _block_coords(num_pid_m, block_end_ptr, num_experts, D,
+                                             BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
         if expert >= num_experts:
             return
-        resident = True
-        if PAGED:
-            p_gate = tl.load(table_ptr + expert * 3)
-            p_up = tl.load(table_ptr + expert * 3 + 1)
-            p_down = tl.load(table_ptr + expert * 3 + 2)
-            resident = (p_gate >= 0) & (p_up >= 0) & (p_down >= 0)
-            base = tl.maximum(p_down, 0).to(tl.int64) * F * D
-        else:
-            base = expert.to(tl.int64) * D * F
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = tl.load(sorted_ptr + offs_m)
-        row_ok = rows < n
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output column = row of W2 [d, f]
-        n_ok = offs_n < D
+        _, _, base, resident = _expert_bases(table_ptr, expert, F, D, PAGED)
+        # offs_n: the output column = row of W2 [d, f]
+        offs_m, rows, row_ok, offs_n, n_ok = _block_tile(sorted_ptr, pid_m, pid_n, n, D, BLOCK_M, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * F + offs_k[None, :]
         b_ptrs = w_ptr + base + offs_n[None, :] * F + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
