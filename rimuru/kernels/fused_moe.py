@@ -35,13 +35,9 @@ def _check_args(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, intermed
 
 
 def fused_moe_reference(
-    hidden: Tensor,
-    topk_weights: Tensor,
-    topk_ids: Tensor,
-    expert_view: Tensor,
-    expert_table: Tensor,
+    hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert_view: Tensor, expert_table: Tensor,
     intermediate_size: int,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Plain-torch paged MoE: loops over experts that received tokens, accumulates in fp32 (fp64 for fp64).
 
     out[t] = sum_j topk_weights[t, j] * W2_e(SiLU(W1_e h_t) * W3_e h_t),  e = topk_ids[t, j].
@@ -76,13 +72,9 @@ def fused_moe_reference(
 
 
 def fused_moe(
-    hidden: Tensor,
-    topk_weights: Tensor,
-    topk_ids: Tensor,
-    expert_view: Tensor,
-    expert_table: Tensor,
+    hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert_view: Tensor, expert_table: Tensor,
     intermediate_size: int,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Paged fused MoE: the Triton kernel on CUDA tensors, the torch reference on the CPU."""
     if hidden.is_cuda:
         return fused_moe_triton(hidden, topk_weights, topk_ids, expert_view, expert_table, intermediate_size)
@@ -90,13 +82,9 @@ def fused_moe(
 
 
 def fused_moe_triton(
-    hidden: Tensor,
-    topk_weights: Tensor,
-    topk_ids: Tensor,
-    expert_view: Tensor,
-    expert_table: Tensor,
+    hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert_view: Tensor, expert_table: Tensor,
     intermediate_size: int,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """The paged Triton kernels on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1).
 
     Caller guarantees every routed expert has all three pages (>= 0); the kernels do not sync to check

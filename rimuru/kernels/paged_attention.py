@@ -82,15 +82,9 @@ def _gather_context(kv_cache: Tensor, block_row: Tensor, seq_len: int) -> tuple[
 
 
 def paged_attention_reference(
-    q: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    query_start_loc: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-) -> Tensor:
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+    max_query_len: int, max_seq_len: int,
+) -> Tensor:  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -429,19 +423,13 @@ def q_tile_starts(query_lens: Sequence[int] | np.ndarray, block_q: int, num_seqs
 
 
 def paged_attention_triton(
-    q: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    query_start_loc: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+    max_query_len: int, max_seq_len: int,
     num_splits: int | None = None,
     out: Tensor | None = None,
     q_tile_start: Tensor | None = None,
     plan_override: dict[str, int] | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """The Triton path of paged_attention; `num_splits` overrides the plan, `out` receives rows.
 
     With `q_tile_start` [B + 1] int32 (`q_tile_starts`), the grid is a bound fixed by (T, B) alone and each
@@ -524,16 +512,10 @@ def write_kv(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> No
 
 
 def paged_attention(
-    q: Tensor,
-    kv_cache: Tensor,
-    block_table: Tensor,
-    query_start_loc: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+    max_query_len: int, max_seq_len: int,
     q_tile_start: Tensor | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """q [T, Hq, D] -> [T, Hq, D] in q's dtype. See the module docstring for the batch layout.
     `q_tile_start` (CUDA graphs of mixed steps) selects the tile-mapped launch; the reference ignores it."""
     if q.is_cuda and triton is not None:
