@@ -145,7 +145,9 @@ def test_a_grow_into_pages_a_running_pass_reads_waits_for_it() -> None:
         alloc.complete_forward()
         return seen
 
-    unfenced = race(PassFence(torch.device("cpu")))  # records no events: nothing to wait for
+    unfenced = race(PassFence(dev))  # nobody watches: it records no events, so nothing is waited for
     assert bool((unfenced == 2.0).any()), "the race was not reproduced: the test could not tell a missing fence"
-    fenced = race(PassFence(dev))
+    watched = PassFence(dev)
+    watched.watch()
+    fenced = race(watched)
     assert bool((fenced == 1.0).all())  # the pass read expert 0 as it was

@@ -23,14 +23,11 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from rimuru.experts.popularity import ExpertPopularity
-
-if TYPE_CHECKING:  # torch is imported when a profile runs, not when the CLI registers the subcommand
-    pass
 
 logger = logging.getLogger("rimuru")
 

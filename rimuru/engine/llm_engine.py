@@ -237,6 +237,7 @@ class LLMEngine:
         outputs = self._take_inbox()
         self.runtime.begin_step()
         sched = self.scheduler.schedule()
+        num_tokens = sched.num_tokens  # as scheduled (the early drain below may drop finished requests)
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         trace.scheduled(sched)
         plan = self.runtime.plan(self._demand(sched))
@@ -257,7 +258,7 @@ class LLMEngine:
             outputs += self._drain(previous)
         self.runtime.after_pass()
         self.pool.allocator.complete_forward()  # pages the finished pass may have read are free now
-        t_end = self._record(t0, sched.num_tokens, self.runner.graph_steps > graph_steps0, plan, loaded0)
+        t_end = self._record(t0, num_tokens, self.runner.graph_steps > graph_steps0, plan, loaded0)
         trace.end(t_end)
         return outputs
 
@@ -267,7 +268,7 @@ class LLMEngine:
                           num_stalled=len(sched.stalled), max_num_seqs=self.scheduler.max_num_seqs)
 
     def _launch(self, sched: SchedulerOutput) -> InFlight | None:
-        self.runtime.before_pass(sched.num_tokens if sched.scheduled else 0)
+        self.runtime.before_pass(sched.num_tokens)
         if not sched.scheduled:
             return None
         now = time.monotonic()

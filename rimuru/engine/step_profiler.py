@@ -10,7 +10,8 @@ phases, so that the phases sum to the step's wall time (the same two clock readi
     forward    launching the model (a graph replay, or every kernel eagerly; on the CPU: the compute)
     sample     launching the sampler
     readback   the one device->host read of the sampled tokens: on a GPU, waiting for the GPU
-    process    appending tokens, detokenising, stop checks, outputs
+    process    appending tokens, detokenising, stop checks, outputs (also the previous pass's, when it is
+               drained before the launch)
     finish     evictions leave the tables, deferred pages return, per-step metrics
 
 The engine calls a `StepTrace` at these points every step, whether or not it profiles: `NULL_TRACE` does
@@ -142,10 +143,11 @@ class StepProfiler:
 
     def mark(self, phase: str) -> None:
         """The host time since the previous mark belongs to `phase`."""
-        now = time.monotonic()
         cur = self._cur
-        if cur is not None:
-            cur.host_s[phase] += now - self._last
+        if cur is None:  # not profiling this step (done, or not begun)
+            return
+        now = time.monotonic()
+        cur.host_s[phase] += now - self._last
         self._last = now
 
     def set_kind(self, kind: str, num_tokens: int, num_seqs: int) -> None:
@@ -184,11 +186,6 @@ class StepProfiler:
             cur.expert_wait_s = wait - self._wait0
         cur.wall_s = sum(cur.host_s.values())
         self.records.append(cur)
-        self._cur = None
-
-    def close(self) -> None:
-        """Stops recording (no more steps)."""
-        self.num_steps = len(self.records)
         self._cur = None
 
     # ---- kernel counts --------------------------------------------------------------------------

@@ -7,8 +7,8 @@ into the tables. Every resident expert owns three mid pages of kind "expert": W1
 [L_moe, E, 3] tensor updated in place, so CUDA graphs captured over them stay valid; `host_tables` is the
 same numbers on the host, so deciding what to load never reads the device.
 
-Each layer has a popularity ranking (expert ids, most popular first; uniform order 0..E-1 when none is
-given); at start-up the resident set of a layer is a prefix of it.
+At start-up the resident set of a layer is a prefix of its ranking (ExpertResidency.ranking: expert ids, most
+popular first; uniform order 0..E-1 when none is given).
 """
 
 from __future__ import annotations

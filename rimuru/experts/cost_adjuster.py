@@ -27,7 +27,7 @@ CostAdjusterConfig). Without a TPOT SLO the adjuster therefore offloads voluntar
 expected to route to, and otherwise only when the experts do not all fit (forced offloading, below); with
 `--tpot-slo-ms` it trades exposed copies for KV room within the SLO. piecewise_overhead (measured by the engine
 at start-up) is what a pass with any expert offloaded costs beyond one with all resident (piecewise CUDA graphs
-instead of whole ones); the elastic controller takes it out of piecewise passes' times before they reach the
+instead of whole ones); the elastic runtime takes it out of piecewise passes' times before they reach the
 compute estimate, and the model charges it to every n > 0.
 
 Rules, every step:
@@ -185,7 +185,7 @@ class CostAdjuster:
         return 0 if self.last is None or self.last.max_allowed is None else self.last.max_allowed
 
     def offloaded_at_least(self, n: int) -> None:
-        """The elastic controller offloads `n` experts in all, more than the last plan moved (the first eviction
+        """The elastic core offloads `n` experts in all, more than the last plan moved (the first eviction
         also pays for the load buffers' pages): the stall bound covers them."""
         if self.last is not None:
             self.last = replace(self.last, max_allowed=max(n, self.last.max_allowed or 0))
@@ -372,7 +372,7 @@ class CostAdjuster:
             conc = np.minimum(float(demand), (kv + state.free_mid_pages + freed) / footprint)
         conc = np.clip(conc, 0.0, None)
         conc = np.maximum(conc, 1.0) if demand > 0 and not steady else conc
-        # the measured compute excludes the piecewise overhead (the elastic controller takes it out of piecewise
+        # the measured compute excludes the piecewise overhead (the elastic runtime takes it out of piecewise
         # passes' times); charge it to every split that offloads any expert
         overhead = self.piecewise_overhead_s
         comp = compute * (cfg.compute_fixed_share + (1.0 - cfg.compute_fixed_share) * conc / running)

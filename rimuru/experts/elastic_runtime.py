@@ -3,8 +3,8 @@ copies and their events, the expert-table writes, the load buffers' pages, routi
 the wall-clock times of the passes that the cost-aware adjuster learns from.
 
 Ordering, per step (the engine calls these in the order of experts/runtime.py):
-  * begin_step: the compute stream waits for every grow copy of the last plan, then the grown enter the tables
-    (no kernel queued after this can read a half-copied expert); the load buffers take pages if an expert is out;
+  * begin_step: the load buffers take pages if an expert is out; the compute stream waits for every grow copy of
+    the last plan, then the grown enter the tables (no kernel queued after this can read a half-copied expert);
   * plan: evicted experts stay in the tables (their pages are deferred-freed by the allocator until the end of
     the step); grow copies go into freshly reserved pages on the loader's copy stream, behind the pass fence
     (memory/pass_fence.py), since those pages may be read by a pass still in flight;
@@ -14,7 +14,9 @@ Step times. Sync: `plan` -> `after_pass` brackets the pass (the host waited for 
 runs while the pass it follows is still in flight, so a pass's time is the interval between consecutive
 after_pass calls (the loop runs at the GPU's pace) and routing counts are read one step late (non-blocking copy).
 A pass that replays piecewise graphs (some expert offloaded) is timed without the piecewise overhead the engine
-measured, so the compute estimate is the same whichever graphs ran; the cost adjuster charges it to offloading.
+measured, so the compute estimate is the same whichever graphs ran; the cost adjuster charges it to offloading. A
+pass above the largest captured graph (--max-cudagraph-capture-size) runs eagerly and is charged it too: its own
+eager launches cost more, so its compute reads a little low (the tracker keeps such batch sizes apart).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.offload_runtime import OffloadRuntime
+from rimuru.experts.residency import EXPERT
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.experts.runtime import GraphPlan, StepDemand
 from rimuru.experts.static_provider import StaticExpertProvider
@@ -59,7 +62,7 @@ class ElasticRuntime(OffloadRuntime):
         # passes with every expert resident replay whole graphs over the live tables, unless the pool can never
         # hold every expert at once (free pages at start, before any KV, cannot take the offloaded ones back)
         offloaded = self.cache.total_experts - self.cache.num_resident
-        can_all_fit = 3 * offloaded <= self.cache.allocator.mid_capacity("expert")
+        can_all_fit = 3 * offloaded <= self.cache.allocator.mid_capacity(EXPERT)
         resident = StaticExpertProvider(self.cache.expert_view, self.cache.tables, self.counter) if can_all_fit \
             else None
         return GraphPlan(counter=self.counter, piecewise=self.provider, resident=resident)
@@ -112,7 +115,7 @@ class ElasticRuntime(OffloadRuntime):
         end = self.core.after_pass()
         self.cache.clear_rows(end.evicted)
         if end.released_buffer_pages:
-            self.loader.detach()  # its pages were deferred-freed by the core
+            self.loader.detach()  # the core owns the pages and has deferred-freed them
         self._observe_loads()
         if self.async_steps:
             self._after_pass_async()

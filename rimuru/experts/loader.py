@@ -105,19 +105,17 @@ class ExpertLoader:
             own = pages[b * L3 : (b + 1) * L3]
             buf.slot_pages = [(own[3 * s], own[3 * s + 1], own[3 * s + 2]) for s in range(self.limit)]
 
-    def detach(self) -> list[int]:
-        """Takes the buffers' pages back (the caller frees them) and forgets what they held. Only while no pass
-        can read them: every expert resident in the pass launched last, and nothing prefetched for the next."""
+    def detach(self) -> None:
+        """Forgets the buffers' pages and what they held (their owner, the elastic core, frees them). Only while no
+        pass can read them: every expert resident in the pass launched last, and nothing prefetched for the next."""
         if self.copy_stream is not None:
             # a prefetch the routing did not pick was never waited for by a kernel: the compute stream (and the
             # KV writes that may take these pages next) goes behind every copy queued into the buffers
             torch.cuda.current_stream().wait_stream(self.copy_stream)
-        pages = self.buffer_pages
         for buf in self.buffers:
             buf.slot_pages, buf.slot_of, buf.layer = [], {}, -1
             buf.consumed, buf.dirty, buf.fence, buf.ready = True, False, None, None
             buf.host_table.fill_(-1)
-        return pages
 
     def _copy_stream(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext()

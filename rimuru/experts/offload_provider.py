@@ -1,4 +1,4 @@
-"""ExpertProvider for `fixed` (and later `elastic`) mode: resident experts from their pages, the rest
+"""The expert provider of `fixed` and `elastic` mode: resident experts from their pages, the rest
 from the load buffers, filled by prefetch (predictor) or on demand.
 
 Per MoE layer l of a forward pass:

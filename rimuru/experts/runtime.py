@@ -2,7 +2,7 @@
 
 The engine's step (engine/llm_engine.py) is the same in every mode; it asks its runtime, in this order:
 
-    begin_step()                  grows that completed enter the tables; load buffers attached if needed
+    begin_step()                  load buffers attached if needed; grows that completed enter the tables
     -- scheduler.schedule() --    reclaimable_kv_pages(), admission_reserve_kv_pages() answer the scheduler
     plan(StepDemand)              the memory plan of this step: evictions and grows (elastic)
     pass_reads_routing(tokens)    will the pass stop the host at an offloaded layer's routing read?
@@ -25,6 +25,7 @@ import torch
 
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.cache import ExpertCache
+from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.models.expert_provider import ExpertProvider
@@ -48,7 +49,7 @@ class GraphPlan:
 
     counter: RoutingCounter | None  # routing counts recorded inside the graphs (padding rows masked)
     # an offloading provider: graphs are cut at each MoE layer's table decision (engine/piecewise_graphs.py)
-    piecewise: ExpertProvider | None = None
+    piecewise: OffloadExpertProvider | None = None
     # whole graphs over the live resident tables, replayed while every expert is resident (elastic)
     resident: StaticExpertProvider | None = None
 
@@ -70,8 +71,9 @@ class ExpertRuntime(Protocol):
         ...
 
     def swap_routing_counter(self, counter: RoutingCounter | None) -> RoutingCounter | None:
-        """The provider counts every routing decision into `counter` from now on (None: none); returns the
-        counter it counted into before (`rimuru profile` attaches its own for a run, eagerly)."""
+        """The provider counts its routing decisions into `counter` from now on (None: none) and returns the counter
+        it counted into before (`rimuru profile` attaches its own for an eager run). CUDA graphs keep the counter
+        they were captured with, and in elastic mode the online popularity stops learning while it is swapped."""
         ...
 
     def fill_random_experts(self, seed: int) -> None:

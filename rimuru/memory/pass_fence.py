@@ -15,7 +15,8 @@ step may still be running on the GPU when the pages are handed out again:
     event recorded after the last launched pass. A page is handed out only after it was freed, which is
     after the pass that last read it was launched, so that event covers every pass that could read it.
 Without CUDA every pass has finished when the host moves on: nothing to wait for; the calls are still made
-(and counted), so the rule is tested on the CPU too.
+(and counted), so the rule is tested on the CPU too. Events are recorded only once a consumer said it will write
+freed pages while passes run (`watch`): in static and fixed mode nothing does, and a pass costs no event.
 """
 
 from __future__ import annotations
@@ -26,14 +27,20 @@ import torch
 class PassFence:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.recording = False  # set by watch()
         self.passes_launched = 0
         self._last: torch.cuda.Event | None = None  # recorded on the compute stream after the last launched pass
         self.covered = 0  # passes the latest consumer's wait covers (tests hold it to passes_launched)
 
+    def watch(self) -> None:
+        """A consumer on another stream will write pages freed while passes run: every pass from now on is
+        recorded."""
+        self.recording = self.cuda
+
     def pass_launched(self) -> None:
         """A forward pass has just been queued on the compute stream."""
         self.passes_launched += 1
-        if self.cuda:
+        if self.recording:
             self._last = torch.cuda.Event()
             self._last.record()
 
