@@ -42,7 +42,8 @@ POP = ExpertPopularity.zipf("tiny", 2, 8, exponent=1.0, seed=0)
 @pytest.mark.parametrize("mode", ["static", "fixed", "elastic"])
 def test_conservation(mode: str) -> None:
     reqs = trace()
-    sim = Simulation(TINY, POP, config(mode, pool_pages=48 + 24, expert_offload_limit=4))
+    sim = Simulation(TINY, POP, config(mode, pool_pages=48 + 24, expert_offload_limit=4,
+                                       resident_experts=4 if mode == "fixed" else None))
     res = sim.run(reqs)
     assert res.output_tokens == sum(r.output_len for r in reqs)
     assert len(res.ttft_s) == len(reqs)  # every request got its first token ...
@@ -75,7 +76,7 @@ def test_elastic_beats_fixed_under_a_binding_budget() -> None:
                          max_num_seqs=64, max_num_batched_tokens=512, hardware=SLOW_STEPS, **kw)
 
     reqs = trace(200)
-    fixed = Simulation(spec, pop, cfg("fixed", expert_offload_limit=2)).run(reqs)
+    fixed = Simulation(spec, pop, cfg("fixed", resident_experts=6)).run(reqs)
     elastic = Simulation(spec, pop, cfg("elastic", expert_offload_limit=4)).run(reqs)
     static = Simulation(spec, pop, cfg("static")).run(reqs)
     assert elastic.evictions > 0 and elastic.grows > 0

@@ -3,8 +3,8 @@
 Per step, in this order (the engine's device half, elastic_runtime.py, adds copies, events and table writes;
 the simulator, sim/simulator.py, adds a simulated clock):
 
-    commit_grows()          grows reserved last step enter the residency (their copies have completed)
     attach_buffers()        the last step's evictions left an expert out: the load buffers take their pages
+    commit_grows()          grows reserved last step enter the residency (their copies have completed)
     -- the scheduler schedules --
     plan(demand)            the adjuster's plan: evictions begin (pages deferred, still readable), grows
                             reserve pages (their copies start now)
@@ -57,6 +57,14 @@ def default_elastic_limit(num_experts: int) -> int:
     return max(1, num_experts // 6)
 
 
+def resolve_elastic_limit(expert_offload_limit: int | None, num_experts: int) -> int:
+    """The most experts one layer may have offloaded in elastic mode (default: `default_elastic_limit`)."""
+    limit = default_elastic_limit(num_experts) if expert_offload_limit is None else expert_offload_limit
+    if not 1 <= limit <= num_experts:
+        raise ValueError(f"expert_offload_limit must be in [1, {num_experts}] in elastic mode, got {limit}")
+    return limit
+
+
 def elastic_start_resident(num_layers: int, num_experts: int, free_mid_pages: int, pool_bytes: int,
                            expert_page_bytes: int, limit: int) -> int:
     """Experts per layer resident at start-up: as many as fit beside the load buffers while leaving
@@ -95,9 +103,7 @@ class PassEnd:
 class ElasticCore:
     def __init__(self, residency: ExpertResidency, adjuster: Adjuster, popularity: OnlinePopularity,
                  offload_limit: int, smalls_per_mid: int, step_cost: StepCostTracker | None = None) -> None:
-        if not 1 <= offload_limit <= residency.num_experts:
-            raise ValueError(f"expert_offload_limit must be in [1, {residency.num_experts}] in elastic mode, "
-                             f"got {offload_limit}")
+        """`offload_limit`: from resolve_elastic_limit."""
         self.residency = residency
         self.allocator = residency.allocator
         self.adjuster = adjuster

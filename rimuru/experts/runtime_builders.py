@@ -24,7 +24,7 @@ from rimuru.config import format_bytes
 from rimuru.experts.adjuster import Adjuster, AdjusterConfig, PaperAdjuster
 from rimuru.experts.cache import ExpertCache, resolve_offload_limit, resolve_resident_count
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
-from rimuru.experts.elastic_core import ElasticCore, default_elastic_limit, elastic_start_resident
+from rimuru.experts.elastic_core import ElasticCore, elastic_start_resident, resolve_elastic_limit
 from rimuru.experts.elastic_runtime import ElasticRuntime
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader, measure_copy_bandwidth
@@ -122,9 +122,7 @@ def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype
 def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
              model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ElasticRuntime:
     E = spec.num_experts
-    limit = default_elastic_limit(E) if settings.expert_offload_limit is None else settings.expert_offload_limit
-    if not 1 <= limit <= E:
-        raise ValueError(f"expert_offload_limit must be in [1, {E}] in elastic mode, got {limit}")
+    limit = resolve_elastic_limit(settings.expert_offload_limit, E)
     resident = elastic_start_resident(cache.num_layers, E, pool.allocator.mid_capacity(EXPERT), pool.pool_bytes,
                                       cache.expert_page_bytes, limit)
     _check_fits("elastic", cache, pool, resident, limit)  # before the slow pinning
@@ -137,6 +135,7 @@ def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dty
                                      CostAdjusterConfig(tpot_slo_s=slo, pcie_bandwidth=pcie))
     online = OnlinePopularity(popularity)
     core = ElasticCore(cache.residency, adjuster, online, limit, pool.geometry.smalls_per_mid("kv", EXPERT), costs)
+    fence.watch()  # grows and the load buffers write pages that passes in flight may still read
     loader = ExpertLoader(cache, store, core.place_start(resident), limit, fence)
     counter = RoutingCounter(spec.num_moe_layers, E, pool.device)
     provider = OffloadExpertProvider(cache, loader, _predictor(model, spec), spec.num_experts_per_tok,

@@ -1,7 +1,8 @@
 """`rimuru simulate`: would elastic expert offloading help this model, card and traffic? (no GPU needed)
 
     rimuru simulate --model qwen1.5-moe-a2.7b --gpu-memory-budget 32GiB --dataset sharegpt \\
-        --request-rate 10 --num-prompts 500 --modes static,fixed,elastic --seed 0 --output-json sim.json
+        --request-rate 10 --num-prompts 500 --modes static,fixed,elastic --resident-experts 50 --seed 0 \
+        --output-json sim.json
 
 Per mode it runs the trace once at --request-rate (peak running, forward steps, throughput, TTFT/TPOT,
 evictions/grows, PCIe bytes) and then a rate sweep: the largest rate of --sweep-rates such that it and
@@ -39,12 +40,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", default="sharegpt", help="sharegpt | fixed:PROMPT_LEN:OUTPUT_LEN")
     p.add_argument("--request-rate", type=float, default=10.0, help="requests/s (Poisson)")
     p.add_argument("--num-prompts", type=int, default=500)
-    p.add_argument("--modes", default="static,fixed,elastic")
+    p.add_argument("--modes", default="static,elastic", help="static,fixed,elastic (fixed needs --resident-experts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json")
     p.add_argument("--plot", help="PNG of the memory split and running/waiting over time")
-    p.add_argument("--resident-experts", type=int, help="fixed mode: experts per layer (default E - limit)")
-    p.add_argument("--expert-offload-limit", type=int, default=10, help="most experts one layer may offload")
+    p.add_argument("--resident-experts", type=float,
+                   help="fixed mode: resident experts per layer, a count (>= 1) or a fraction (< 1), as rimuru serve")
+    p.add_argument("--expert-offload-limit", type=int,
+                   help="the most experts one layer may offload (default as rimuru serve: fixed E - resident, "
+                        "elastic E / 6)")
     p.add_argument("--adjuster", default="paper", help="elastic mode's adjuster(s): paper | cost | paper,cost "
                    "(each one runs; sections 'elastic' for paper, 'elastic-cost' for cost)")
     p.add_argument("--tpot-slo-ms", type=float, help="cost adjuster: modelled step time target (default: hide copies)")
@@ -137,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"unknown modes {bad}; choose from {', '.join(MODES)}")
+    if "fixed" in modes and args.resident_experts is None:
+        raise SystemExit("--modes fixed needs --resident-experts (experts per layer, or a fraction), as rimuru serve")
     adjusters = [a.strip() for a in args.adjuster.split(",") if a.strip()]
     if not adjusters or any(a not in ADJUSTERS for a in adjusters):
         raise SystemExit(f"bad --adjuster {args.adjuster!r}; choose from {', '.join(ADJUSTERS)} (comma list)")

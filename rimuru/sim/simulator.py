@@ -28,8 +28,9 @@ from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler
 from rimuru.engine.setup import workspace_bytes
 from rimuru.experts.adjuster import Adjuster, AdjusterConfig
+from rimuru.experts.cache import resolve_offload_limit, resolve_resident_count
 from rimuru.experts.cost_adjuster import CostAdjusterConfig
-from rimuru.experts.elastic_core import ElasticCore, elastic_start_resident
+from rimuru.experts.elastic_core import ElasticCore, elastic_start_resident, resolve_elastic_limit
 from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
 from rimuru.experts.residency import (
     BUFFER_OWNER,
@@ -70,8 +71,8 @@ class SimConfig:
     adjuster: AdjusterConfig = field(default_factory=AdjusterConfig)
     adjuster_kind: str = "paper"  # elastic: paper (threshold rules) | cost (CostAdjuster, fed the model's compute)
     cost: CostAdjusterConfig = field(default_factory=CostAdjusterConfig)
-    resident_experts: int | None = None  # fixed: experts per layer (default: num_experts - expert_offload_limit)
-    expert_offload_limit: int = 10  # elastic: most experts one layer may have offloaded
+    resident_experts: float | None = None  # fixed: experts per layer, a count (>= 1) or a fraction (< 1)
+    expert_offload_limit: int | None = None  # the most experts one layer may have offloaded (engine defaults)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     block_size: int = 16
@@ -80,8 +81,6 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.expert_offload_limit < 0 or (self.resident_experts is not None and self.resident_experts < 0):
-            raise ValueError("expert_offload_limit and resident_experts must be >= 0")
         if self.adjuster_kind not in ADJUSTERS:
             raise ValueError(f"adjuster_kind must be one of {', '.join(ADJUSTERS)}, got {self.adjuster_kind!r}")
         if self.dtype not in _TORCH_DTYPES:
@@ -172,6 +171,13 @@ class Simulation:
         if cfg.mode == "elastic":
             self.core = self._elastic_core(adjuster)
         self._place_experts()
+        if self.core is not None and adjuster is None:
+            # the engine measures the piecewise overhead after capture where it also captured whole graphs, i.e.
+            # where every expert could be resident at once (ElasticRuntime.graph_plan); elsewhere every pass is
+            # piecewise and nothing is charged
+            offloaded = self.residency.total_experts - self.residency.num_resident
+            can_all_fit = PAGES_PER_EXPERT * offloaded <= self.allocator.mid_capacity(EXPERT)
+            self.core.adjuster.set_piecewise_overhead(self.cost.piecewise_overhead_s if can_all_fit else 0.0)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    reclaimable=self.core.reclaimable_kv_pages if self.core else None,
                                    admission_reserve=self.core.admission_reserve_kv_pages if self.core else None)
@@ -196,23 +202,24 @@ class Simulation:
             cost = replace(cfg.cost, pcie_bandwidth=cfg.hardware.pcie_bandwidth)
             adjuster, costs = build_adjuster(cfg.adjuster_kind, int(self.cost.expert_bytes), spec.num_experts_per_tok,
                                              cost, cfg.adjuster)
-            adjuster.set_piecewise_overhead(self.cost.piecewise_overhead_s)  # as the engine measures it
-        limit = min(spec.num_experts, cfg.expert_offload_limit)
+        limit = resolve_elastic_limit(cfg.expert_offload_limit, spec.num_experts)
         return ElasticCore(self.residency, adjuster, OnlinePopularity(self.popularity), limit, self.smalls_per_mid,
                            costs)
 
     def _place_experts(self) -> None:
+        """The engine's start-up per mode (experts/runtime_builders.py): the same resolvers, rule and checks."""
         E, L, mode = self.spec.num_experts, self.spec.num_moe_layers, self.cfg.mode
-        limit = min(E, self.cfg.expert_offload_limit)
+        limit = 0
         if mode == "static":
             k = E
         elif mode == "fixed":
-            k = min(E, self.cfg.resident_experts if self.cfg.resident_experts is not None else E - limit)
-            limit = E - k
+            k = resolve_resident_count(self.cfg.resident_experts, E)
+            limit = resolve_offload_limit(self.cfg.expert_offload_limit, E, k)
         else:
+            limit = self.core.offload_limit if self.core is not None else 0
             k = elastic_start_resident(L, E, self.allocator.mid_capacity(EXPERT), self.mem.pool,
                                        self.mem.geometry.size(EXPERT), limit)
-        buffers = load_buffer_pages(limit) if mode != "static" and (mode == "elastic" or k < E) else 0
+        buffers = load_buffer_pages(limit)  # fixed with nothing offloaded: limit 0, no buffers
         if PAGES_PER_EXPERT * L * k + buffers > self.allocator.mid_capacity(EXPERT):
             self._too_small(mode, k, buffers)
         try:
