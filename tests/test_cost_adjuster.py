@@ -184,21 +184,49 @@ def test_unmeasured_copies_count_as_exposed() -> None:
     assert BASE.initial_copy_overlap == 0.0
 
 
-def test_load_buffers_that_come_with_the_first_eviction_are_paid_for() -> None:
-    # as above, but the load buffers take B mid pages while any expert is out (elastic mode's lazy buffers): the
-    # n experts out free 3 n - B pages. B = 6: one out frees nothing net (-3), four free 6 and admit 1 + 2
+def test_load_buffer_slots_that_come_with_evictions_are_paid_for() -> None:
+    # as above, but the load buffers' slots follow the offload (lazy buffers): as many as the most offloaded
+    # experts of one layer, `buffer_slot_pages` pages each. The eviction order alternates layers: n = 1..4 needs
+    # 1, 1, 2, 2 slots. A slot of 1 page (to see the arithmetic): n frees 3 n - slots = 2, 5, 7, 10 pages; R = 4
+    # admits the head of the queue from 4 pages, then a request a page (footprint 1): 0, 2, 4, 7 more requests
     a = adjuster(10 * MS)
-    a.plan(replace(state(R=4, F=2, running=100, waiting=50, kv=100), buffer_mid_pages=6))
-    assert a.last is not None and a.last.throughput == pytest.approx([10_000, 10_000, 10_000, 10_000, 10_300])
-    # B = 12: even all four free nothing net; nothing pays, nothing goes
+    a.plan(replace(state(R=4, F=2, running=100, waiting=50, kv=100), buffer_slot_pages=1))
+    assert a.last is not None and a.last.throughput == pytest.approx([10_000, 10_000, 10_200, 10_400, 10_700])
+    # the real slot, 6 pages (two buffers x 3 matrices): with two layers no split frees a page net; nothing goes
     b = adjuster(10 * MS)
-    assert b.plan(replace(state(R=4, F=2, running=100, waiting=50, kv=100), buffer_mid_pages=12)).is_empty
-    # once an expert is out the buffers are held: each further eviction frees its own 3 pages (R = 4: two more
-    # admit 1 + 2 requests, as without buffers)
+    assert b.plan(replace(state(R=4, F=2, running=100, waiting=50, kv=100), buffer_slot_pages=6)).is_empty
+    assert b.last is not None and b.last.throughput == pytest.approx([10_000] * 5)
+    # one expert out, its slot held: evictions within the held slots cost nothing more (n = 1, 2 need 1 slot, n = 3,
+    # 4 need 2): n frees 3 (n - 1) - (slots - 1) = 0, 3, 5, 8 pages and admits 0, 0, 2, 5
     c = adjuster(10 * MS)
-    c.plan(replace(state(R=4, F=2, running=100, waiting=50, kv=100, resident=[3, 4]), buffer_mid_pages=12))
+    c.plan(replace(state(R=4, F=2, running=100, waiting=50, kv=100, resident=[3, 4]), buffer_slot_pages=1,
+                   buffer_slots=1))
     assert c.last is not None and c.last.candidates == [1, 2, 3, 4]
-    assert c.last.throughput == pytest.approx([10_000, 10_000, 10_300, 10_600])
+    assert c.last.throughput == pytest.approx([10_000, 10_000, 10_200, 10_500])
+
+
+def test_plans_pay_for_the_buffer_slots_their_evictions_need() -> None:
+    """with_buffer_room: an eviction that gives a layer more offloaded experts than the buffers have slots must
+    also free the new slots' pages, extending the plan along the eviction order, or dropping it."""
+    from rimuru.experts.adjuster import AdjustPlan, PaperAdjuster, with_buffer_room
+
+    lazy = replace(state(R=4, F=0, running=10, waiting=5, kv=10), buffer_slot_pages=6)
+    # one eviction frees 3 pages and needs a slot (6): the next in the order, of the other layer, fits the same
+    # slot, and the two free 6: paid
+    a = PaperAdjuster()
+    assert with_buffer_room(AdjustPlan(evict=ORDER[:1]), lazy, a).evict == ORDER[:2]
+    # free pages count: with 3 free the one eviction pays its slot
+    assert with_buffer_room(AdjustPlan(evict=ORDER[:1]), replace(lazy, free_mid_pages=3), a).evict == ORDER[:1]
+    # two evictions of one layer need 2 slots (12 pages): (0,1) and (0,3) with the one of layer 1 between free 9,
+    # the fourth (layer 1's second) makes 12: paid
+    assert with_buffer_room(AdjustPlan(evict=ORDER[:3]), lazy, a).evict == ORDER[:4]
+    # slots already held cost nothing; buffers held for good (no slot pages) neither
+    assert with_buffer_room(AdjustPlan(evict=ORDER[:1]), replace(lazy, buffer_slots=1), a).evict == ORDER[:1]
+    assert with_buffer_room(AdjustPlan(evict=ORDER[:1]), replace(lazy, buffer_slot_pages=0), a).evict == ORDER[:1]
+    # a limit of one expert per layer: two evictions free 6 pages for 1 slot, paid; a slot of 7 pages: never
+    one = replace(lazy, offload_limit=1)
+    assert with_buffer_room(AdjustPlan(evict=ORDER[:1]), one, a).evict == [(1, 0), (0, 1)]
+    assert with_buffer_room(AdjustPlan(evict=ORDER[:1]), replace(one, buffer_slot_pages=7), a).is_empty
 
 
 def test_min_gain_spares_grows_not_waiting_requests() -> None:

@@ -121,7 +121,7 @@ def test_provider_loads_misses_prefetches_hits_and_keeps_tables(checkpoints) -> 
     llm = fixed(checkpoints["qwen3_moe"], 2)  # 2 MoE layers, 8 experts, top-2; resident 0, 1
     eng = llm.engine
     provider, cache, store, loader = eng.runtime.provider, eng.runtime.cache, eng.runtime.store, eng.runtime.loader
-    assert isinstance(provider, OffloadExpertProvider) and loader.limit == 6 and loader.copy_stream is None
+    assert isinstance(provider, OffloadExpertProvider) and loader.slots == 6 and loader.copy_stream is None
     view = cache.expert_view
     f, d = eng.spec.moe_intermediate_size, eng.spec.hidden_size
 
@@ -190,7 +190,7 @@ def test_loader_reuses_slots_of_unneeded_prefetches(checkpoints) -> None:
     eng = llm.engine
     alloc = eng.pool.allocator
     pages = alloc.allocate_mid(EXPERT, 12, owner=BUFFER_OWNER)
-    loader = ExpertLoader(eng.runtime.cache, eng.runtime.store, pages, 2, eng.fence)  # smaller than E - K on purpose
+    loader = ExpertLoader(eng.runtime.cache, eng.runtime.store, pages, eng.fence)  # smaller than E - K on purpose
     buf = loader.claim(1)
     loader.load(buf, [2, 3], keep=set(), prefetch=True)
     s2, s3 = buf.slot_of[2], buf.slot_of[3]
@@ -203,8 +203,8 @@ def test_loader_reuses_slots_of_unneeded_prefetches(checkpoints) -> None:
     with pytest.raises(RuntimeError, match="needs 1 more experts in a load buffer of 2 slots"):
         loader.load(buf, [5], keep={2, 4}, prefetch=False)
     alloc.free_mid(EXPERT, pages)
-    with pytest.raises(ValueError, match="need 12 pages, got 3"):
-        ExpertLoader(eng.runtime.cache, eng.runtime.store, pages[:3], 2, eng.fence)
+    with pytest.raises(ValueError, match="come in 6 pages .* got 3"):
+        ExpertLoader(eng.runtime.cache, eng.runtime.store, pages[:3], eng.fence)
 
 
 # ---------------------------------------------------------------- engine
@@ -248,7 +248,7 @@ def test_fixed_mode_greedy_equals_static_and_transformers(arch: str, checkpoints
 def test_fraction_larger_limit_and_chunked_prefill(checkpoints, references) -> None:
     llm = fixed(checkpoints["qwen2_moe"], 0.25, expert_offload_limit=7, max_num_batched_tokens=7)
     eng = llm.engine
-    assert eng.runtime.loader.limit == 7 and llm.stats()["resident_experts"] == 2 * 2
+    assert eng.runtime.loader.slots == 7 and llm.stats()["resident_experts"] == 2 * 2
     assert eng.pool.allocator.num_used(EXPERT) == 2 * 2 * 3 + 2 * 7 * 3
     assert run(llm, prompts()) == references["qwen2_moe"]
     split = eng.budget_split

@@ -70,7 +70,7 @@ def test_copy_stream_writes_wait_for_every_pass_that_could_read_their_pages(tiny
             assert fence.covered >= need, f"{what} writes page {p} freed after pass {need}; waited for {fence.covered}"
         checked[what] += 1
 
-    copy, attach = loader.copy_to_pages, loader.attach
+    copy, add_slots = loader.copy_to_pages, loader.add_slots
 
     def copy_checked(layer: int, expert: int, pages):
         done = copy(layer, expert, pages)
@@ -78,10 +78,10 @@ def test_copy_stream_writes_wait_for_every_pass_that_could_read_their_pages(tiny
         return done
 
     def attach_checked(pages: list[int]) -> None:
-        attach(pages)
+        add_slots(pages)
         must_cover(pages, "attach")
 
-    loader.copy_to_pages, loader.attach = copy_checked, attach_checked
+    loader.copy_to_pages, loader.add_slots = copy_checked, attach_checked
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     heavy = [{"prompt_token_ids": torch.randint(3, 300, (int(n),), generator=g).tolist()}

@@ -159,13 +159,17 @@ def test_elastic_with_lazy_load_buffers_pays_for_them_and_gives_them_back() -> N
     assert sim.core.lazy_buffers and sim.core.buffer_pages == [] and sim.residency.in_tables.all()
     held = []
 
-    def watch(sim: Simulation) -> None:
-        held.append((len(sim.core.buffer_pages), int((~sim.residency.in_tables).sum())))
+    def watch(sim: Simulation) -> None:  # after a step: (slots held, the most offloaded experts of one layer)
+        out = 8 - sim.residency.in_tables.sum(axis=1)
+        held.append((sim.core.buffer_slots, int(out.max())))
+        assert len(sim.core.buffer_pages) == 2 * 3 * sim.core.buffer_slots <= 2 * 3 * 3  # whole slots, <= limit
 
     res = sim.run(trace(), after_step=watch)
     assert res.evictions >= 2 and res.output_tokens == sum(r.output_len for r in trace())
-    assert any(b == 2 * 3 * 3 for b, _ in held)  # held while experts were out
-    assert all(b in (0, 18) for b, _ in held)
+    assert any(slots > 0 for slots, _ in held)  # held while experts were out
+    # the slots follow the offload: never more than the most offloaded layer has needed since they were taken, and
+    # fewer than the limit while fewer are out
+    assert any(0 < slots == most < 3 for slots, most in held), held
     assert sim.residency.in_tables.all() and sim.core.buffer_pages == []
     pages = res.final_pages
     assert pages["expert_pages"] == pages["expert_pages_tracked"] == 3 * 64 and pages["pending_deferred"] == 0

@@ -24,7 +24,6 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.sampler import SAMPLE_ROWS_PER_CHUNK, SAMPLER_BYTES_PER_ENTRY
-from rimuru.experts.elastic_core import ELASTIC_KV_RESERVE
 from rimuru.experts.popularity import ExpertPopularity
 from rimuru.experts.runtime import ExpertRuntime
 from rimuru.memory.geometry import PageGeometry
@@ -42,6 +41,10 @@ logger = logging.getLogger("rimuru")
 # f3ae023-h200.json): ~62 kB per token on ~1.36 GB. With the per-token term below (83 kB) this covers both with
 # >= 5 % to spare; tests/test_engine.py holds the bound to every committed probe.
 H200_WORKSPACE_SCRATCH = 896 * 2**20
+
+# With no offload mode given, static mode is picked when every routed expert fits and leaves at least this share of
+# the pool to KV cache; elastic otherwise.
+STATIC_KV_SHARE = 0.10
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
            "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -147,7 +150,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, geometry: PageGeometry, d
     if mode is None:
         expert_bytes = spec.routed_expert_bytes(dtype)
         whole_pool = pool_bytes // geometry.huge_size * geometry.huge_size
-        mode = "static" if expert_bytes <= (1 - ELASTIC_KV_RESERVE) * whole_pool else "elastic"
+        mode = "static" if expert_bytes <= (1 - STATIC_KV_SHARE) * whole_pool else "elastic"
         logger.info("offload_mode not given: %s (routed experts %s, pool %s)", mode, format_bytes(expert_bytes),
                     format_bytes(whole_pool))
     return MemoryPlan(budget=budget, non_expert_weights=non_expert, workspace=work, pool_bytes=pool_bytes, mode=mode)

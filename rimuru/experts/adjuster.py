@@ -31,6 +31,8 @@ from typing import Protocol
 
 import numpy as np
 
+from rimuru.experts.residency import PAGES_PER_EXPERT
+
 Expert = tuple[int, int]  # (moe layer, expert id)
 
 
@@ -98,8 +100,10 @@ class AdjusterState:
     num_stalled: int = 0  # running requests sitting out this step until evictions free their pages
     max_num_seqs: int | None = None  # the scheduler's cap on running requests (None: none)
     kv_mid_pages: float = 0.0  # KV pages in use, in mid-page units (KV pages / smalls per mid)
-    # mid pages the load buffers take while any expert is offloaded and give back when none is (0: held for good)
-    buffer_mid_pages: int = 0
+    # The load buffers (experts/elastic_core.py): mid pages per slot of both buffers when their slots follow the
+    # offload (0: held for good at the limit, so an offload costs no buffer pages), and the slots they hold now.
+    buffer_slot_pages: int = 0
+    buffer_slots: int = 0
 
     def limit(self, layer: int) -> int:
         lim = self.offload_limit
@@ -239,24 +243,60 @@ def pick_evictions(state: AdjusterState, n: int) -> list[Expert]:
     return as_experts(eviction_order(state, n), state.rankings.shape[1])
 
 
-def with_buffer_pages(plan: AdjustPlan, state: AdjusterState, adjuster: Adjuster) -> AdjustPlan:
-    """Elastic mode's lazy load buffers (experts/elastic_core.py): while they hold no pages (`state.buffer_mid_pages`
-    > 0), a plan that offloads the first expert must also free theirs. It evicts at least enough experts that free
-    pages + theirs cover the buffers (the least popular first, `pick_evictions`), dropping any grows, or, where
-    the limits do not allow that many, nothing. The adjuster's stall bound is raised to what is then out
-    (`offloaded_at_least`: its own plan moved fewer). experts/elastic_core.py applies it for the engine and the
-    simulator alike."""
-    if not plan.evict or state.buffer_mid_pages <= 0:
+def most_offloaded_after(base: np.ndarray, flat: np.ndarray, num_experts: int) -> np.ndarray:
+    """[len(flat) + 1]: the most offloaded experts of any layer once the first k experts of `flat` (flat ids
+    l * E + e, each offloaded once) are offloaded on top of `base` [L] (offloaded per layer now), k = 0..len(flat).
+    The load buffers need that many slots (experts/loader.py)."""
+    base = np.asarray(base, dtype=np.int64)
+    out = np.full(len(flat) + 1, base.max(initial=0), dtype=np.int64)
+    if len(flat) == 0:
+        return out
+    layer = np.asarray(flat, dtype=np.int64) // num_experts
+    by_layer = np.argsort(layer, kind="stable")  # each layer's items in their order
+    sorted_layer = layer[by_layer]
+    starts = np.flatnonzero(np.r_[True, sorted_layer[1:] != sorted_layer[:-1]])
+    sizes = np.diff(np.r_[starts, len(sorted_layer)])
+    rank = np.empty(len(flat), dtype=np.int64)
+    rank[by_layer] = np.arange(len(flat)) - np.repeat(starts, sizes)  # position within its layer's items
+    out[1:] = np.maximum(out[0], np.maximum.accumulate(base[layer] + rank + 1))
+    return out
+
+
+def buffer_pages_for(slots: np.ndarray | int, state: AdjusterState) -> np.ndarray:
+    """Mid pages the load buffers hold for an offload needing `slots` slots: they grow to it and keep their slots
+    until every expert is home (0 slots: released). Held for good (`buffer_slot_pages` 0): nothing."""
+    slots = np.asarray(slots, dtype=np.int64)
+    return state.buffer_slot_pages * np.where(slots > 0, np.maximum(slots, state.buffer_slots), 0)
+
+
+def with_buffer_room(plan: AdjustPlan, state: AdjusterState, adjuster: Adjuster) -> AdjustPlan:
+    """Where the load buffers' slots follow the offload (experts/elastic_core.py), a plan whose evictions give
+    some layer more offloaded experts than the buffers have slots must also free the pages of the new slots. It
+    evicts, the least popular first (`pick_evictions`), until free pages + the evicted experts' cover them,
+    dropping any grows, or, where the limits do not allow that many, nothing. The adjuster's stall bound is
+    raised to what is then out (`offloaded_at_least`: its own plan moved fewer). The engine and the simulator
+    both apply it (through ElasticCore)."""
+    if not plan.evict or state.buffer_slot_pages <= 0:
         return plan
-    need = -(-(state.buffer_mid_pages - state.free_mid_pages) // 3)
-    if len(plan.evict) >= need:
-        return plan
-    more = pick_evictions(state, need)
-    if len(more) < need:
-        return AdjustPlan()
     E = state.rankings.shape[1]
-    adjuster.offloaded_at_least(sum(E - len(r) for r in state.resident) + len(more))
-    return AdjustPlan(evict=more)
+    base = np.fromiter((E - len(r) for r in state.resident), dtype=np.int64, count=len(state.resident))
+    held = int(buffer_pages_for(state.buffer_slots, state))
+
+    def room(flat: np.ndarray) -> np.ndarray:  # [len(flat) + 1]: pages short after offloading each prefix of flat
+        extra = buffer_pages_for(most_offloaded_after(base, flat, E), state) - held
+        return extra - state.free_mid_pages - PAGES_PER_EXPERT * np.arange(len(flat) + 1)
+
+    planned = np.asarray([layer * E + e for layer, e in plan.evict], dtype=np.int64)
+    if room(planned)[-1] <= 0:
+        return plan
+    # both adjusters evict a prefix of the eviction order: extend it to the shortest prefix that pays
+    order = eviction_order(state, sum(state.limit(layer) for layer in range(len(state.resident))))
+    ok = np.flatnonzero(room(order)[len(plan.evict):] <= 0)
+    if len(ok) == 0:
+        return AdjustPlan()  # the limits allow no split that pays for its buffers
+    n = len(plan.evict) + int(ok[0])
+    adjuster.offloaded_at_least(int(base.sum()) + n)
+    return AdjustPlan(evict=as_experts(order[:n], E))
 
 
 def pick_grows(state: AdjusterState, n: int) -> list[Expert]:

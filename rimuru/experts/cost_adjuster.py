@@ -4,8 +4,10 @@ Every offloaded expert that a step's batch routes to crosses PCIe in that step (
 candidate number n of offloaded experts (all layers; the n least popular the limits allow, in the order
 `pick_grows` / `pick_evictions` would move them) the adjuster models one decode step:
 
-    g(n)        = P (n - n_now) + B ([n_now > 0] - [n > 0])   mid pages the move frees (P = pages per expert;
-                                                         B = the load buffers' pages, held while any expert is out)
+    g(n)        = P (n - n_now) - (B(n) - B(n_now))       mid pages the move frees (P = pages per expert; B(n) =
+                                                         the load buffers' pages: with lazy buffers 6 per slot, as
+                                                         many slots as the most offloaded experts of one layer
+                                                         among the n, never fewer than held, 0 when n = 0)
     conc(n)     = R > 0: min(running + waiting, running + [g >= R] (1 + (g - R) / footprint))
                   R = 0: min(running, (kv + F + g) / footprint)
                                                          concurrent requests; footprint = kv / running. When
@@ -70,7 +72,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from rimuru.experts.adjuster import AdjusterState, AdjustPlan, as_experts, eviction_order, grow_order, pick_evictions
+from rimuru.experts.adjuster import (
+    AdjusterState,
+    AdjustPlan,
+    as_experts,
+    buffer_pages_for,
+    eviction_order,
+    grow_order,
+    most_offloaded_after,
+    pick_evictions,
+)
 
 
 @dataclass(frozen=True)
@@ -363,8 +374,12 @@ class CostAdjuster:
             demand = min(demand, max(state.max_num_seqs, state.num_running))
         n = cands
         R = 0 if steady else state.shortfall_mid_pages
-        # the load buffers take their pages with the first expert offloaded and give them back with the last home
-        freed = P * (n - n_now) + state.buffer_mid_pages * ((n_now > 0) - (n > 0).astype(np.int64))
+        # lazy load buffers grow with the most offloaded experts of a layer and give their pages back with the last
+        # expert home: what a split frees is its experts' pages less the slots it adds
+        E = state.rankings.shape[1]
+        slots = most_offloaded_after(np.zeros(len(state.resident), dtype=np.int64), order, E)  # [len(order) + 1]
+        buffers = buffer_pages_for(slots[np.minimum(n, len(order))], state)
+        freed = P * (n - n_now) - (buffers - buffer_pages_for(slots[min(n_now, len(order))], state))
         if R > 0:  # the head of the queue needs R more pages; the requests behind it a footprint each
             admitted = np.where(freed >= R, 1.0 + (freed - R) / footprint, 0.0)
             conc = np.minimum(float(demand), state.num_running + admitted)

@@ -12,12 +12,13 @@ the simulator, sim/simulator.py, adds a simulated clock):
     after_pass()            evicted experts leave the residency; idle load buffers give their pages back
     -- allocator.complete_forward() frees what the pass could still read --
 
-Load buffers (2 x 3 x limit mid pages) hold a layer's offloaded experts while it computes. Where they are at
-most a quarter of what offloading frees at the limits (2 limit <= L limit / 4: at least 8 MoE layers,
-`lazy_load_buffers`) they are held only while some expert is offloaded: with every expert resident they would
-be KV cache. A plan that offloads the first expert also frees their pages (`with_buffer_pages`: more evictions,
-or none); the next step's `attach_buffers` takes them before the first pass whose tables lack an expert;
-`after_pass` gives them back once a pass ran with every expert resident and none is moving.
+Load buffers hold a layer's offloaded experts while it computes: two buffers (layers alternate) of `slots` expert
+slots, 2 x 3 mid pages a slot. With at least 8 MoE layers (`lazy_load_buffers`) their slots follow the offload:
+as many as the most offloaded experts of one layer, none while every expert is resident (their pages are KV cache
+then). A plan whose evictions need more slots also frees their pages (`with_buffer_room`: more evictions, or
+none); the next step's `attach_buffers` adds the slots before the first pass whose tables lack those experts;
+`after_pass` gives every slot back once a pass ran with every expert resident and none is moving. With fewer
+layers a slot costs more than offloading frees, so the buffers are held for good at `limit` slots.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from rimuru.experts.adjuster import (
     Adjuster,
     AdjusterState,
     AdjustPlan,
+    buffer_pages_for,
+    eviction_order,
+    most_offloaded_after,
     reclaimable_experts,
     shortfall_mid_pages,
-    with_buffer_pages,
+    with_buffer_room,
 )
 from rimuru.experts.popularity import OnlinePopularity
 from rimuru.experts.residency import (
@@ -48,9 +52,6 @@ from rimuru.experts.residency import (
 from rimuru.experts.runtime import StepDemand
 from rimuru.experts.step_cost import StepCostTracker
 
-# Start-up: the share of the pool left to KV cache when placing experts.
-ELASTIC_KV_RESERVE = 0.10
-
 
 def default_elastic_limit(num_experts: int) -> int:
     """The paper found about ten offloadable experts (of 60) near the throughput peak: E / 6."""
@@ -65,12 +66,20 @@ def resolve_elastic_limit(expert_offload_limit: int | None, num_experts: int) ->
     return limit
 
 
-def elastic_start_resident(num_layers: int, num_experts: int, free_mid_pages: int, pool_bytes: int,
-                           expert_page_bytes: int, limit: int) -> int:
-    """Experts per layer resident at start-up: as many as fit beside the load buffers while leaving
-    ELASTIC_KV_RESERVE of the pool to KV cache, at most all and at least E - limit."""
-    have = free_mid_pages - load_buffer_pages(limit) - int(ELASTIC_KV_RESERVE * pool_bytes) // expert_page_bytes
-    return max(num_experts - limit, min(num_experts, have // (PAGES_PER_EXPERT * num_layers)))
+def start_buffer_slots(num_layers: int, offloaded_per_layer: int, limit: int) -> int:
+    """Load-buffer slots at start-up with `offloaded_per_layer` experts of every layer out (ElasticCore.slots_for)."""
+    return offloaded_per_layer if lazy_load_buffers(num_layers) else limit
+
+
+def elastic_start_resident(num_layers: int, num_experts: int, free_mid_pages: int, limit: int) -> int:
+    """Experts per layer resident at start-up: every expert when they all fit (the adjuster makes KV room as
+    requests come, and only where its model says the room pays); else as many as fit beside the load-buffer slots
+    the others need, at least E - limit (the caller refuses a pool that cannot hold even that)."""
+    for resident in range(num_experts, num_experts - limit - 1, -1):
+        slots = start_buffer_slots(num_layers, num_experts - resident, limit)
+        if PAGES_PER_EXPERT * num_layers * resident + load_buffer_pages(slots) <= free_mid_pages:
+            return resident
+    return num_experts - limit
 
 
 @dataclass
@@ -111,36 +120,59 @@ class ElasticCore:
         self.offload_limit = offload_limit
         self.smalls_per_mid = smalls_per_mid
         self.step_cost = step_cost  # compute and copy costs of recent passes (cost-aware adjusters read it)
-        self.lazy_buffers = lazy_load_buffers(residency.num_layers)
-        self.buffer_mid_pages = load_buffer_pages(offload_limit)
-        self.buffer_pages: list[int] = []  # the load buffers' pages while they hold any
+        self.lazy_buffers = lazy_load_buffers(residency.num_layers)  # slots follow the offload (module docstring)
+        self.buffer_pages: list[int] = []  # the load buffers' pages: 6 per slot, the owner of their lifetime
         self.counters = ElasticCounters()
         self.launched_offloaded = False  # the pass planned last: some expert out of the tables
+        self._reclaimable: tuple[tuple[int, int | None], int] | None = None  # ((residency version, bound), pages)
+
+    @property
+    def buffer_slots(self) -> int:
+        return len(self.buffer_pages) // load_buffer_pages(1)
+
+    def slots_for(self, offloaded_per_layer: list[int]) -> int:
+        """Slots the load buffers need for this offload: the most offloaded experts of a layer (lazy buffers; 0 when
+        none is out), or the limit, held for good."""
+        if not self.lazy_buffers:
+            return self.offload_limit
+        return max(offloaded_per_layer, default=0)
 
     # ------------------------------------------------------------------ start-up
     def place_start(self, resident_per_layer: int) -> list[int]:
         """Start-up: `resident_per_layer` experts of each layer's ranking are placed (by the caller's device half);
-        returns the load buffers' pages when they are held from the start (eager buffers, or an expert out)."""
-        if not self.lazy_buffers or resident_per_layer < self.residency.num_experts:
-            return self._take_buffer_pages()
-        return []
+        returns the load buffers' pages for the slots the start needs (none with lazy buffers and every expert
+        resident)."""
+        offloaded = self.residency.num_experts - resident_per_layer
+        return self._take_slots(start_buffer_slots(self.residency.num_layers, offloaded, self.offload_limit))
 
     def evictable_kv_pages(self) -> int:
         """KV pages that evicting every expert the limits allow would free, less what the load buffers then take
         (the most KV requests could ever get beyond the free pages)."""
-        experts = reclaimable_experts(self.residency.planned_offloaded(), self.offload_limit, None)
-        buffers = self.buffer_mid_pages if experts and not self.buffer_pages and self.lazy_buffers else 0
-        return max(0, experts * PAGES_PER_EXPERT - buffers) * self.smalls_per_mid
+        return self._reclaimable_pages(None)
 
     # ------------------------------------------------------------------ the scheduler's questions
     def reclaimable_kv_pages(self) -> int:
         """KV pages that evicting the experts the limits and the adjuster still allow would free (after the moves
-        in flight). The scheduler lets a running request short of pages wait for these instead of preempting it;
-        a cost-aware adjuster bounds them by what its model allows (`max_offloaded`)."""
-        experts = reclaimable_experts(self.residency.planned_offloaded(), self.offload_limit,
-                                      self.adjuster.max_offloaded())
-        buffers = self.buffer_mid_pages if experts and not self.buffer_pages and self.lazy_buffers else 0
-        return max(0, experts * PAGES_PER_EXPERT - buffers) * self.smalls_per_mid
+        in flight), less the load-buffer slots those evictions need. The scheduler lets a running request short of
+        pages wait for these instead of preempting it; a cost-aware adjuster bounds them by what its model allows
+        (`max_offloaded`)."""
+        return self._reclaimable_pages(self.adjuster.max_offloaded())
+
+    def _reclaimable_pages(self, bound: int | None) -> int:
+        key = (self.residency.version, bound)
+        if self._reclaimable is not None and self._reclaimable[0] == key:
+            return self._reclaimable[1]
+        offloaded = self.residency.planned_offloaded()
+        experts = reclaimable_experts(offloaded, self.offload_limit, bound)
+        pages = experts * PAGES_PER_EXPERT
+        if experts and self.lazy_buffers:  # the evictions, least popular first, may need more slots
+            state = self.state(StepDemand())
+            order = eviction_order(state, experts)
+            slots = most_offloaded_after(np.asarray(offloaded), order, self.residency.num_experts)[-1]
+            pages -= int(buffer_pages_for(slots, state)) - int(buffer_pages_for(self.buffer_slots, state))
+        kv = max(0, pages) * self.smalls_per_mid
+        self._reclaimable = (key, kv)
+        return kv
 
     def admission_reserve_kv_pages(self) -> int:
         """KV pages the scheduler keeps free from new admissions: the pages the adjuster's grows are waiting for."""
@@ -153,17 +185,17 @@ class ElasticCore:
         return self.residency.commit_grows()
 
     def attach_buffers(self) -> list[int] | None:
-        """If the last step's evictions left an expert out and the buffers hold no pages, they take them now
-        (before this step's scheduler can give them to KV). Returns the pages taken, or None."""
-        if self.buffer_pages or self.residency.all_resident():
-            return None
-        return self._take_buffer_pages()
+        """If the last step's evictions left some layer with more offloaded experts than the buffers have slots,
+        the buffers take the pages of the missing slots now (before this step's scheduler can give them to KV).
+        Returns the pages taken, or None."""
+        pages = self._take_slots(self.slots_for(self.residency.planned_offloaded()))
+        return pages or None
 
     def plan(self, demand: StepDemand) -> MovePlan:
         """The adjuster's plan for the step just scheduled, applied to the residency: evictions begin, grows
         reserve their pages (a grow the pool can no longer hold is dropped, with every one after it)."""
         state = self.state(demand)
-        plan = with_buffer_pages(self.adjuster.plan(state), state, self.adjuster)
+        plan = with_buffer_room(self.adjuster.plan(state), state, self.adjuster)
         for layer, expert in plan.evict:
             self.residency.begin_eviction(layer, expert)
         grown: list[tuple[Expert, ExpertPages]] = []
@@ -192,8 +224,8 @@ class ElasticCore:
             num_batched_tokens=demand.num_batched_tokens, num_running=demand.num_running,
             num_waiting=demand.num_waiting, num_stalled=demand.num_stalled, max_num_seqs=demand.max_num_seqs,
             kv_mid_pages=allocator.num_used("kv") / self.smalls_per_mid,
-            # the pages the first offloaded expert costs (while the buffers hold none; held buffers cost nothing more)
-            buffer_mid_pages=self.buffer_mid_pages if self.lazy_buffers and not self.buffer_pages else 0,
+            buffer_slot_pages=load_buffer_pages(1) if self.lazy_buffers else 0,  # held for good: no cost
+            buffer_slots=self.buffer_slots,
         )
 
     def after_pass(self) -> PassEnd:
@@ -223,9 +255,13 @@ class ElasticCore:
                     "cost_copy_excess": self.step_cost.copy_excess()}
         return out | self.adjuster.stats()
 
-    def _take_buffer_pages(self) -> list[int]:
-        pages = self.allocator.allocate_mid(EXPERT, self.buffer_mid_pages, owner=BUFFER_OWNER)
-        if pages is None:  # with_buffer_pages evicted enough for them (or start-up checked): a broken invariant
-            raise RuntimeError(f"no {self.buffer_mid_pages} free mid pages for the load buffers")
-        self.buffer_pages = pages
+    def _take_slots(self, slots: int) -> list[int]:
+        """The pages of the slots the buffers lack to hold `slots` (none when they hold enough)."""
+        count = load_buffer_pages(max(0, slots - self.buffer_slots))
+        if count == 0:
+            return []
+        pages = self.allocator.allocate_mid(EXPERT, count, owner=BUFFER_OWNER)
+        if pages is None:  # with_buffer_room evicted enough for them (or start-up checked): a broken invariant
+            raise RuntimeError(f"no {count} free mid pages for {slots} load-buffer slots")
+        self.buffer_pages += pages
         return pages

@@ -85,7 +85,7 @@ class ElasticRuntime(OffloadRuntime):
     def begin_step(self) -> None:
         pages = self.core.attach_buffers()
         if pages is not None:
-            self.loader.attach(pages)
+            self.loader.add_slots(pages)
         if self._grow_events:
             stream = torch.cuda.current_stream()
             for done in self._grow_events:

@@ -1,11 +1,11 @@
 """Copies non-resident experts from the host store into two load buffers on a dedicated copy stream.
 
-A load buffer is `limit` expert slots of reserved expert pages (3 mid pages per slot) plus its own
+A load buffer is `slots` expert slots of reserved expert pages (3 mid pages per slot) plus its own
 device expert table [E, 3] that the MoE kernel reads: the layer's resident rows, plus one row per
 expert copied into a slot. Consecutive MoE layers alternate buffers, so layer l computes from one
 while layer l+1's experts arrive in the other:
 
-    buffer 0: layers 0, 2, 4, ...      slots: | s0: p1 p3 p2 | s1: p1 p3 p2 | ... | s(limit-1) |
+    buffer 0: layers 0, 2, 4, ...      slots: | s0: p1 p3 p2 | s1: p1 p3 p2 | ... | s(slots-1) |
     buffer 1: layers 1, 3, 5, ...      table: [E, 3] int32, resident rows + slot rows, -1 elsewhere
 
 Ordering on a GPU (all host-side decisions; the device only sees events):
@@ -64,18 +64,15 @@ class LoadBuffer:
 
 
 class ExpertLoader:
-    def __init__(self, cache: ExpertCache, store: HostExpertStore, buffer_pages: list[int], limit: int,
+    def __init__(self, cache: ExpertCache, store: HostExpertStore, buffer_pages: list[int],
                  fence: PassFence) -> None:
-        """`buffer_pages`: the 6 x limit pages of the two buffers, or none: detached (elastic mode while every expert
-        is resident; `attach` gives them pages before an offloaded expert can be routed)."""
-        if buffer_pages and len(buffer_pages) != load_buffer_pages(limit):
-            raise ValueError(f"two load buffers of {limit} experts need {6 * limit} pages, got {len(buffer_pages)}")
+        """`buffer_pages`: 6 x slots pages for the two buffers, or none: detached (elastic mode while every expert
+        is resident; `add_slots` gives them pages before an offloaded expert can be routed)."""
         if (store.num_layers, store.num_experts) != (cache.num_layers, cache.num_experts):
             raise ValueError(f"host store ({store.num_layers} x {store.num_experts}) does not match the expert "
                              f"cache ({cache.num_layers} x {cache.num_experts})")
         self.cache = cache
         self.store = store
-        self.limit = limit
         self.expert_view = cache.expert_view  # [n_mid, f*d]
         device = cache.tables.device
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -85,25 +82,30 @@ class ExpertLoader:
         self.buffers = [LoadBuffer(index=b, slot_pages=[], host_table=torch.full((E, 3), -1, dtype=torch.int32),
                                    table=torch.full((E, 3), -1, dtype=torch.int32, device=device)) for b in range(2)]
         if buffer_pages:
-            self.attach(buffer_pages)
+            self.add_slots(buffer_pages)
 
     @property
     def buffer_pages(self) -> list[int]:
         return [p for buf in self.buffers for slot in buf.slot_pages for p in slot]
 
-    def attach(self, pages: list[int]) -> None:
-        """Gives the detached buffers their 6 x limit pages (buffer b: pages[3 limit b : 3 limit (b + 1)])."""
-        if self.buffer_pages:
-            raise RuntimeError("the load buffers already hold pages")
-        if len(pages) != load_buffer_pages(self.limit):
-            raise ValueError(f"two load buffers of {self.limit} experts need {6 * self.limit} pages, got {len(pages)}")
+    @property
+    def slots(self) -> int:
+        """Expert slots of each buffer: the most offloaded experts of one layer the buffers can hold."""
+        return len(self.buffers[0].slot_pages)
+
+    def add_slots(self, pages: list[int]) -> None:
+        """Each buffer grows by len(pages) / 6 slots (buffer b takes the b-th half, 3 pages a slot). Slots in use
+        keep their experts; a pass in flight reads none of the new pages (they were free)."""
+        if not pages or len(pages) % load_buffer_pages(1):
+            raise ValueError(f"load buffer slots come in {load_buffer_pages(1)} pages (3 per slot, two buffers), "
+                             f"got {len(pages)}")
         # the pages may have been read by a pass still in flight (an evicted expert's, freed at the end of the
         # step that launched it): copies into them go behind it
         self.fence.order_after_launched_passes(self.copy_stream)
-        L3 = 3 * self.limit
+        half = len(pages) // 2
         for b, buf in enumerate(self.buffers):
-            own = pages[b * L3 : (b + 1) * L3]
-            buf.slot_pages = [(own[3 * s], own[3 * s + 1], own[3 * s + 2]) for s in range(self.limit)]
+            own = pages[b * half : (b + 1) * half]
+            buf.slot_pages += [(own[s], own[s + 1], own[s + 2]) for s in range(0, half, 3)]
 
     def detach(self) -> None:
         """Forgets the buffers' pages and what they held (their owner, the elastic core, frees them). Only while no
@@ -160,7 +162,7 @@ class ExpertLoader:
         if not buf.slot_pages:
             raise RuntimeError(f"MoE layer {buf.layer} loads experts into detached load buffers (no pages)")
         used = set(buf.slot_of.values())
-        free = [s for s in range(self.limit) if s not in used]
+        free = [s for s in range(self.slots) if s not in used]
         if len(free) < len(experts):  # reuse slots of prefetched experts the routing did not pick
             stale = [e for e in buf.slot_of if e not in keep]
             for e in stale[: len(experts) - len(free)]:
@@ -168,8 +170,8 @@ class ExpertLoader:
                 buf.host_table[e] = -1
         if len(free) < len(experts):
             raise RuntimeError(f"MoE layer {buf.layer} needs {len(experts)} more experts in a load buffer of "
-                               f"{self.limit} slots holding {len(buf.slot_of)} still needed; expert_offload_limit "
-                               "is smaller than the experts a layer has offloaded")
+                               f"{self.slots} slots holding {len(buf.slot_of)} still needed; the buffers hold fewer "
+                               "slots than the experts a layer has offloaded")
         layer_store = self.store.layers[buf.layer]  # [E, 3, f*d] host
         with self._copy_stream():
             for e, slot in zip(experts, free, strict=False):

@@ -75,7 +75,7 @@ class OffloadExpertProvider:
         hit = np.clip(self.top_k * probs, 0.0, 1.0)
         unused = np.where(absent, (1.0 - hit) ** max(num_tokens, 0), 0.0).sum(axis=1)  # [L] expected
         offloaded = absent.any(axis=1)
-        limit_ok = absent.sum(axis=1) <= self.loader.limit
+        limit_ok = absent.sum(axis=1) <= self.loader.slots
         return ((unused <= STREAM_MAX_UNUSED) & offloaded & limit_ok).tolist(), offloaded.tolist()
 
     def pass_reads_routing(self, num_tokens: int) -> bool:
@@ -203,11 +203,11 @@ class OffloadExpertProvider:
             table = self.cache.tables[moe_layer]  # every routed expert is resident
         buf.consumed = True
 
-        if pred is not None and loader.limit > 0 and not self.streaming[moe_layer + 1]:
+        if pred is not None and loader.slots > 0 and not self.streaming[moe_layer + 1]:
             scores = host[E + 1 :]
             cand = torch.nonzero((scores > 0) & self.cache.host_tables[moe_layer + 1, :, 0].lt(0)).flatten()
             order = torch.argsort(scores[cand], descending=True, stable=True)
-            picked = cand[order][: loader.limit].tolist()
+            picked = cand[order][: loader.slots].tolist()
             if picked:
                 nxt = loader.claim(moe_layer + 1)
                 loader.load(nxt, picked, keep=set(), prefetch=True)

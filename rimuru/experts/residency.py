@@ -39,14 +39,15 @@ class PoolTooSmallError(RuntimeError):
     pass
 
 
-def load_buffer_pages(limit: int) -> int:
-    """Mid pages of the two load buffers of `limit` expert slots each (experts/loader.py)."""
-    return 2 * PAGES_PER_EXPERT * limit
+def load_buffer_pages(slots: int) -> int:
+    """Mid pages of the two load buffers of `slots` expert slots each (experts/loader.py)."""
+    return 2 * PAGES_PER_EXPERT * slots
 
 
 def lazy_load_buffers(num_moe_layers: int) -> bool:
-    """Elastic mode holds its two load buffers (2 x limit experts) only while an expert is offloaded where they
-    are at most a quarter of what offloading frees at the limits (num_moe_layers x limit experts): >= 8 layers."""
+    """Whether elastic mode's load buffers follow the offload (as many slots as the most offloaded experts of one
+    layer, none while every expert is resident) rather than being held for good at the limit. Worth it where a
+    slot, 2 experts' pages, is at most a quarter of what one offloaded expert per layer frees: >= 8 MoE layers."""
     return 4 * 2 <= num_moe_layers
 
 
@@ -75,6 +76,7 @@ class ExpertResidency:
         self._pages: dict[Expert, ExpertPages] = {}  # committed experts (exactly the in_tables ones)
         self._evicting: list[Expert] = []  # still in the tables until the forward pass ends
         self._growing: dict[Expert, ExpertPages] = {}  # pages reserved, copy in flight
+        self.version = 0  # changes with every move (callers cache what they derive from the residency)
 
     # ------------------------------------------------------------------ reading
     @property
@@ -141,6 +143,7 @@ class ExpertResidency:
             self._pages[(layer, e)] = row
             self.in_tables[layer, e] = True
             rows.append(row)
+        self.version += 1
         return rows
 
     def prefix(self, per_layer: int) -> list[Expert]:
@@ -159,6 +162,7 @@ class ExpertResidency:
             raise ValueError(f"expert {expert} of MoE layer {layer} is already being evicted")
         self.allocator.defer_free(EXPERT, list(pages))
         self._evicting.append((layer, expert))
+        self.version += 1
 
     def finish_evictions(self) -> list[Expert]:
         """After the forward pass that could read them: the evicted experts leave the tables."""
@@ -166,6 +170,7 @@ class ExpertResidency:
         for layer, expert in done:
             del self._pages[(layer, expert)]
             self.in_tables[layer, expert] = False
+        self.version += bool(done)
         return done
 
     def reserve_grow(self, layer: int, expert: int) -> ExpertPages | None:
@@ -176,6 +181,7 @@ class ExpertResidency:
         if pages is None:
             return None
         self._growing[(layer, expert)] = (pages[0], pages[1], pages[2])
+        self.version += 1
         return self._growing[(layer, expert)]
 
     def commit_grows(self) -> list[tuple[Expert, ExpertPages]]:
@@ -184,6 +190,7 @@ class ExpertResidency:
         for (layer, expert), pages in done:
             self._pages[(layer, expert)] = pages
             self.in_tables[layer, expert] = True
+        self.version += bool(done)
         return done
 
     def check(self) -> None:

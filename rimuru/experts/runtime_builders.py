@@ -24,7 +24,12 @@ from rimuru.config import format_bytes
 from rimuru.experts.adjuster import Adjuster, AdjusterConfig, PaperAdjuster
 from rimuru.experts.cache import ExpertCache, resolve_offload_limit, resolve_resident_count
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
-from rimuru.experts.elastic_core import ElasticCore, elastic_start_resident, resolve_elastic_limit
+from rimuru.experts.elastic_core import (
+    ElasticCore,
+    elastic_start_resident,
+    resolve_elastic_limit,
+    start_buffer_slots,
+)
 from rimuru.experts.elastic_runtime import ElasticRuntime
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.loader import ExpertLoader, measure_copy_bandwidth
@@ -106,14 +111,14 @@ def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype
            model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ExpertRuntime:
     resident = resolve_resident_count(settings.resident_experts, spec.num_experts)
     limit = resolve_offload_limit(settings.expert_offload_limit, spec.num_experts, resident)
-    _check_fits("fixed", cache, pool, resident, limit)  # before the slow pinning
+    _check_fits("fixed", cache, pool, resident, limit, buffer_slots=limit)  # before the slow pinning
     cache.make_prefix_resident(resident)
     if limit == 0:  # every expert resident for good: whole CUDA graphs stay possible
         return StaticRuntime(cache, mode="fixed")
     store = _host_store(spec, dtype, pool.device)
     pages = pool.allocator.allocate_mid(EXPERT, load_buffer_pages(limit), owner=BUFFER_OWNER)
     assert pages is not None  # _check_fits counted them
-    loader = ExpertLoader(cache, store, pages, limit, fence)
+    loader = ExpertLoader(cache, store, pages, fence)
     provider = OffloadExpertProvider(cache, loader, _predictor(model, spec), spec.num_experts_per_tok,
                                      popularity=lambda: popularity.probabilities)
     return OffloadRuntime(cache, store, loader, provider)
@@ -123,9 +128,9 @@ def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dty
              model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ElasticRuntime:
     E = spec.num_experts
     limit = resolve_elastic_limit(settings.expert_offload_limit, E)
-    resident = elastic_start_resident(cache.num_layers, E, pool.allocator.mid_capacity(EXPERT), pool.pool_bytes,
-                                      cache.expert_page_bytes, limit)
-    _check_fits("elastic", cache, pool, resident, limit)  # before the slow pinning
+    resident = elastic_start_resident(cache.num_layers, E, pool.allocator.mid_capacity(EXPERT), limit)
+    slots = start_buffer_slots(cache.num_layers, E - resident, limit)
+    _check_fits("elastic", cache, pool, resident, limit, buffer_slots=slots)  # before the slow pinning
     cache.make_prefix_resident(resident)
     store = _host_store(spec, dtype, pool.device)
     pcie = _copy_bandwidth(store, pool.device)
@@ -136,7 +141,7 @@ def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dty
     online = OnlinePopularity(popularity)
     core = ElasticCore(cache.residency, adjuster, online, limit, pool.geometry.smalls_per_mid("kv", EXPERT), costs)
     fence.watch()  # grows and the load buffers write pages that passes in flight may still read
-    loader = ExpertLoader(cache, store, core.place_start(resident), limit, fence)
+    loader = ExpertLoader(cache, store, core.place_start(resident), fence)
     counter = RoutingCounter(spec.num_moe_layers, E, pool.device)
     provider = OffloadExpertProvider(cache, loader, _predictor(model, spec), spec.num_experts_per_tok,
                                      popularity=online.probabilities, counter=counter)
@@ -164,17 +169,17 @@ def _copy_bandwidth(store: HostExpertStore, device: torch.device) -> float:
     return measured
 
 
-def _check_fits(mode: str, cache: ExpertCache, pool: PagePool, resident: int, limit: int) -> None:
-    """`resident` experts per layer and two load buffers of `limit` experts must fit the pool."""
+def _check_fits(mode: str, cache: ExpertCache, pool: PagePool, resident: int, limit: int, buffer_slots: int) -> None:
+    """`resident` experts per layer and two load buffers of `buffer_slots` experts must fit the pool."""
     L, E = cache.num_layers, cache.num_experts
-    need_resident, need_buffers = 3 * L * resident, load_buffer_pages(limit)
+    need_resident, need_buffers = 3 * L * resident, load_buffer_pages(buffer_slots)
     have = pool.allocator.mid_capacity(EXPERT)
     if need_resident + need_buffers > have:
         page = cache.expert_page_bytes
         raise ValueError(
             f"offload_mode={mode!r} with resident_experts={resident} of {E} per layer and expert_offload_limit="
             f"{limit} needs {need_resident} expert pages for {L} x {resident} resident experts + {need_buffers} "
-            f"for 2 load buffers of {limit} experts = {need_resident + need_buffers} pages "
+            f"for 2 load buffers of {buffer_slots} experts = {need_resident + need_buffers} pages "
             f"({format_bytes((need_resident + need_buffers) * page)}), but the page pool holds {have} "
             f"({format_bytes(have * page)}); lower resident_experts, raise expert_offload_limit or raise "
             "gpu_memory_budget")

@@ -30,7 +30,12 @@ from rimuru.engine.setup import workspace_bytes
 from rimuru.experts.adjuster import Adjuster, AdjusterConfig
 from rimuru.experts.cache import resolve_offload_limit, resolve_resident_count
 from rimuru.experts.cost_adjuster import CostAdjusterConfig
-from rimuru.experts.elastic_core import ElasticCore, elastic_start_resident, resolve_elastic_limit
+from rimuru.experts.elastic_core import (
+    ElasticCore,
+    elastic_start_resident,
+    resolve_elastic_limit,
+    start_buffer_slots,
+)
 from rimuru.experts.popularity import ExpertPopularity, OnlinePopularity
 from rimuru.experts.residency import (
     BUFFER_OWNER,
@@ -209,17 +214,17 @@ class Simulation:
     def _place_experts(self) -> None:
         """The engine's start-up per mode (experts/runtime_builders.py): the same resolvers, rule and checks."""
         E, L, mode = self.spec.num_experts, self.spec.num_moe_layers, self.cfg.mode
-        limit = 0
+        slots = 0  # of the load buffers at start
         if mode == "static":
             k = E
         elif mode == "fixed":
             k = resolve_resident_count(self.cfg.resident_experts, E)
-            limit = resolve_offload_limit(self.cfg.expert_offload_limit, E, k)
+            slots = resolve_offload_limit(self.cfg.expert_offload_limit, E, k)  # 0 with nothing offloaded
         else:
             limit = self.core.offload_limit if self.core is not None else 0
-            k = elastic_start_resident(L, E, self.allocator.mid_capacity(EXPERT), self.mem.pool,
-                                       self.mem.geometry.size(EXPERT), limit)
-        buffers = load_buffer_pages(limit)  # fixed with nothing offloaded: limit 0, no buffers
+            k = elastic_start_resident(L, E, self.allocator.mid_capacity(EXPERT), limit)
+            slots = start_buffer_slots(L, E - k, limit)
+        buffers = load_buffer_pages(slots)
         if PAGES_PER_EXPERT * L * k + buffers > self.allocator.mid_capacity(EXPERT):
             self._too_small(mode, k, buffers)
         try:
