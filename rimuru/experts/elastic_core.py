@@ -66,20 +66,29 @@ def resolve_elastic_limit(expert_offload_limit: int | None, num_experts: int) ->
     return limit
 
 
+# Start-up where the experts do not all fit: the share of the free pool left to KV cache.
+FORCED_START_KV_SHARE = 0.10
+
+
 def start_buffer_slots(num_layers: int, offloaded_per_layer: int, limit: int) -> int:
     """Load-buffer slots at start-up with `offloaded_per_layer` experts of every layer out (ElasticCore.slots_for)."""
     return offloaded_per_layer if lazy_load_buffers(num_layers) else limit
 
 
 def elastic_start_resident(num_layers: int, num_experts: int, free_mid_pages: int, limit: int) -> int:
-    """Experts per layer resident at start-up: every expert when they all fit (the adjuster makes KV room as
-    requests come, and only where its model says the room pays); else as many as fit beside the load-buffer slots
-    the others need, at least E - limit (the caller refuses a pool that cannot hold even that)."""
-    for resident in range(num_experts, num_experts - limit - 1, -1):
-        slots = start_buffer_slots(num_layers, num_experts - resident, limit)
-        if PAGES_PER_EXPERT * num_layers * resident + load_buffer_pages(slots) <= free_mid_pages:
+    """Experts per layer resident at start-up. Every expert when they all fit: the adjuster makes KV room as
+    requests come, and only where its model says the room pays. Where they do not (offloading is the price of
+    running at all), as many as fit beside the load-buffer slots the others need while leaving
+    FORCED_START_KV_SHARE of the pool to KV cache, so the first requests need no evictions; at least E - limit
+    (the caller refuses a pool that cannot hold even that)."""
+    L, E = num_layers, num_experts
+    if PAGES_PER_EXPERT * L * E + load_buffer_pages(start_buffer_slots(L, 0, limit)) <= free_mid_pages:
+        return E
+    room = free_mid_pages - int(FORCED_START_KV_SHARE * free_mid_pages)
+    for resident in range(E - 1, E - limit - 1, -1):
+        if PAGES_PER_EXPERT * L * resident + load_buffer_pages(start_buffer_slots(L, E - resident, limit)) <= room:
             return resident
-    return num_experts - limit
+    return E - limit
 
 
 @dataclass
