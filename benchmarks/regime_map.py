@@ -1,0 +1,258 @@
+"""The regime map: which offload mode serves a model best on a budget and a traffic, by the rate it sustains
+under a latency SLO, with the simulator's prediction beside every measured point.
+
+A cell is (model, budget, routing). serve_sweep.py measures each mode (a sweep configuration: static, a fixed split,
+elastic with its defaults, elastic with an SLO, vLLM) at several request rates; this script reads those files and:
+
+    build   one row per measured point (the fields below), each with `rimuru simulate`'s prediction for the same
+            configuration, requests and rate; per cell and mode the SLO capacity, measured and predicted: the
+            highest measured rate such that it and every lower measured rate hold TTFT p99 <= 2 s and
+            TPOT p99 <= 50 ms (None when the lowest misses); a plot of throughput and TTFT p99 against rate
+    plan    before any GPU time: the simulator's capacity of each mode on a grid of rates, and the rates to
+            measure around each predicted knee (10 % steps), as serve_sweep.py arguments
+
+    PYTHONPATH=. python benchmarks/regime_map.py build benchmarks/results/*-serve-*-h200.json \\
+        --output-json benchmarks/results/DATE-regime-map-h200.json --plot docs/regime_map_h200.png
+    PYTHONPATH=. python benchmarks/regime_map.py plan --model qwen3-30b-a3b --gpu-memory-budget 59GiB \\
+        --routing zipf:1.0 --define 'static=rimuru:--offload-mode static' \\
+        --define 'elastic=rimuru:--offload-mode elastic' --num-prompts 400
+
+vLLM has no skewed router: its rows are uniform only, and the simulator predicts no vLLM configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import metadata, write_json  # noqa: E402
+from benchmarks.result_files import run_of  # noqa: E402
+from rimuru.config import parse_bytes  # noqa: E402
+
+TTFT_P99_SLO_MS = 2000.0
+TPOT_P99_SLO_MS = 50.0
+ROW_FIELDS = ("model", "budget_gib", "routing", "mode", "rate", "num_prompts", "output_throughput", "median_ttft_ms",
+              "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "peak_running", "expert_bytes_pcie")
+
+
+def meets_slo(point: dict[str, Any]) -> bool:
+    ttft, tpot = point.get("p99_ttft_ms"), point.get("p99_tpot_ms")
+    return ttft is not None and tpot is not None and ttft <= TTFT_P99_SLO_MS and tpot <= TPOT_P99_SLO_MS
+
+
+def slo_capacity(points: dict[float, dict[str, Any]]) -> float | None:
+    """The highest rate of `points` such that it and every lower one meet both SLOs."""
+    best = None
+    for rate in sorted(points):
+        if not meets_slo(points[rate]):
+            break
+        best = rate
+    return best
+
+
+def routing_of(flags: list[str]) -> str:
+    """`--dummy-routing zipf:S` among a Rimuru server's flags, else uniform (vLLM's dummy weights route uniformly)."""
+    for i, flag in enumerate(flags):
+        if flag == "--dummy-routing" and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith("--dummy-routing="):
+            return flag.split("=", 1)[1]
+    return "uniform"
+
+
+def server_flags(doc: dict[str, Any], config: str) -> list[str]:
+    command = (doc.get("servers") or {}).get(config, {}).get("command", "")
+    return shlex.split(command)
+
+
+def rows_from_sweep(doc: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """The regime rows of one serve_sweep file: its ok rows, with the cell they measure."""
+    budget = doc.get("gpu_memory_budget")
+    rows = []
+    for row in doc.get("rows", []):
+        if row.get("status") != "ok":
+            continue
+        flags = server_flags(doc, row["config"])
+        rows.append({
+            "model": Path(str(doc.get("model", ""))).name or str(doc.get("model")),
+            "budget_gib": round(parse_bytes(budget) / 2**30, 2) if budget else None,
+            "routing": "uniform" if row.get("server") == "vllm" else routing_of(flags),
+            "mode": row["config"], **{k: row.get(k) for k in ROW_FIELDS[4:]},
+            "server": row.get("server"), "server_flags": flags, "run": run_of(doc), "file": source})
+    return rows
+
+
+def capacities(rows: list[dict[str, Any]], key: str = "") -> list[dict[str, Any]]:
+    """Per (cell, mode): the measured rates and the SLO capacity; `key` = 'predicted_' reads the predictions."""
+    by: dict[tuple, dict[float, dict[str, Any]]] = {}
+    for r in rows:
+        if key and r.get("predicted") is None:
+            continue
+        point = r["predicted"] if key else r
+        by.setdefault((r["model"], r["budget_gib"], r["routing"], r["mode"]), {})[float(r["rate"])] = point
+    return [{"model": m, "budget_gib": b, "routing": rt, "mode": mode, "rates": sorted(pts),
+             f"{key}slo_capacity": slo_capacity(pts)} for (m, b, rt, mode), pts in sorted(by.items(), key=str)]
+
+
+# ---------------------------------------------------------------------------------------------- predictions
+
+def sim_config_of(flags: list[str], budget_bytes: int) -> Any:
+    """The SimConfig of a Rimuru server's flags (the settings the simulator models; others keep its defaults)."""
+    from rimuru.experts.cost_adjuster import CostAdjusterConfig
+    from rimuru.sim.simulator import SimConfig
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--offload-mode", default="static")
+    ap.add_argument("--adjuster", default="paper")
+    ap.add_argument("--expert-offload-limit", type=int)
+    ap.add_argument("--resident-experts", type=float)
+    ap.add_argument("--tpot-slo-ms", type=float)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    known, _ = ap.parse_known_args(flags)
+    slo = None if known.tpot_slo_ms is None else known.tpot_slo_ms / 1e3
+    return SimConfig(mode=known.offload_mode, budget_bytes=budget_bytes, adjuster_kind=known.adjuster,
+                     cost=CostAdjusterConfig(tpot_slo_s=slo), resident_experts=known.resident_experts,
+                     expert_offload_limit=known.expert_offload_limit, max_num_seqs=known.max_num_seqs,
+                     max_num_batched_tokens=known.max_num_batched_tokens)
+
+
+def simulate(model: str, routing: str, flags: list[str], budget_bytes: int, rate: float, num_prompts: int,
+             seed: int = 0) -> dict[str, Any]:
+    """`rimuru simulate`'s prediction of one point (H200 profile): the row fields it predicts, in ms."""
+    from rimuru.experts.popularity import ExpertPopularity
+    from rimuru.model_spec import load_model_spec
+    from rimuru.sim.cli import load_requests, with_arrivals
+    from rimuru.sim.simulator import Simulation
+
+    spec = load_model_spec(model)
+    pop = ExpertPopularity.from_routing(model, routing, spec.num_moe_layers, spec.num_experts, seed=seed)
+    s = Simulation(spec, pop, sim_config_of(flags, budget_bytes)).run(
+        with_arrivals(load_requests("sharegpt", num_prompts, seed), rate, seed)).summary()
+    return {"output_throughput": s["output_throughput_tok_s"], "median_ttft_ms": 1e3 * s["ttft_p50_s"],
+            "p99_ttft_ms": 1e3 * s["ttft_p99_s"], "median_tpot_ms": 1e3 * s["tpot_p50_s"],
+            "p99_tpot_ms": 1e3 * s["tpot_p99_s"], "peak_running": s["peak_running"],
+            "expert_bytes_pcie": s["pcie_bytes"]}
+
+
+def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str]) -> list[dict[str, Any]]:
+    """Each Rimuru row gets `predicted` (the simulator on the same configuration, requests and rate); `model_of`
+    maps a row's model name to what load_model_spec reads (a preset name or a model directory)."""
+    out = []
+    for r in rows:
+        predicted = None
+        if r["server"] == "rimuru" and r["budget_gib"] is not None:
+            try:
+                predicted = simulate(model_of.get(r["model"], r["model"]), r["routing"], r["server_flags"],
+                                     int(r["budget_gib"] * 2**30), float(r["rate"]), int(r["num_prompts"]))
+            except (ValueError, RuntimeError) as e:  # a configuration the simulator refuses: say so in the row
+                predicted = {"error": str(e)[:300]}
+        out.append({**r, "predicted": predicted})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+def build(args: argparse.Namespace) -> None:
+    rows = []
+    for path in args.files:
+        rows += rows_from_sweep(json.loads(Path(path).read_text()), Path(path).name)
+    if not args.no_predictions:
+        rows = with_predictions(rows, dict(m.split("=", 1) for m in args.model_path))
+    measured = capacities(rows)
+    predicted = {tuple(c[k] for k in ("model", "budget_gib", "routing", "mode")): c["predicted_slo_capacity"]
+                 for c in capacities([r for r in rows if isinstance(r.get("predicted"), dict)
+                                      and "error" not in r["predicted"]], key="predicted_")}
+    for c in measured:
+        c["predicted_slo_capacity"] = predicted.get(tuple(c[k] for k in ("model", "budget_gib", "routing", "mode")))
+    meta = metadata("regime_map",
+                    slo={"p99_ttft_ms": TTFT_P99_SLO_MS, "p99_tpot_ms": TPOT_P99_SLO_MS}, capacities=measured)
+    for c in measured:
+        print(f"{c['model']:>20} {c['budget_gib']:>6} GiB {c['routing']:>9} {c['mode']:>18}  capacity "
+              f"{c['slo_capacity']} req/s (predicted {c['predicted_slo_capacity']}), rates {c['rates']}")
+    write_json(Path(args.output_json) if args.output_json else None, meta, rows)
+    if args.plot:
+        plot(rows, Path(args.plot))
+
+
+def plan(args: argparse.Namespace) -> None:
+    """Predicted capacity per configuration on a grid, then the rates around each knee to measure."""
+    budget = parse_bytes(args.gpu_memory_budget)
+    grid = [float(r) for r in args.grid.split(",")]
+    for define in args.define:
+        name, _, spec = define.partition("=")
+        server, _, flags = spec.partition(":")
+        if server != "rimuru":
+            print(f"{name}: {server} is not simulated")
+            continue
+        points = {}
+        for rate in grid:
+            points[rate] = simulate(args.model, args.routing, shlex.split(flags), budget, rate, args.num_prompts)
+            if not meets_slo(points[rate]):
+                break
+        knee = slo_capacity(points)
+        base = knee if knee is not None else grid[0]
+        rates = sorted({round(base * f, 2) for f in (0.8, 0.9, 1.0, 1.1, 1.2)})
+        print(f"{name}: predicted SLO capacity {knee} req/s on {sorted(points)}; measure "
+              f"--configs {name} --rates {','.join(f'{r:g}' for r in rates)} --num-prompts {args.num_prompts}")
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["model"], r["budget_gib"], r["routing"]) for r in rows}, key=str)
+    fig, axes = plt.subplots(2, len(cells), figsize=(5 * len(cells), 7), squeeze=False)
+    for j, cell in enumerate(cells):
+        for mode in sorted({r["mode"] for r in rows if (r["model"], r["budget_gib"], r["routing"]) == cell}):
+            pts = sorted((float(r["rate"]), r) for r in rows
+                         if (r["model"], r["budget_gib"], r["routing"]) == cell and r["mode"] == mode)
+            xs = [x for x, _ in pts]
+            axes[0][j].plot(xs, [r["output_throughput"] for _, r in pts], "o-", label=mode)
+            axes[1][j].plot(xs, [r["p99_ttft_ms"] / 1e3 for _, r in pts], "o-", label=mode)
+        axes[0][j].set_title(f"{cell[0]}, {cell[1]} GiB, {cell[2]}")
+        axes[0][j].set_ylabel("output tok/s")
+        axes[1][j].set_ylabel("TTFT p99 (s)")
+        axes[1][j].axhline(TTFT_P99_SLO_MS / 1e3, color="grey", linestyle=":")
+        axes[1][j].set_xlabel("request rate (req/s)")
+        axes[0][j].legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="regime rows and SLO capacities from serve_sweep files")
+    b.add_argument("files", nargs="+")
+    b.add_argument("--output-json")
+    b.add_argument("--plot")
+    b.add_argument("--no-predictions", action="store_true", help="skip the simulator (no predicted fields)")
+    b.add_argument("--model-path", action="append", default=[], metavar="NAME=PATH",
+                   help="what the simulator loads for a row's model name (default: the name, a preset)")
+    p = sub.add_parser("plan", help="the simulator's capacity per configuration, and the rates to measure")
+    p.add_argument("--model", required=True)
+    p.add_argument("--gpu-memory-budget", required=True)
+    p.add_argument("--routing", default="uniform")
+    p.add_argument("--define", action="append", default=[], metavar="NAME=SERVER:FLAGS")
+    p.add_argument("--num-prompts", type=int, default=400)
+    p.add_argument("--grid", default="1,2,4,6,8,10,12,16,20,24,32,40,48,64")
+    args = ap.parse_args(argv)
+    if args.command == "build":
+        build(args)
+    else:
+        plan(args)
+
+
+if __name__ == "__main__":
+    main()
