@@ -133,7 +133,8 @@ class ElasticCore:
         self.buffer_pages: list[int] = []  # the load buffers' pages: 6 per slot, the owner of their lifetime
         self.counters = ElasticCounters()
         self.launched_offloaded = False  # the pass planned last: some expert out of the tables
-        self._reclaimable: tuple[tuple[int, int | None], int] | None = None  # ((residency version, bound), pages)
+        # the last answer of _reclaimable_pages, keyed by everything it reads that changes between steps
+        self._reclaimable: tuple[tuple[int, int, int, int | None], int] | None = None
 
     @property
     def buffer_slots(self) -> int:
@@ -168,7 +169,7 @@ class ElasticCore:
         return self._reclaimable_pages(self.adjuster.max_offloaded())
 
     def _reclaimable_pages(self, bound: int | None) -> int:
-        key = (self.residency.version, bound)
+        key = (self.residency.version, self.buffer_slots, self.popularity.num_reranks, bound)
         if self._reclaimable is not None and self._reclaimable[0] == key:
             return self._reclaimable[1]
         offloaded = self.residency.planned_offloaded()
