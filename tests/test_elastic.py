@@ -450,3 +450,20 @@ def test_the_longest_request_accepted_runs_although_offloading_attaches_the_buff
     assert len(out[0].outputs[0].token_ids) == 8
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([{"prompt_token_ids": prompt + [5] * 16}], SamplingParams(max_tokens=8))
+
+
+def test_elastic_start_and_default_limit() -> None:
+    """Every expert starts resident when they all fit; else as many as fit beside their load-buffer slots with a
+    tenth of the pool left to KV. The default limit is the paper's E / 6, raised to the fewest that let such a pool
+    start at all (8 MoE layers x 12 experts: lazy buffers, 6 pages a slot)."""
+    from rimuru.experts.elastic_core import default_elastic_limit, elastic_start_resident, start_pages
+
+    L, E = 8, 12
+    assert start_pages(L, E, E, 2) == 3 * L * E  # all resident: no slots
+    assert elastic_start_resident(L, E, free_mid_pages=3 * L * E, limit=2) == E
+    # 250 pages: 225 after the KV tenth; 9 resident (216 pages) + 3 slots (18) = 234 > 225, 8 + 4 slots = 216
+    assert elastic_start_resident(L, E, free_mid_pages=250, limit=4) == 8
+    assert start_pages(L, E, 8, 4) == 3 * L * 8 + 2 * 3 * 4
+    assert default_elastic_limit(L, E, 3 * L * E) == E // 6  # room for every expert: the paper's limit
+    assert default_elastic_limit(L, E, 250) == 4  # E / 6 = 2 cannot start (10 resident + 2 slots = 252 > 225)
+    assert default_elastic_limit(L, E, 10) == E  # nothing starts: the builder refuses the pool

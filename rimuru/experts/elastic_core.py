@@ -53,17 +53,33 @@ from rimuru.experts.runtime import StepDemand
 from rimuru.experts.step_cost import StepCostTracker
 
 
-def default_elastic_limit(num_experts: int) -> int:
-    """The paper found about ten offloadable experts (of 60) near the throughput peak: E / 6."""
-    return max(1, num_experts // 6)
+def default_elastic_limit(num_layers: int, num_experts: int, free_mid_pages: int) -> int:
+    """The paper's E / 6 (about ten offloadable experts of 60 near its throughput peak), raised where the pool
+    cannot start with it to the fewest that let it start as `elastic_start_resident` wants (every expert, or the
+    rest beside FORCED_START_KV_SHARE of KV); E where none does (the caller then refuses the pool)."""
+    room = free_mid_pages - int(FORCED_START_KV_SHARE * free_mid_pages)
+    for limit in range(max(1, num_experts // 6), num_experts + 1):
+        if (start_pages(num_layers, num_experts, num_experts, limit) <= free_mid_pages
+                or start_pages(num_layers, num_experts, num_experts - limit, limit) <= room):
+            return limit
+    return num_experts
 
 
-def resolve_elastic_limit(expert_offload_limit: int | None, num_experts: int) -> int:
-    """The most experts one layer may have offloaded in elastic mode (default: `default_elastic_limit`)."""
-    limit = default_elastic_limit(num_experts) if expert_offload_limit is None else expert_offload_limit
+def resolve_elastic_limit(expert_offload_limit: int | None, num_layers: int, num_experts: int,
+                          free_mid_pages: int) -> int:
+    """The most experts one layer may have offloaded in elastic mode (default: `default_elastic_limit` for a pool
+    of `free_mid_pages` free expert pages, before anything is placed)."""
+    limit = (default_elastic_limit(num_layers, num_experts, free_mid_pages) if expert_offload_limit is None
+             else expert_offload_limit)
     if not 1 <= limit <= num_experts:
         raise ValueError(f"expert_offload_limit must be in [1, {num_experts}] in elastic mode, got {limit}")
     return limit
+
+
+def start_pages(num_layers: int, num_experts: int, resident: int, limit: int) -> int:
+    """Expert pages the start-up takes: `resident` experts per layer and the load-buffer slots the others need."""
+    slots = start_buffer_slots(num_layers, num_experts - resident, limit)
+    return PAGES_PER_EXPERT * num_layers * resident + load_buffer_pages(slots)
 
 
 # Start-up where the experts do not all fit: the share of the free pool left to KV cache.
@@ -82,11 +98,11 @@ def elastic_start_resident(num_layers: int, num_experts: int, free_mid_pages: in
     FORCED_START_KV_SHARE of the pool to KV cache, so the first requests need no evictions; at least E - limit
     (the caller refuses a pool that cannot hold even that)."""
     L, E = num_layers, num_experts
-    if PAGES_PER_EXPERT * L * E + load_buffer_pages(start_buffer_slots(L, 0, limit)) <= free_mid_pages:
+    if start_pages(L, E, E, limit) <= free_mid_pages:
         return E
     room = free_mid_pages - int(FORCED_START_KV_SHARE * free_mid_pages)
     for resident in range(E - 1, E - limit - 1, -1):
-        if PAGES_PER_EXPERT * L * resident + load_buffer_pages(start_buffer_slots(L, E - resident, limit)) <= room:
+        if start_pages(L, E, resident, limit) <= room:
             return resident
     return E - limit
 

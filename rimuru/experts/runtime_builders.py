@@ -127,7 +127,8 @@ def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype
 def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
              model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ElasticRuntime:
     E = spec.num_experts
-    limit = resolve_elastic_limit(settings.expert_offload_limit, E)
+    limit = resolve_elastic_limit(settings.expert_offload_limit, cache.num_layers, E,
+                                  pool.allocator.mid_capacity(EXPERT))
     resident = elastic_start_resident(cache.num_layers, E, pool.allocator.mid_capacity(EXPERT), limit)
     slots = start_buffer_slots(cache.num_layers, E - resident, limit)
     _check_fits("elastic", cache, pool, resident, limit, buffer_slots=slots)  # before the slow pinning

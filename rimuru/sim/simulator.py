@@ -207,7 +207,8 @@ class Simulation:
             cost = replace(cfg.cost, pcie_bandwidth=cfg.hardware.pcie_bandwidth)
             adjuster, costs = build_adjuster(cfg.adjuster_kind, int(self.cost.expert_bytes), spec.num_experts_per_tok,
                                              cost, cfg.adjuster)
-        limit = resolve_elastic_limit(cfg.expert_offload_limit, spec.num_experts)
+        limit = resolve_elastic_limit(cfg.expert_offload_limit, spec.num_moe_layers, spec.num_experts,
+                                      self.allocator.mid_capacity(EXPERT))
         return ElasticCore(self.residency, adjuster, OnlinePopularity(self.popularity), limit, self.smalls_per_mid,
                            costs)
 
