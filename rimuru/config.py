@@ -140,7 +140,8 @@ _FLAG_HELP = {
     "offload_mode": "static (all experts resident) | fixed | elastic",
     "load_format": "auto | safetensors | dummy (random weights of the real shapes)",
     "resident_experts": "fixed mode: resident experts per layer (>= 1) or a fraction (< 1)",
-    "expert_offload_limit": "the most experts one layer may have offloaded",
+    "expert_offload_limit": "the most experts one layer may have offloaded (fixed: E - resident; elastic: E/6, raised "
+                            "until the pool can start)",
     "expert_ranking": "expert popularity JSON written by `rimuru profile`",
     "enforce_eager": "never capture CUDA graphs",
     "max_cudagraph_capture_size": "the largest step (tokens) replayed from a CUDA graph; larger steps run eagerly "
