@@ -126,7 +126,7 @@ def test_a_grow_into_pages_a_running_pass_reads_waits_for_it() -> None:
         cache = ExpertCache(residency, view, dev)
         cache.make_resident([(0, 0)])
         cache.load_from_store(store)
-        loader = ExpertLoader(cache, store, [], 0, fence)
+        loader = ExpertLoader(cache, store, [], fence)
         torch.cuda.synchronize()
         pages = list(residency.pages_of(0, 0))
         torch.cuda._sleep(200_000_000)  # ~0.1 s of a pass that reads expert 0 at its end

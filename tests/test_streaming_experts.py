@@ -109,3 +109,44 @@ def test_cuda_piecewise_graphs_stream_without_host_waits(parity_checkpoints, mon
     provider = llm.engine.runtime.provider
     assert provider.routing_reads == 0 and provider.streamed_layers > 0
     assert llm.engine.runner.graph_steps == llm.engine.forward_steps
+
+
+@pytest.mark.parametrize("max_unused", [float("inf"), -1.0])  # every layer streams / none does (prefetch by prediction)
+def test_a_load_buffer_is_fenced_only_after_the_kernel_it_is_handed_to(parity_checkpoints, monkeypatch,
+                                                                         max_unused: float) -> None:
+    """A buffer's fence must be recorded on the compute stream after the kernel that reads it: `table(l)` hands the
+    buffer it claimed for layer l to a kernel queued once the call returns, so no `fence_consumed` inside the call
+    (the next layer's streaming or prefetch) may already count that buffer as consumed. (On the GPU such a fence
+    fires before the kernel runs and the copies for layer l+2 overwrite the slots it reads.)"""
+    monkeypatch.setattr(offload_provider, "STREAM_MAX_UNUSED", max_unused)
+    llm = _fixed(parity_checkpoints["qwen2_moe"], 1)
+    provider, loader = llm.engine.runtime.provider, llm.engine.runtime.loader
+    calls: list[list] = []  # per table() call running: [its layer, the buffer it claimed for that layer or None]
+    early, fences = [], []
+    real_fence, real_claim, real_table = loader.fence_consumed, loader.claim, provider.table
+
+    def fence_consumed() -> None:
+        fences.append(1)
+        if calls and calls[-1][1] is not None and calls[-1][1].consumed:
+            early.append(calls[-1][0])
+        real_fence()
+
+    def claim(layer: int):
+        buf = real_claim(layer)
+        if calls and calls[-1][0] == layer:
+            calls[-1][1] = buf
+        return buf
+
+    def table(layer: int, ids: torch.Tensor) -> torch.Tensor:
+        calls.append([layer, None])
+        try:
+            return real_table(layer, ids)
+        finally:
+            calls.pop()
+
+    monkeypatch.setattr(loader, "fence_consumed", fence_consumed)
+    monkeypatch.setattr(loader, "claim", claim)
+    monkeypatch.setattr(provider, "table", table)
+    run_greedy(llm, random_prompts(PROMPT_LENS, seed=4), 4)
+    assert len(fences) > 0 and (provider.streamed_layers > 0) == (max_unused > 0)
+    assert early == [], f"layers whose buffer was fenced before its kernel was queued: {sorted(set(early))}"

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from rimuru.experts.cache import ExpertCache
-from rimuru.experts.loader import ExpertLoader, LoadCounters
+from rimuru.experts.loader import ExpertLoader, LoadBuffer, LoadCounters
 from rimuru.experts.predictor import ExpertPredictor
 from rimuru.experts.routing_counter import RoutingCounter
 
@@ -105,7 +105,7 @@ class OffloadExpertProvider:
             self.loader.fence_consumed()  # the kernels queued since the last boundary fence their buffers
             self._stream_into(nxt, on_demand=False)
 
-    def _stream_into(self, layer: int, on_demand: bool):  # -> LoadBuffer
+    def _stream_into(self, layer: int, on_demand: bool) -> LoadBuffer:
         """Claims `layer`'s buffer and copies every offloaded expert of the layer that it lacks."""
         buf = self.loader.claim(layer)
         absent = torch.nonzero(self.cache.host_tables[layer, :, 0] < 0).flatten().tolist()
@@ -116,15 +116,14 @@ class OffloadExpertProvider:
         self.loader.load(buf, missing, keep=set(absent), prefetch=not on_demand)
         return buf
 
-    def _streaming_table(self, moe_layer: int) -> Tensor:
+    def _streaming_table(self, moe_layer: int) -> tuple[Tensor, LoadBuffer]:
         loader = self.loader
         buf = self._stream_into(moe_layer, on_demand=True)
         loader.publish(buf)
         loader.wait_ready(buf)
-        buf.consumed = True
         self.streamed_layers += 1
         self.prefetch_next(moe_layer)
-        return buf.table
+        return buf.table, buf
 
     @property
     def counters(self) -> LoadCounters:
@@ -150,13 +149,21 @@ class OffloadExpertProvider:
             self._prediction = None
 
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+        """The expert table layer `moe_layer`'s kernel reads: the resident one, or a load buffer's holding the routed
+        offloaded experts. A buffer is marked consumed only here, after every other decision of the call: its
+        kernel is queued once this returns, so a fence recorded during the call (`fence_consumed`, e.g. when the
+        next layer streams) must not count as one recorded after that kernel; the next entry records it."""
         t0 = time.perf_counter()
         try:
-            return self._table(moe_layer, topk_ids)
+            table, handed = self._table(moe_layer, topk_ids)
+            if handed is not None:
+                handed.consumed = True
+            return table
         finally:
             self.table_wait_s += time.perf_counter() - t0
 
-    def _table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
+    def _table(self, moe_layer: int, topk_ids: Tensor) -> tuple[Tensor, LoadBuffer | None]:
+        """(table, the load buffer handed to the kernel or None) for `table`."""
         loader, E = self.loader, self.cache.num_experts
         if not 0 <= moe_layer < self.cache.num_layers:
             raise IndexError(f"MoE layer {moe_layer} is outside [0, {self.cache.num_layers})")
@@ -171,7 +178,7 @@ class OffloadExpertProvider:
             # a prediction for the next layer is dropped rather than paid for with a sync)
             self._prediction = None
             self.prefetch_next(moe_layer)
-            return self.cache.tables[moe_layer]
+            return self.cache.tables[moe_layer], None
         flat = topk_ids.reshape(-1).long()
         flat = torch.where((flat >= 0) & (flat < E), flat, E)  # out-of-range ids counted in bin E
         if self.row_mask is None:
@@ -201,7 +208,6 @@ class OffloadExpertProvider:
             table = buf.table
         else:
             table = self.cache.tables[moe_layer]  # every routed expert is resident
-        buf.consumed = True
 
         if pred is not None and loader.slots > 0 and not self.streaming[moe_layer + 1]:
             scores = host[E + 1 :]
@@ -212,4 +218,4 @@ class OffloadExpertProvider:
                 nxt = loader.claim(moe_layer + 1)
                 loader.load(nxt, picked, keep=set(), prefetch=True)
         self.prefetch_next(moe_layer)
-        return table  # [E, 3]
+        return table, buf  # [E, 3]; buf: claimed for this layer, consumed once the call returns
