@@ -129,8 +129,12 @@ def test_a_grow_into_pages_a_running_pass_reads_waits_for_it() -> None:
         loader = ExpertLoader(cache, store, [], fence)
         torch.cuda.synchronize()
         pages = list(residency.pages_of(0, 0))
+        # the index on the device first: indexing with a host list would copy it from pageable memory, which waits
+        # for the stream (the sleep below) and so hides the race
+        index = torch.tensor(pages, device=dev)
+        torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # ~0.1 s of a pass that reads expert 0 at its end
-        seen = view[pages].clone()
+        seen = view.index_select(0, index)
         fence.pass_launched()
         residency.begin_eviction(0, 0)
         cache.clear_rows(residency.finish_evictions())
