@@ -129,12 +129,14 @@ def test_a_grow_into_pages_a_running_pass_reads_waits_for_it() -> None:
         loader = ExpertLoader(cache, store, [], fence)
         torch.cuda.synchronize()
         pages = list(residency.pages_of(0, 0))
-        # the index on the device first: indexing with a host list would copy it from pageable memory, which waits
-        # for the stream (the sleep below) and so hides the race
+        # index and output on the device before the sleep: nothing queued behind it may make the host wait for the
+        # stream (a host list index is copied from pageable memory; a new output block can take a cudaMalloc, which
+        # may synchronise the device), or the grow below would be issued only after the read and hide the race
         index = torch.tensor(pages, device=dev)
+        seen = torch.empty((len(pages), view.shape[1]), dtype=view.dtype, device=dev)
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # ~0.1 s of a pass that reads expert 0 at its end
-        seen = view.index_select(0, index)
+        torch.index_select(view, 0, index, out=seen)
         fence.pass_launched()
         residency.begin_eviction(0, 0)
         cache.clear_rows(residency.finish_evictions())
