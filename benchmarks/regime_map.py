@@ -104,21 +104,23 @@ def capacities(rows: list[dict[str, Any]], key: str = "") -> list[dict[str, Any]
 
 def sim_config_of(flags: list[str], budget_bytes: int) -> Any:
     """The SimConfig of a Rimuru server's flags (the settings the simulator models; others keep its defaults)."""
-    from rimuru.experts.cost_adjuster import CostAdjusterConfig
+    from rimuru.config import EngineConfig
+    from rimuru.experts.runtime_builders import slo_config
     from rimuru.sim.simulator import SimConfig
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--offload-mode", default="static")
-    ap.add_argument("--adjuster", default="paper")
+    ap.add_argument("--adjuster", default=EngineConfig.adjuster)
     ap.add_argument("--expert-offload-limit", type=int)
     ap.add_argument("--resident-experts", type=float)
-    ap.add_argument("--tpot-slo-ms", type=float)
+    ap.add_argument("--slo-ttft-p99-ms", type=float)
+    ap.add_argument("--slo-tpot-p99-ms", type=float)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     known, _ = ap.parse_known_args(flags)
-    slo = None if known.tpot_slo_ms is None else known.tpot_slo_ms / 1e3
     return SimConfig(mode=known.offload_mode, budget_bytes=budget_bytes, adjuster_kind=known.adjuster,
-                     cost=CostAdjusterConfig(tpot_slo_s=slo), resident_experts=known.resident_experts,
+                     cost=slo_config(known.slo_ttft_p99_ms, known.slo_tpot_p99_ms),
+                     resident_experts=known.resident_experts,
                      expert_offload_limit=known.expert_offload_limit, max_num_seqs=known.max_num_seqs,
                      max_num_batched_tokens=known.max_num_batched_tokens)
 

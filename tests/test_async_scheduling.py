@@ -115,7 +115,7 @@ def test_async_offload_modes_match_sync(parity_checkpoints) -> None:
         fixed = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", resident_experts=1,
                     async_scheduling=async_scheduling)
         got_fixed = [o.outputs[0].token_ids for o in fixed.generate(heavy, params)]
-        elastic = LLM(str(path), device="cpu", gpu_memory_budget=budget, offload_mode="elastic",
+        elastic = LLM(str(path), device="cpu", gpu_memory_budget=budget, offload_mode="elastic", adjuster="paper",
                       expert_offload_limit=5, max_num_batched_tokens=64, async_scheduling=async_scheduling)
         assert elastic.engine.async_scheduling is async_scheduling
         assert elastic.engine.runtime.async_steps is async_scheduling

@@ -459,6 +459,7 @@ def test_grows_keep_a_reserve_of_free_pages() -> None:
 
 def test_config_validation() -> None:
     for bad in ({"pcie_bandwidth": 0}, {"copy_overlap": 1.5}, {"compute_fixed_share": -0.1}, {"tpot_slo_s": 0},
+                {"ttft_slo_s": 0}, {"ttft_pressure_share": 1.5},
                 {"min_gain": -1}, {"max_evict_per_step": 0}, {"pages_per_expert": 0}, {"dense_candidates": 4},
                 {"initial_copy_overlap": 0.9}, {"initial_copy_overlap": -0.1}):
         with pytest.raises(ValueError):
@@ -467,16 +468,50 @@ def test_config_validation() -> None:
         CostAdjuster(BASE, expert_bytes=0, top_k=2, compute_time=lambda _: None)
 
 
-def test_engine_config_fields_and_flags() -> None:
-    assert EngineConfig(model="m").adjuster == "paper" and EngineConfig(model="m").tpot_slo_ms is None
+def test_engine_config_fields_and_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    default = EngineConfig(model="m")
+    assert default.adjuster == "cost" and default.slo_ttft_p99_ms is None and default.slo_tpot_p99_ms is None
     with pytest.raises(ValueError, match="adjuster"):
         EngineConfig(model="m", adjuster="greedy")
-    for bad in (0.0, -5.0, math.nan):
-        with pytest.raises(ValueError, match="tpot_slo_ms"):
-            EngineConfig(model="m", tpot_slo_ms=bad)
-    args = add_engine_args(argparse.ArgumentParser()).parse_args(["m", "--adjuster", "cost", "--tpot-slo-ms", "12.5"])
+    for name in ("slo_ttft_p99_ms", "slo_tpot_p99_ms"):
+        for bad in (0.0, -5.0, math.nan):
+            with pytest.raises(ValueError, match=name):
+                EngineConfig(model="m", offload_mode="elastic", **{name: bad})
+        # an SLO steers the cost adjuster of elastic mode: anywhere else it would do nothing, so it is refused
+        for other in ({"offload_mode": "static"}, {"offload_mode": None}, {"offload_mode": "fixed"},
+                      {"offload_mode": "elastic", "adjuster": "paper"}):
+            with pytest.raises(ValueError, match=f"{name} steers elastic mode's cost adjuster"):
+                EngineConfig(model="m", **other, **{name: 100.0})
+    parser = add_engine_args(argparse.ArgumentParser())
+    args = parser.parse_args(["m", "--offload-mode", "elastic", "--slo-ttft-p99-ms", "2000", "--slo-tpot-p99-ms", "50"])
     cfg = EngineConfig.from_cli_args(args)
-    assert (cfg.adjuster, cfg.tpot_slo_ms) == ("cost", 12.5)
+    assert (cfg.adjuster, cfg.slo_ttft_p99_ms, cfg.slo_tpot_p99_ms) == ("cost", 2000.0, 50.0)
+    with pytest.raises(SystemExit):  # the old name stops with the new one named
+        parser.parse_args(["m", "--offload-mode", "elastic", "--tpot-slo-ms", "12.5"])
+    assert "--tpot-slo-ms was renamed --slo-tpot-p99-ms" in capsys.readouterr().err
+
+
+def test_ttft_pressure_makes_room_for_the_queue_within_the_tpot_target() -> None:
+    # 1 ms of compute hides 0.8 ms of copies: without an SLO nothing goes (test_no_offload_when_copies_cannot_hide).
+    # The head of the queue lacks R = 4 pages; each expert frees 3 and every request holds 1 (kv / running), so
+    # n = 0..4 offloaded run 100, 100, 103, 106, 109 requests: n = 4 admits the most (the limits stop there)
+    queue = state(R=4, F=2, running=100, waiting=50, kv=100)
+    slo = replace(BASE, ttft_slo_s=2.0)
+    assert adjuster(1 * MS, slo).plan(replace(queue, oldest_wait_s=0.4)).is_empty  # waited < a quarter of 2 s
+    pressed = adjuster(1 * MS, slo)
+    assert pressed.plan(replace(queue, oldest_wait_s=0.6)).evict == ORDER
+    assert pressed.last is not None and pressed.last.best == 0 and pressed.last.target == 4
+    assert pressed.max_offloaded() == 4  # stalls may wait for those evictions
+    # with a TPOT target of 2.5 ms: n = 2 (1 + 2 - 0.8 = 2.2 ms) is the most within it, n = 3 (3.2 ms) is not
+    both = adjuster(1 * MS, replace(slo, tpot_slo_s=2.5 * MS))
+    assert both.plan(replace(queue, oldest_wait_s=0.6)).evict == ORDER[:2]
+    assert both.last is not None and both.last.step_s[2:4] == pytest.approx([2.2 * MS, 3.2 * MS], rel=1e-3)
+    # under pressure the experts out stay out (no grow towards the throughput-best split while requests wait) ...
+    out = state(R=4, F=20, running=100, waiting=50, kv=100, resident=[3, 3])
+    assert adjuster(1 * MS, slo).plan(replace(out, oldest_wait_s=0.6)).grow == []
+    # ... and once nobody waits they come home as they would without the SLO
+    calm = state(R=0, F=20, running=10, waiting=0, kv=10, resident=[3, 3])
+    assert adjuster(1 * MS, slo).plan(calm).grow == adjuster(1 * MS).plan(calm).grow != []
 
 
 def test_simulation_with_the_cost_adjuster_accounts_for_every_page() -> None:

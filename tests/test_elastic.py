@@ -51,8 +51,8 @@ def tight_budget(path: Path, kv_blocks: int, limit: int, **engine_args: str | bo
 def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
     limit = 5
     budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
-              max_num_batched_tokens=64)
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
+              expert_offload_limit=limit, max_num_batched_tokens=64)
     engine = llm.engine
     experts = engine.runtime.cache
     start_resident = experts.num_resident
@@ -98,7 +98,7 @@ def test_cost_adjuster_preempts_rather_than_offload_beyond_its_model(ckpt: Path)
     limit = 5
     budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
     llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
-              max_num_batched_tokens=64, adjuster="cost", tpot_slo_ms=1e-6)
+              max_num_batched_tokens=64, adjuster="cost", slo_tpot_p99_ms=1e-6)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     heavy = prompts(6, seed=1)
     got = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]
@@ -167,7 +167,7 @@ def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
     limit = 5
     budget = tight_budget(ckpt, kv_blocks=10, limit=limit, device="cuda", dtype="float32")
     llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
-              expert_offload_limit=limit, max_num_batched_tokens=64)
+              adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.graphs is not None and runner.graphs.boundaries is not None
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
@@ -389,7 +389,7 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
     budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 10 * per_block
               + geo.huge_size)  # every expert and ~10 KV blocks, no load buffers
     del probe
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, offload_mode="elastic", expert_offload_limit=limit,
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, offload_mode="elastic", adjuster="paper", expert_offload_limit=limit,
               max_num_batched_tokens=64, **args)
     engine = llm.engine
     experts, loader, alloc = engine.runtime.cache, engine.runtime.loader, engine.pool.allocator
@@ -437,8 +437,8 @@ def test_the_longest_request_accepted_runs_although_offloading_attaches_the_buff
     probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, device="cpu")
     split, geo = probe.engine.budget_split, probe.engine.geometry
     budget = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 40 * geo.size("expert")
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
-              max_num_batched_tokens=64)
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
+              expert_offload_limit=limit, max_num_batched_tokens=64)
     engine = llm.engine
     assert engine.runtime.core.lazy_buffers and engine.runtime.loader.buffer_pages == []
     spm = geo.smalls_per_mid("kv", EXPERT)

@@ -277,7 +277,8 @@ def test_fixed_mode_bad_settings(checkpoints) -> None:
     with pytest.raises(ValueError, match="expert_offload_limit=2 is below the 6 experts"):
         fixed(path, 2, expert_offload_limit=2)
     with pytest.raises(ValueError, match=r"expert_offload_limit must be in \[1, 8\] in elastic mode"):
-        LLM(str(path), gpu_memory_budget=BUDGET, device="cpu", offload_mode="elastic", expert_offload_limit=9)
+        LLM(str(path), gpu_memory_budget=BUDGET, device="cpu", offload_mode="elastic", adjuster="paper",
+            expert_offload_limit=9)
     # a pool with room for fewer expert pages than 2 layers x 4 resident + 2 buffers x 4 experts (48 pages)
     probe = fixed(path, 1)
     split, geo = probe.engine.budget_split, probe.engine.geometry

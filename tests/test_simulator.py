@@ -24,6 +24,7 @@ SLOW_STEPS = HardwareConfig(step_overhead_s=0.01)
 
 
 def config(mode: str, pool_pages: int, **kw) -> SimConfig:
+    kw.setdefault("adjuster_kind", "paper")  # the mechanism tests run the paper's rules, which move experts readily
     probe = SimConfig(mode=mode, budget_bytes=1 << 40, max_num_seqs=64, max_num_batched_tokens=512)
     mem = plan_memory(TINY, probe)
     return SimConfig(mode=mode, budget_bytes=mem.non_expert_weights + mem.workspace + pool_pages * PAGE,
@@ -77,7 +78,7 @@ def test_elastic_beats_fixed_under_a_binding_budget() -> None:
 
     reqs = trace(200)
     fixed = Simulation(spec, pop, cfg("fixed", resident_experts=6)).run(reqs)
-    elastic = Simulation(spec, pop, cfg("elastic", expert_offload_limit=4)).run(reqs)
+    elastic = Simulation(spec, pop, cfg("elastic", expert_offload_limit=4, adjuster_kind="paper")).run(reqs)
     static = Simulation(spec, pop, cfg("static")).run(reqs)
     assert elastic.evictions > 0 and elastic.grows > 0
     assert elastic.peak_running >= fixed.peak_running > static.peak_running
@@ -150,10 +151,12 @@ def test_elastic_with_lazy_load_buffers_pays_for_them_and_gives_them_back() -> N
     buffers are gone, and every page is accounted for."""
     spec = ModelSpec.from_hf_config({**TINY_HF, "num_hidden_layers": 8})
     pop = ExpertPopularity.zipf("tiny8", 8, 8, exponent=1.0, seed=0)
-    probe = SimConfig(mode="elastic", budget_bytes=1 << 40, max_num_seqs=64, max_num_batched_tokens=512)
+    probe = SimConfig(mode="elastic", adjuster_kind="paper", budget_bytes=1 << 40, max_num_seqs=64,
+                      max_num_batched_tokens=512)
     mem = plan_memory(spec, probe)
     pool = 8 * 8 * 3 + 60  # every expert and 60 pages of KV room
-    cfg = SimConfig(mode="elastic", budget_bytes=mem.non_expert_weights + mem.workspace + pool * PAGE, max_num_seqs=64,
+    budget = mem.non_expert_weights + mem.workspace + pool * PAGE
+    cfg = SimConfig(mode="elastic", adjuster_kind="paper", budget_bytes=budget, max_num_seqs=64,
                     max_num_batched_tokens=512, hardware=SLOW_STEPS, expert_offload_limit=3)
     sim = Simulation(spec, pop, cfg)
     assert sim.core.lazy_buffers and sim.core.buffer_pages == [] and sim.residency.in_tables.all()

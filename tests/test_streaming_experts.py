@@ -77,7 +77,7 @@ def test_elastic_with_streaming_evicts_grows_and_keeps_tokens(parity_checkpoints
     path = parity_checkpoints["qwen2_moe"]
     limit = 5
     llm = LLM(str(path), gpu_memory_budget=tight_budget(path, kv_blocks=10, limit=limit), device="cpu",
-              offload_mode="elastic", expert_offload_limit=limit, max_num_batched_tokens=64)
+              offload_mode="elastic", adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     heavy, light = prompts(6, seed=1), prompts(2, seed=2)
     got = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]

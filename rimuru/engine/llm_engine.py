@@ -88,7 +88,8 @@ class LLMEngine:
         self.fence = PassFence(device)  # pages freed while a pass may read them: memory/pass_fence.py
         settings = RuntimeSettings(mode=memory.mode, resident_experts=config.resident_experts,
                                    expert_offload_limit=config.expert_offload_limit, adjuster=config.adjuster,
-                                   tpot_slo_ms=config.tpot_slo_ms, async_scheduling=self.async_scheduling)
+                                   slo_ttft_p99_ms=config.slo_ttft_p99_ms, slo_tpot_p99_ms=config.slo_tpot_p99_ms,
+                                   async_scheduling=self.async_scheduling)
         self.runtime = build_runtime(settings, spec, dtype, self.pool, model, load_popularity(config, spec),
                                      self.fence)
         load_weights(model, spec, config, load_format, self.runtime, device)
@@ -265,7 +266,8 @@ class LLMEngine:
     def _demand(self, sched: SchedulerOutput) -> StepDemand:
         return StepDemand(shortfall_kv_pages=sched.shortfall_pages, num_batched_tokens=sched.num_tokens,
                           num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                          num_stalled=len(sched.stalled), max_num_seqs=self.scheduler.max_num_seqs)
+                          num_stalled=len(sched.stalled), max_num_seqs=self.scheduler.max_num_seqs,
+                          oldest_wait_s=self.scheduler.oldest_wait_s(time.monotonic()))
 
     def _launch(self, sched: SchedulerOutput) -> InFlight | None:
         self.runtime.before_pass(sched.num_tokens)

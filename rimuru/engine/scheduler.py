@@ -77,6 +77,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def oldest_wait_s(self, now: float) -> float:
+        """Seconds since the head of the waiting queue arrived (`now` on the requests' clock); 0 with no queue."""
+        return max(0.0, now - self.waiting[0].arrival_time) if self.waiting else 0.0
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens

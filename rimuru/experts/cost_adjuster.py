@@ -25,9 +25,10 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
 
 slowdown, overlap and excess are learned from the engine's passes with copies (step_cost.py); the overlap is at
 most `copy_overlap` and starts at `initial_copy_overlap` = 0, so copies not yet measured count as exposed (see
-CostAdjusterConfig). Without a TPOT SLO the adjuster therefore offloads voluntarily only experts the batch is not
+CostAdjusterConfig). Without an SLO the adjuster therefore offloads voluntarily only experts the batch is not
 expected to route to, and otherwise only when the experts do not all fit (forced offloading, below); with
-`--tpot-slo-ms` it trades exposed copies for KV room within the SLO. piecewise_overhead (measured by the engine
+`--slo-tpot-p99-ms` it trades exposed copies for KV room within it, and with `--slo-ttft-p99-ms` it makes room for a
+queue whose head has waited a quarter of the target (TTFT pressure, below). piecewise_overhead (measured by the engine
 at start-up) is what a pass with any expert offloaded costs beyond one with all resident (piecewise CUDA graphs
 instead of whole ones); the elastic runtime takes it out of piecewise passes' times before they reach the
 compute estimate, and the model charges it to every n > 0.
@@ -40,6 +41,10 @@ Rules, every step:
     e.g. Qwen3-30B-A3B at 48 GiB) allows every n: copies show whatever the split, so tokens per second decide.
     A pool merely full of KV is not forced: when no reachable split hides its copies there (they were measured
     costlier after the evictions), no n above n_now is allowed.
+  * TTFT pressure (`ttft_slo_s`): while the head of the queue lacks pages (R > 0) and has waited
+    `ttft_pressure_share` of the target, the adjuster evicts towards the fewest offloaded that admit the whole
+    queue (the first n of highest conc), within the TPOT target when one is set, even where that serves fewer
+    tokens per second; experts stay out while the pressure lasts and come home by the rules below once it ends.
   * Direction: while requests wait for pages (R > 0) the adjuster evicts towards the best n, even when n_now is
     within `min_gain` of it (holding still there leaves requests waiting seconds for a split a few per cent
     better); when nobody is short it aims for the smallest n within `min_gain` of the best, so experts come home
@@ -100,6 +105,10 @@ class CostAdjusterConfig:
     initial_copy_overlap: float = 0.0
     compute_fixed_share: float = 0.8  # share of step compute that does not grow with the batch (weight reads)
     tpot_slo_s: float | None = None  # when set: allowed n keep the modelled step time within it
+    # when set: while the head of the queue, short of pages, has waited `ttft_pressure_share` of it, evict for the
+    # waiting requests beyond the throughput-best split (within tpot_slo_s when that is set)
+    ttft_slo_s: float | None = None
+    ttft_pressure_share: float = 0.25
     exposed_copy_share: float = 0.0  # without an SLO: copy time may exceed the hideable time by this x compute
     min_gain: float = 0.05  # a candidate within this share of the best throughput is as good as the best
     reverse_cooldown_steps: int = 50  # steps after an eviction before a grow
@@ -120,8 +129,11 @@ class CostAdjusterConfig:
         if not 0.0 <= self.initial_copy_overlap <= self.copy_overlap:
             raise ValueError(f"initial_copy_overlap must be in [0, copy_overlap = {self.copy_overlap}], "
                              f"got {self.initial_copy_overlap}")
-        if self.tpot_slo_s is not None and self.tpot_slo_s <= 0:
-            raise ValueError(f"tpot_slo_s must be positive, got {self.tpot_slo_s}")
+        for name in ("tpot_slo_s", "ttft_slo_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.ttft_pressure_share <= 1.0:
+            raise ValueError(f"ttft_pressure_share must be in [0, 1], got {self.ttft_pressure_share}")
         if self.exposed_copy_share < 0 or self.min_gain < 0 or self.reverse_cooldown_steps < 0:
             raise ValueError("exposed_copy_share, min_gain and reverse_cooldown_steps must be >= 0")
         if self.max_evict_per_step < 1 or self.max_grow_per_step < 0 or self.grow_reserve_mid < 0:
@@ -282,14 +294,23 @@ class CostAdjuster:
             target = max(n_now, int(cands[np.flatnonzero(good).min()]))
         else:  # not short: the fewest offloaded experts that cost no throughput
             target = int(cands[np.flatnonzero(good).min()])
-        # stalls may wait for evictions up to the best split (the smallest of equals: a tie offloads no more);
-        # with nobody short the best is computed without a queue, so the last bound made under pressure holds
-        max_allowed = max(n_now, best)
+        pressure = (cfg.ttft_slo_s is not None and R > 0
+                    and state.oldest_wait_s >= cfg.ttft_pressure_share * cfg.ttft_slo_s)
+        if pressure:
+            # the queue's TTFT is at risk: the fewest offloaded that admit every waiting request the model can (the
+            # first candidate of highest concurrency), within the TPOT target, whatever the throughput
+            within = step_s <= cfg.tpot_slo_s if cfg.tpot_slo_s is not None else np.ones(len(cands), dtype=bool)
+            if within.any():
+                target = max(target, int(cands[int(np.argmax(np.where(within, tput * step_s, -1.0)))]))
+        # stalls may wait for evictions up to the best split (the smallest of equals: a tie offloads no more), or
+        # the TTFT target's; with nobody short the best is computed without a queue, so the last bound made under
+        # pressure holds
+        max_allowed = max(n_now, best, target)
         if R > 0:
             self._short_bound = max_allowed
         elif self._short_bound is not None:
             max_allowed = max(max_allowed, self._short_bound)
-        if target <= n_now:
+        if target <= n_now and not pressure:
             # experts home where that pays in the long run, even while requests wait (see _home_target)
             target = min(target, self._home_target(state, order, n_now, compute))
         self.last = CostEstimate(offloaded=n_now, target=target, best=best, compute_s=compute,

@@ -41,6 +41,7 @@ class StepDemand:
     num_waiting: int = 0
     num_stalled: int = 0  # running requests sitting out this step until evictions free their pages
     max_num_seqs: int | None = None  # the scheduler's cap on running requests
+    oldest_wait_s: float = 0.0  # how long the head of the waiting queue has waited since it arrived (0: no queue)
 
 
 @dataclass(frozen=True)

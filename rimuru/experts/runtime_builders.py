@@ -56,9 +56,16 @@ class RuntimeSettings:
     mode: str  # static | fixed | elastic
     resident_experts: float | None = None  # fixed
     expert_offload_limit: int | None = None  # fixed, elastic
-    adjuster: str = "paper"  # elastic: paper | cost
-    tpot_slo_ms: float | None = None  # elastic with the cost adjuster
+    adjuster: str = "cost"  # elastic: cost | paper
+    slo_ttft_p99_ms: float | None = None  # elastic with the cost adjuster (EngineConfig)
+    slo_tpot_p99_ms: float | None = None
     async_scheduling: bool = False  # elastic: how passes are timed
+
+
+def slo_config(slo_ttft_p99_ms: float | None, slo_tpot_p99_ms: float | None, **fields: float) -> CostAdjusterConfig:
+    """The cost adjuster's settings for the SLO flags (milliseconds, EngineConfig's names) and other fields."""
+    return CostAdjusterConfig(ttft_slo_s=None if slo_ttft_p99_ms is None else slo_ttft_p99_ms / 1e3,
+                              tpot_slo_s=None if slo_tpot_p99_ms is None else slo_tpot_p99_ms / 1e3, **fields)
 
 
 def build_adjuster(kind: str, expert_bytes: int, top_k: int, cost: CostAdjusterConfig,
@@ -136,9 +143,8 @@ def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dty
     store = _host_store(spec, dtype, pool.device)
     pcie = _copy_bandwidth(store, pool.device)
     expert_bytes = 3 * cache.expert_page_bytes
-    slo = None if settings.tpot_slo_ms is None else settings.tpot_slo_ms / 1e3
-    adjuster, costs = build_adjuster(settings.adjuster, expert_bytes, spec.num_experts_per_tok,
-                                     CostAdjusterConfig(tpot_slo_s=slo, pcie_bandwidth=pcie))
+    cost = slo_config(settings.slo_ttft_p99_ms, settings.slo_tpot_p99_ms, pcie_bandwidth=pcie)
+    adjuster, costs = build_adjuster(settings.adjuster, expert_bytes, spec.num_experts_per_tok, cost)
     online = OnlinePopularity(popularity)
     core = ElasticCore(cache.residency, adjuster, online, limit, pool.geometry.smalls_per_mid("kv", EXPERT), costs)
     fence.watch()  # grows and the load buffers write pages that passes in flight may still read

@@ -22,10 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rimuru.config import format_bytes, parse_bytes
+from rimuru.config import RENAMED_FLAGS, EngineConfig, RenamedFlag, format_bytes, parse_bytes
 from rimuru.experts.adjuster import AdjusterConfig
-from rimuru.experts.cost_adjuster import CostAdjusterConfig
 from rimuru.experts.popularity import ExpertPopularity
+from rimuru.experts.runtime_builders import slo_config
 from rimuru.model_spec import load_model_spec
 from rimuru.models.dummy_routing import cap_shares
 from rimuru.sim.cost_model import HARDWARE
@@ -49,9 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-offload-limit", type=int,
                    help="the most experts one layer may offload (default as rimuru serve: fixed E - resident, "
                         "elastic E / 6)")
-    p.add_argument("--adjuster", default="paper", help="elastic mode's adjuster(s): paper | cost | paper,cost "
-                   "(each one runs; sections 'elastic' for paper, 'elastic-cost' for cost)")
-    p.add_argument("--tpot-slo-ms", type=float, help="cost adjuster: modelled step time target (default: hide copies)")
+    p.add_argument("--adjuster", default=EngineConfig.adjuster, help="elastic mode's adjuster(s): cost | paper | "
+                   "paper,cost (each one runs; sections 'elastic' for paper, 'elastic-cost' for cost)")
+    p.add_argument("--slo-ttft-p99-ms", type=float, help="cost adjuster: TTFT target, as rimuru serve")
+    p.add_argument("--slo-tpot-p99-ms", type=float, help="cost adjuster: TPOT target, as rimuru serve")
+    for old, new in RENAMED_FLAGS.items():
+        p.add_argument(old, action=RenamedFlag, new=new, help=argparse.SUPPRESS)
     p.add_argument("--routing", default="uniform", help="uniform | zipf:S (seeded power-law router)")
     p.add_argument("--ranking", help="ranking JSON from `rimuru profile` (overrides --routing)")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"bad --adjuster {args.adjuster!r}; choose from {', '.join(ADJUSTERS)} (comma list)")
     runs = [(m, a) for m in modes for a in (adjusters if m == "elastic" else ["paper"])]
     # the cost adjuster reckons with the hardware's copy bandwidth, as the engine does with its start-up measurement
-    cost_cfg = CostAdjusterConfig(tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1e3)
+    cost_cfg = slo_config(args.slo_ttft_p99_ms, args.slo_tpot_p99_ms)
     hw = hardware_from(args)
     pairs = load_requests(args.dataset, args.num_prompts, args.seed)
     base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,

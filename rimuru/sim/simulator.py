@@ -74,7 +74,7 @@ class SimConfig:
     budget_bytes: int
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     adjuster: AdjusterConfig = field(default_factory=AdjusterConfig)
-    adjuster_kind: str = "paper"  # elastic: paper (threshold rules) | cost (CostAdjuster, fed the model's compute)
+    adjuster_kind: str = "cost"  # elastic: cost (CostAdjuster, fed the model's compute) | paper (threshold rules)
     cost: CostAdjusterConfig = field(default_factory=CostAdjusterConfig)
     resident_experts: float | None = None  # fixed: experts per layer, a count (>= 1) or a fraction (< 1)
     expert_offload_limit: int | None = None  # the most experts one layer may have offloaded (engine defaults)
@@ -273,7 +273,8 @@ class Simulation:
                 moves = core.plan(StepDemand(
                     shortfall_kv_pages=out.shortfall_pages, num_batched_tokens=out.num_tokens,
                     num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                    num_stalled=len(out.stalled), max_num_seqs=self.scheduler.max_num_seqs))
+                    num_stalled=len(out.stalled), max_num_seqs=self.scheduler.max_num_seqs,
+                    oldest_wait_s=self.scheduler.oldest_wait_s(clock)))
                 grown, moved = len(moves.grow), bool(moves.evict or moves.grow)
             if out.is_empty:
                 self._end_step(after_step)  # no forward pass reads the evicted pages
