@@ -166,3 +166,18 @@ def test_waiting_request_can_be_aborted() -> None:
     assert list(s.waiting) == [] and b.status == RequestStatus.FINISHED_ABORTED
     with pytest.raises(AssertionError):
         s.finish(a, RequestStatus.RUNNING)
+
+
+def test_oldest_wait_is_the_head_of_the_queue_on_the_requests_clock() -> None:
+    """What the elastic adjuster's TTFT target reads (StepDemand.oldest_wait_s): how long the first waiting request
+    has waited, on the clock its arrival time was taken on (the engine's monotonic clock, the simulator's own)."""
+    sched, _ = make(num_huge=1, max_seqs=1)
+    assert sched.oldest_wait_s(100.0) == 0.0  # no queue
+    first, second = req(0, 4), req(1, 4)
+    first.arrival_time, second.arrival_time = 10.0, 12.5
+    sched.add(first)
+    sched.add(second)
+    assert sched.oldest_wait_s(14.0) == pytest.approx(4.0)
+    sched.schedule()  # max_num_seqs = 1: the first runs, the second is now the head
+    assert [r.request_id for r in sched.waiting] == ["r1"] and sched.oldest_wait_s(14.0) == pytest.approx(1.5)
+    assert sched.oldest_wait_s(12.0) == 0.0  # never negative (a clock read before the arrival)
