@@ -140,8 +140,13 @@ class EngineConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config of parsed command-line flags; a value the config refuses ends the command with its message
+        (a user's mistake, no traceback)."""
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
 
 
 _FLAG_HELP = {

@@ -486,6 +486,9 @@ def test_engine_config_fields_and_flags(capsys: pytest.CaptureFixture[str]) -> N
     args = parser.parse_args(["m", "--offload-mode", "elastic", "--slo-ttft-p99-ms", "2000", "--slo-tpot-p99-ms", "50"])
     cfg = EngineConfig.from_cli_args(args)
     assert (cfg.adjuster, cfg.slo_ttft_p99_ms, cfg.slo_tpot_p99_ms) == ("cost", 2000.0, 50.0)
+    # a refused value ends the command with the config's message, not a traceback
+    with pytest.raises(SystemExit, match="slo_tpot_p99_ms steers elastic mode's cost adjuster"):
+        EngineConfig.from_cli_args(parser.parse_args(["m", "--slo-tpot-p99-ms", "50"]))
     with pytest.raises(SystemExit):  # the old name stops with the new one named
         parser.parse_args(["m", "--offload-mode", "elastic", "--tpot-slo-ms", "12.5"])
     assert "--tpot-slo-ms was renamed --slo-tpot-p99-ms" in capsys.readouterr().err
