@@ -33,10 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import metadata, write_json  # noqa: E402
 from benchmarks.result_files import run_of  # noqa: E402
+from benchmarks.slo import TPOT_P99_SLO_MS, TTFT_P99_SLO_MS  # noqa: E402
 from rimuru.config import parse_bytes  # noqa: E402
 
-TTFT_P99_SLO_MS = 2000.0
-TPOT_P99_SLO_MS = 50.0
 ROW_FIELDS = ("model", "budget_gib", "routing", "mode", "rate", "num_prompts", "output_throughput", "median_ttft_ms",
               "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "peak_running", "expert_bytes_pcie")
 

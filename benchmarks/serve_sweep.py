@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slo import TPOT_P99_SLO_MS, TTFT_P99_SLO_MS  # noqa: E402
 from sweep_plots import plot, plot_memory  # noqa: E402
 from sweep_processes import (  # noqa: E402
     DetachedServer,
@@ -83,8 +84,9 @@ BUILTIN_CONFIGS: dict[str, tuple[str, list[str]]] = {
     "elastic-paper": ("rimuru", ["--offload-mode", "elastic", "--adjuster", "paper"]),
     "elastic-cost": ("rimuru", ["--offload-mode", "elastic", "--adjuster", "cost"]),
     "elastic": ("rimuru", ["--offload-mode", "elastic"]),  # the default adjuster and limit
-    # the targets the serving benchmarks judge by (SLO capacity: TTFT p99 <= 2 s and TPOT p99 <= 50 ms)
-    "elastic-slo": ("rimuru", ["--offload-mode", "elastic", "--slo-ttft-p99-ms", "2000", "--slo-tpot-p99-ms", "50"]),
+    # the targets the serving benchmarks judge by (a rate's SLO: TTFT p99 and TPOT p99, benchmarks/common.py)
+    "elastic-slo": ("rimuru", ["--offload-mode", "elastic", "--slo-ttft-p99-ms", f"{TTFT_P99_SLO_MS:g}",
+                               "--slo-tpot-p99-ms", f"{TPOT_P99_SLO_MS:g}"]),
     "vllm": ("vllm", ["--gpu-memory-utilization", "0.229"]),  # 0.229 x 139.8 GiB = 32 GiB
     "vllm-unlimited": ("vllm", ["--gpu-memory-utilization", "0.9"]),
 }

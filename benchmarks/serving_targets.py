@@ -31,12 +31,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import metadata, write_json  # noqa: E402
 from result_files import measured_at, run_of  # noqa: E402
+from slo import TTFT_P99_SLO_MS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QWEN15_FILES = "*-serve-qwen1.5-32gib-*-h200.json"  # Qwen1.5-MoE-A2.7B shapes, 32 GiB
 QWEN3_FILES = "*-serve-qwen3-48gib-*-h200.json"  # Qwen3-30B-A3B shapes, 48 GiB
 LATENCIES = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
-TTFT_P99_SLO_MS = 2000.0
 
 
 def load_rows(results: Path, qwen3: bool = False) -> list[dict[str, Any]]:
