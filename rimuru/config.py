@@ -198,24 +198,28 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_model: bool = True)
             continue
         default = None if f.default is MISSING else f.default
         parser.add_argument(flag, type=_FLAG_TYPES[f.name], default=default, help=_FLAG_HELP.get(f.name))
-    for old, new in RENAMED_FLAGS.items():
-        parser.add_argument(old, action=RenamedFlag, new=new, help=argparse.SUPPRESS)
+    add_renamed_flags(parser)
     return parser
 
 
-# flags that were renamed: given the old name, the parser stops with a message naming the new one
-RENAMED_FLAGS = {"--tpot-slo-ms": "--slo-tpot-p99-ms"}
+# flags that were renamed -> (the new name, why): given the old name, the parser stops with a message naming the new
+RENAMED_FLAGS = {"--tpot-slo-ms": ("--slo-tpot-p99-ms", "the same per-step target, named as the TPOT p99 serving "
+                                                         "is judged by")}
 
 
-class RenamedFlag(argparse.Action):
-    """A flag that was renamed: given, the parser stops with a message naming the new one."""
+def add_renamed_flags(parser: argparse.ArgumentParser) -> None:
+    """Every renamed flag, hidden from --help; given, it stops the parser with a message naming its new name."""
+    for old, (new, why) in RENAMED_FLAGS.items():
+        parser.add_argument(old, action=_RenamedFlag, message=f"{old} was renamed {new} ({why})",
+                            help=argparse.SUPPRESS)
 
-    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
+
+class _RenamedFlag(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, message: str, **kwargs: Any) -> None:
         kwargs.setdefault("nargs", "?")
         super().__init__(option_strings, dest=argparse.SUPPRESS, **kwargs)
-        self.new = new
+        self.message = message
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        parser.error(f"{option_string} was renamed {self.new} (the same per-step target, named as the TPOT p99 "
-                     f"the benchmarks judge by)")
+        parser.error(self.message)

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rimuru.config import RENAMED_FLAGS, EngineConfig, RenamedFlag, format_bytes, parse_bytes
+from rimuru.config import EngineConfig, add_renamed_flags, format_bytes, parse_bytes
 from rimuru.experts.adjuster import AdjusterConfig
 from rimuru.experts.popularity import ExpertPopularity
 from rimuru.experts.runtime_builders import slo_config
@@ -53,8 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "paper,cost (each one runs; sections 'elastic' for paper, 'elastic-cost' for cost)")
     p.add_argument("--slo-ttft-p99-ms", type=float, help="cost adjuster: TTFT target, as rimuru serve")
     p.add_argument("--slo-tpot-p99-ms", type=float, help="cost adjuster: TPOT target, as rimuru serve")
-    for old, new in RENAMED_FLAGS.items():
-        p.add_argument(old, action=RenamedFlag, new=new, help=argparse.SUPPRESS)
+    add_renamed_flags(p)
     p.add_argument("--routing", default="uniform", help="uniform | zipf:S (seeded power-law router)")
     p.add_argument("--ranking", help="ranking JSON from `rimuru profile` (overrides --routing)")
     p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
