@@ -103,7 +103,7 @@ def capacities(rows: list[dict[str, Any]], key: str = "") -> list[dict[str, Any]
 
 def sim_config_of(flags: list[str], budget_bytes: int) -> Any:
     """The SimConfig of a Rimuru server's flags (the settings the simulator models; others keep its defaults). A flag
-    the row does not name takes today's default, also for a row measured when that default was another (a result
+    the row does not name takes the current default, also for a row measured when that default was another (a result
     file's commit says which code it measured)."""
     from rimuru.config import EngineConfig
     from rimuru.experts.runtime_builders import slo_config
