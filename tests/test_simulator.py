@@ -176,3 +176,40 @@ def test_elastic_with_lazy_load_buffers_pays_for_them_and_gives_them_back() -> N
     assert sim.residency.in_tables.all() and sim.core.buffer_pages == []
     pages = res.final_pages
     assert pages["expert_pages"] == pages["expert_pages_tracked"] == 3 * 64 and pages["pending_deferred"] == 0
+
+
+def test_step_time_fit_recovers_the_profile_that_made_the_passes() -> None:
+    """Passes timed by a known sum-form profile: the fit gives back its three coefficients and its times exactly,
+    whatever the roofline profile it starts from; too few passes are refused."""
+    from rimuru.sim.calibration import StepSample, decode_chunks, fit_step_time, mixed_chunks
+
+    truth = HardwareConfig(flops_efficiency=0.3, bandwidth_efficiency=1.2, layer_overhead_s=1e-4,
+                           compute_plus_memory=True)
+    shapes = [decode_chunks(4, 100), decode_chunks(32, 400), mixed_chunks(300, 8, 200), mixed_chunks(1000, 2, 50)]
+    resident = np.ones(POP.probabilities.shape, dtype=bool)
+    samples = [StepSample(TINY, POP.probabilities, c, 1, CostModel(TINY, POP.probabilities, truth).step(
+        list(c), 1, resident).time_s) for c in shapes]
+    c = CostModel(TINY, POP.probabilities, truth).step(list(shapes[2]), 1, resident)
+    assert c.compute_s == pytest.approx(c.flops / (truth.peak_flops * 0.3) + c.hbm_bytes / (truth.hbm_bandwidth * 1.2)
+                                        + TINY.num_hidden_layers * 1e-4, rel=1e-12)
+    fitted, times = fit_step_time(samples, HardwareConfig())
+    assert (fitted.flops_efficiency, fitted.bandwidth_efficiency, fitted.layer_overhead_s) == pytest.approx(
+        (0.3, 1.2, 1e-4), rel=1e-6)
+    assert fitted.compute_plus_memory and times == pytest.approx([s.measured_s for s in samples], rel=1e-9)
+    with pytest.raises(ValueError, match="at least 3 measured passes"):
+        fit_step_time(samples[:2], HardwareConfig())
+
+
+def test_the_h200_profile_is_the_committed_fit() -> None:
+    """The simulator's H200 step time is the fit benchmarks/calibrate_simulator.py wrote from measured passes."""
+    import json
+    from pathlib import Path
+
+    from rimuru.sim.cost_model import HARDWARE
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-01-sim-calibration-static-steps-h200.json"
+    fit = json.loads(path.read_text())["fit"]
+    h200 = HARDWARE["h200"]
+    assert h200.compute_plus_memory and fit["compute_plus_memory"]
+    assert (h200.flops_efficiency, h200.bandwidth_efficiency, h200.layer_overhead_s) == pytest.approx(
+        (fit["flops_efficiency"], fit["bandwidth_efficiency"], fit["layer_overhead_s"]), rel=1e-3)

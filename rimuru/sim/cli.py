@@ -26,7 +26,7 @@ from rimuru.config import EngineConfig, add_renamed_flags, format_bytes, parse_b
 from rimuru.experts.adjuster import AdjusterConfig
 from rimuru.experts.popularity import ExpertPopularity
 from rimuru.experts.runtime_builders import slo_config
-from rimuru.model_spec import load_model_spec
+from rimuru.model_spec import ModelSpec, load_model_spec
 from rimuru.models.dummy_routing import cap_shares
 from rimuru.sim.cost_model import HARDWARE
 from rimuru.sim.simulator import ADJUSTERS, MODES, SimConfig, SimRequest, Simulation, SimulationError
@@ -95,6 +95,13 @@ def with_arrivals(pairs: list[tuple[int, int]], rate: float, seed: int) -> list[
     return [SimRequest(p, o, t) for (p, o), t in zip(pairs, poisson_arrivals(len(pairs), rate, seed), strict=True)]
 
 
+def dummy_router_popularity(model: str, routing: str, spec: ModelSpec, seed: int) -> ExpertPopularity:
+    """The routing shares `uniform` or `zipf:S` give the engine's dummy router: no expert above 1/top_k of the picks
+    (models/dummy_routing.py caps them the same way)."""
+    pop = ExpertPopularity.from_routing(model, routing, spec.num_moe_layers, spec.num_experts, seed=seed)
+    return ExpertPopularity(pop.model, cap_shares(pop.probabilities, spec.num_experts_per_tok))
+
+
 def hardware_from(args: argparse.Namespace):
     hw = HARDWARE[args.hardware]
     over: dict[str, float] = {}
@@ -135,9 +142,7 @@ def run(args: argparse.Namespace) -> int:
         pop = ExpertPopularity.load(args.ranking, L, E)
         routing = f"ranking file {args.ranking}"
     else:
-        pop = ExpertPopularity.from_routing(str(args.model), args.routing, L, E, seed=args.seed)
-        # what the engine's dummy router realises: no expert above 1/top_k of the picks (models/dummy_routing.py)
-        pop = ExpertPopularity(pop.model, cap_shares(pop.probabilities, spec.num_experts_per_tok))
+        pop = dummy_router_popularity(str(args.model), args.routing, spec, args.seed)
         routing = args.routing
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
