@@ -129,13 +129,12 @@ def sim_config_of(flags: list[str], budget_bytes: int) -> Any:
 def simulate(model: str, routing: str, flags: list[str], budget_bytes: int, rate: float, num_prompts: int,
              seed: int = 0) -> dict[str, Any]:
     """`rimuru simulate`'s prediction of one point (H200 profile): the row fields it predicts, in ms."""
-    from rimuru.experts.popularity import ExpertPopularity
     from rimuru.model_spec import load_model_spec
-    from rimuru.sim.cli import load_requests, with_arrivals
+    from rimuru.sim.cli import dummy_router_popularity, load_requests, with_arrivals
     from rimuru.sim.simulator import Simulation
 
     spec = load_model_spec(model)
-    pop = ExpertPopularity.from_routing(model, routing, spec.num_moe_layers, spec.num_experts, seed=seed)
+    pop = dummy_router_popularity(model, routing, spec, seed)
     s = Simulation(spec, pop, sim_config_of(flags, budget_bytes)).run(
         with_arrivals(load_requests("sharegpt", num_prompts, seed), rate, seed)).summary()
     return {"output_throughput": s["output_throughput_tok_s"], "median_ttft_ms": 1e3 * s["ttft_p50_s"],
