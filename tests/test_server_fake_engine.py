@@ -213,7 +213,15 @@ def test_unsupported_fields_and_errors_are_counted(url: str) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
     resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [VOCAB]})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_token_id"
-    assert 'rimuru:http_errors_total{status="400"} 2.0' in httpx.get(url + "/metrics").text
+    # valid JSON, no Unicode text: a lone surrogate is the client's mistake, named, in a prompt or a message
+    raw = '{"model": "%s", "prompt": "a\\ud800b"}' % MODEL
+    resp = httpx.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_text"
+    assert "surrogate" in resp.json()["error"]["message"] and resp.json()["error"]["param"] == "prompt"
+    raw = '{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % MODEL
+    resp = httpx.post(url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+    assert 'rimuru:http_errors_total{status="400"} 4.0' in httpx.get(url + "/metrics").text
 
 
 def test_step_profile_reads_the_engines_report(url: str) -> None:

@@ -15,7 +15,14 @@ from rimuru.server.errors import APIError
 from rimuru.server.protocol import ChatMessage, PromptInput
 
 
-def tokenize_user_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+def tokenize_user_text(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """`text` as plain user text. JSON can carry a lone UTF-16 surrogate ("\\ud800") that is no Unicode text: it
+    is refused as the request's mistake (a tokenizer would fail on it with a server error)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} holds {e.object[e.start:e.end]!a} at character {e.start}, a lone UTF-16 "
+                            "surrogate: not valid Unicode text", param=param, code="invalid_text") from None
     return list(tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True).input_ids)
 
 
@@ -37,7 +44,7 @@ def completion_prompts(tokenizer: Any, prompt: PromptInput, vocab_size: int) -> 
             if tokenizer is None:
                 raise APIError(400, "this model is served without a tokenizer: send the prompt as token ids",
                                param="prompt", code="no_tokenizer")
-            ids = tokenize_user_text(tokenizer, item, add_special_tokens=True)
+            ids = tokenize_user_text(tokenizer, item, add_special_tokens=True, param="prompt")
         else:
             ids = list(item)
             bad = [t for t in ids if t >= vocab_size]
@@ -68,7 +75,8 @@ def chat_prompt(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
         if not sep:  # the template dropped or transformed the content: fall back to safe text only
             raise APIError(400, "chat template does not keep message content verbatim", param="messages")
         ids += tokenizer(head, add_special_tokens=False).input_ids if head else []
-        ids += tokenize_user_text(tokenizer, msg.text(), add_special_tokens=False) if msg.text() else []
+        ids += tokenize_user_text(tokenizer, msg.text(), add_special_tokens=False, param="messages") \
+            if msg.text() else []
         rest = tail
     ids += tokenizer(rest, add_special_tokens=False).input_ids if rest else []
     return ids
