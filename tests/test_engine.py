@@ -203,3 +203,19 @@ def test_workspace_bound_covers_every_measured_h200_peak() -> None:
         if "max_cudagraph_capture_size" in probe:
             start = probe["start_peak_reserved_beyond_held"] + max(0, probe["outside_torch_allocator"])
             assert start <= bound, (path.name, "start-up", start, bound)
+
+
+def test_a_start_the_settings_make_impossible_is_refused_with_its_reason(checkpoints, capsys) -> None:
+    """Longer than the model's trained positions (512 here) is refused, as vLLM does; from the command line such a
+    refusal, like a budget below the weights, ends the command with its message and no traceback."""
+    from rimuru.cli import main
+
+    path = str(checkpoints["mixtral"])
+    with pytest.raises(ValueError, match="max_model_len=1000 is longer than the model's max_position_embeddings=512"):
+        LLM(path, gpu_memory_budget="64MiB", device="cpu", max_model_len=1000)
+    for flags, reason in ((["--max-model-len", "1000"], "max_position_embeddings=512"),
+                          (["--gpu-memory-budget", "1MiB"], "is too small")):
+        with pytest.raises(SystemExit) as stop:
+            main(["generate", path, "--device", "cpu", "--prompt", "hi", *flags])
+        assert reason in str(stop.value.code) and str(stop.value.code).startswith("error: ")
+    assert "Traceback" not in capsys.readouterr().err

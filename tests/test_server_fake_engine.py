@@ -214,11 +214,11 @@ def test_unsupported_fields_and_errors_are_counted(url: str) -> None:
     resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [VOCAB]})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_token_id"
     # valid JSON, no Unicode text: a lone surrogate is the client's mistake, named, in a prompt or a message
-    raw = '{"model": "%s", "prompt": "a\\ud800b"}' % MODEL
+    raw = json.dumps({"model": MODEL, "prompt": "a\ud800b"})  # escaped as \ud800: valid JSON
     resp = httpx.post(url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_text"
     assert "surrogate" in resp.json()["error"]["message"] and resp.json()["error"]["param"] == "prompt"
-    raw = '{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % MODEL
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]})
     resp = httpx.post(url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
     assert 'rimuru:http_errors_total{status="400"} 4.0' in httpx.get(url + "/metrics").text

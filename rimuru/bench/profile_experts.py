@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     from rimuru.bench.workload import load_tokenizer, sample_sharegpt
     from rimuru.config import EngineConfig
     from rimuru.engine.llm import LLM
+    from rimuru.engine.setup import start_or_exit
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.num_prompts < 1:
@@ -187,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     if not config.enforce_eager:
         logger.info("profile runs eagerly (enforce_eager=True): routing is counted outside CUDA graphs")
         config = config.with_(enforce_eager=True)
-    llm = LLM(**vars(config))
+    llm = start_or_exit(lambda: LLM(**vars(config)))
     engine = llm.engine
     # the engine's own tokenizer (--tokenizer or the model directory's); else the Qwen vocabulary
     tok_path = (config.tokenizer or config.model) if engine.tokenizer is not None else None

@@ -27,10 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rimuru.engine.llm import LLM
     from rimuru.engine.sampling_params import SamplingParams
+    from rimuru.engine.setup import start_or_exit
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_cli_args(args)
-    llm = LLM(**vars(config))
+    llm = start_or_exit(lambda: LLM(**vars(config)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
     for out in llm.generate(args.prompt, params):

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +32,17 @@ from rimuru.model_spec import ModelSpec, dtype_bytes
 from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.dummy_routing import set_dummy_routing
 from rimuru.models.loader import init_dummy_weights, load_checkpoint
+
+_Built = TypeVar("_Built")
+
+
+def start_or_exit(start: Callable[[], _Built]) -> _Built:
+    """For the command line: a start-up the settings make impossible (ValueError: a budget too small for the
+    weights, a length the model cannot serve, ...) ends the command with its message instead of a traceback."""
+    try:
+        return start()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 logger = logging.getLogger("rimuru")
 
@@ -184,6 +196,10 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec, kv_tokens: int,
     if kv_tokens < config.block_size:
         raise ValueError(f"after the experts, the pool ({format_bytes(pool_bytes)}) has no room for KV cache; "
                          "raise gpu_memory_budget or use an offload mode")
+    if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
+        # as vLLM: positions past the trained range are not something the engine can promise to serve
+        raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's "
+                         f"max_position_embeddings={spec.max_position_embeddings}")
     max_model_len = config.max_model_len or spec.max_position_embeddings
     if config.max_model_len is None and max_model_len > kv_tokens:
         return kv_tokens

@@ -29,12 +29,13 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rimuru.engine.llm_engine import LLMEngine
+    from rimuru.engine.setup import start_or_exit
     from rimuru.server.app import build_app
     from rimuru.server.config import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_cli_args(args)
-    engine = LLMEngine(config)
+    engine = start_or_exit(lambda: LLMEngine(config))
     server_config = ServerConfig(
         served_model_name=args.served_model_name or args.model,
         model_path=args.model,
