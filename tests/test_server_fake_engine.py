@@ -230,3 +230,20 @@ def test_step_profile_reads_the_engines_report(url: str) -> None:
     httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1], "max_tokens": 2})
     report = httpx.get(url + "/debug/step_profile").json()
     assert report == {"steps_profiled": 2, "kinds": {}, "num_steps": 3}  # the per-step rows are left out
+
+
+def test_fields_this_server_cannot_honour_are_refused_not_dropped(url: str) -> None:
+    """logit_bias, tools, tool_choice, response_format and top_logprobs change what a client gets back: set to
+    anything but their neutral value they are a 400 naming the field; at it, the request is served."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "ab"}], "max_completion_tokens": 2}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for field, value in (("logit_bias", {"5": 10.0}), ("response_format", {"type": "json_object"}),
+                         ("tools", [tool]), ("tool_choice", "required"), ("top_logprobs", 2)):
+        resp = httpx.post(url + "/v1/chat/completions", json={**chat, field: value})
+        assert resp.status_code == 400, field
+        assert resp.json()["error"]["param"] == field and resp.json()["error"]["code"] == "unsupported"
+    resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1], "logit_bias": {"1": -100}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "logit_bias"
+    neutral = {"logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "auto",
+               "top_logprobs": 0}
+    assert httpx.post(url + "/v1/chat/completions", json={**chat, **neutral}).status_code == 200

@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI API subset we serve (pydantic), plus vLLM's extra fields.
 
-Unknown fields are ignored, as vLLM does, so existing clients keep working; fields we accept but
-cannot honour (logprobs, echo, penalties) are rejected with a 400 rather than silently dropped.
+Unknown fields are ignored, as vLLM does, so existing clients keep working; OpenAI fields we cannot honour
+(logprobs, echo, penalties, logit_bias, tools, structured output) are accepted at their neutral values only and
+rejected with a 400 otherwise, never silently dropped.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class GenerationRequest(BaseModel):
     repetition_penalty: float | None = None
     logprobs: Any = None
     best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # neutral: {"type": "text"}
     user: str | None = None
 
     def token_limit(self) -> int | None:
@@ -58,6 +61,8 @@ class GenerationRequest(BaseModel):
             "frequency_penalty": self.frequency_penalty not in (None, 0.0),
             "repetition_penalty": self.repetition_penalty not in (None, 1.0),
             "best_of": self.best_of not in (None, self.n),
+            "logit_bias": bool(self.logit_bias),
+            "response_format": self.response_format not in (None, {"type": "text"}),
         }
         return [name for name, is_bad in bad.items() if is_bad]
 
@@ -99,9 +104,20 @@ class ChatCompletionRequest(GenerationRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None  # neutral: none, or auto / none without tools
 
     def token_limit(self) -> int | None:  # OpenAI's newer name wins over the deprecated one
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def unsupported(self) -> list[str]:
+        bad = {
+            "top_logprobs": self.top_logprobs not in (None, 0),
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none") and not (self.tool_choice == "auto"
+                                                                             and not self.tools),
+        }
+        return super().unsupported() + [name for name, is_bad in bad.items() if is_bad]
 
 
 class ModelCard(BaseModel):
