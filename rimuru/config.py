@@ -59,6 +59,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (auto: the config's dtype on GPU, float32 on CPU)
     gpu_memory_budget: int | str | None = None  # bytes the engine may use in all; default: 90 % of the GPU
+    gpu_memory_utilization: float | None = None  # vLLM's flag: the same budget as a share of the GPU's memory
     offload_mode: str | None = None  # static | fixed | elastic; default static
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -114,6 +115,12 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (page geometry already carries it)")
         if self.gpu_memory_budget is not None:
             parse_bytes(self.gpu_memory_budget)
+        if self.gpu_memory_utilization is not None:
+            if not 0.0 < self.gpu_memory_utilization <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            if self.gpu_memory_budget is not None:
+                raise ValueError("give gpu_memory_budget or gpu_memory_utilization, not both (the same budget in "
+                                 "bytes or as a share of the GPU's memory)")
         if self.resident_experts is not None and self.resident_experts <= 0:
             raise ValueError(f"resident_experts must be positive, got {self.resident_experts}")
         if self.expert_offload_limit is not None and self.expert_offload_limit < 0:
@@ -154,6 +161,7 @@ _FLAG_HELP = {
     "device": "auto | cuda | cpu",
     "dtype": "auto | bfloat16 | float16 | float32",
     "gpu_memory_budget": "bytes the engine may use on the device in all, e.g. 32GiB (default: 90%% of the GPU)",
+    "gpu_memory_utilization": "the same budget as vLLM's share of the GPU's memory, e.g. 0.229 (default 0.9)",
     "offload_mode": "static (all experts resident) | fixed | elastic",
     "load_format": "auto | safetensors | dummy (random weights of the real shapes)",
     "resident_experts": "fixed mode: resident experts per layer (>= 1) or a fraction (< 1)",
@@ -173,7 +181,8 @@ _FLAG_HELP = {
 }
 
 _FLAG_TYPES: dict[str, Any] = {
-    "tokenizer": str, "device": str, "dtype": str, "gpu_memory_budget": str, "offload_mode": str,
+    "tokenizer": str, "device": str, "dtype": str, "gpu_memory_budget": str, "gpu_memory_utilization": float,
+    "offload_mode": str,
     "max_num_seqs": int, "max_model_len": int, "max_num_batched_tokens": int, "block_size": int,
     "max_cudagraph_capture_size": int,
     "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int,

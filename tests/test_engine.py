@@ -219,3 +219,18 @@ def test_a_start_the_settings_make_impossible_is_refused_with_its_reason(checkpo
             main(["generate", path, "--device", "cpu", "--prompt", "hi", *flags])
         assert reason in str(stop.value.code) and str(stop.value.code).startswith("error: ")
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_gpu_memory_utilization_is_vllms_budget_flag(checkpoints) -> None:
+    """vLLM's --gpu-memory-utilization gives the budget as a share of the GPU's memory: in (0, 1], not beside
+    gpu_memory_budget, and refused on the CPU (a share of no GPU), each with its reason."""
+    from rimuru.config import EngineConfig
+
+    assert EngineConfig(model="m", gpu_memory_utilization=0.229).gpu_memory_utilization == 0.229
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+            EngineConfig(model="m", gpu_memory_utilization=bad)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(model="m", gpu_memory_utilization=0.5, gpu_memory_budget="1GiB")
+    with pytest.raises(ValueError, match="give gpu_memory_budget"):
+        LLM(str(checkpoints["mixtral"]), device="cpu", gpu_memory_utilization=0.5)

@@ -237,13 +237,33 @@ def test_fields_this_server_cannot_honour_are_refused_not_dropped(url: str) -> N
     anything but their neutral value they are a 400 naming the field; at it, the request is served."""
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "ab"}], "max_completion_tokens": 2}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for field, value in (("logit_bias", {"5": 10.0}), ("response_format", {"type": "json_object"}),
-                         ("tools", [tool]), ("tool_choice", "required"), ("top_logprobs", 2)):
-        resp = httpx.post(url + "/v1/chat/completions", json={**chat, field: value})
-        assert resp.status_code == 400, field
-        assert resp.json()["error"]["param"] == field and resp.json()["error"]["code"] == "unsupported"
+    for name, value in (("logit_bias", {"5": 10.0}), ("response_format", {"type": "json_object"}),
+                        ("tools", [tool]), ("tool_choice", "required"), ("top_logprobs", 2)):
+        resp = httpx.post(url + "/v1/chat/completions", json={**chat, name: value})
+        assert resp.status_code == 400, name
+        assert resp.json()["error"]["param"] == name and resp.json()["error"]["code"] == "unsupported"
     resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1], "logit_bias": {"1": -100}})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "logit_bias"
     neutral = {"logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "auto",
                "top_logprobs": 0}
     assert httpx.post(url + "/v1/chat/completions", json={**chat, **neutral}).status_code == 200
+
+
+def test_several_served_model_names_as_vllm_takes_them() -> None:
+    """`--served-model-name A B`: clients may send either name, responses and the first model card carry A,
+    /v1/models lists both, any other name is a 404 that names them."""
+    from rimuru.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "path/to/model", "--served-model-name", MODEL, "alias"])
+    config = ServerConfig.from_cli_args(args.served_model_name, args.model, args.api_key, args.max_body_bytes)
+    assert (config.served_model_name, config.served_model_names, config.model_path) == (
+        MODEL, (MODEL, "alias"), "path/to/model")
+    default = build_parser().parse_args(["serve", "path/to/model"])
+    assert ServerConfig.from_cli_args(default.served_model_name, "path/to/model", None, 1).served_model_names == (
+        "path/to/model",)
+    with BackgroundServer(FakeEngine(FakeTokenizer()), config) as srv:
+        data = httpx.post(srv.url + "/v1/completions", json={"model": "alias", "prompt": [1], "max_tokens": 2}).json()
+        assert data["model"] == MODEL and data["choices"][0]["text"]
+        assert [c["id"] for c in httpx.get(srv.url + "/v1/models").json()["data"]] == [MODEL, "alias"]
+        resp = httpx.post(srv.url + "/v1/completions", json={"model": "other", "prompt": [1]})
+        assert resp.status_code == 404 and "'alias'" in resp.json()["error"]["message"]

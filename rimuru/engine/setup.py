@@ -126,10 +126,20 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, d
     return T * per_token + logits + scratch
 
 
-def default_budget(device: torch.device, spec: ModelSpec, dtype: torch.dtype, work: int) -> int:
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of the GPU's memory
+
+
+def resolve_budget(config: EngineConfig, device: torch.device, spec: ModelSpec, dtype: torch.dtype, work: int) -> int:
+    """Bytes the engine may use: gpu_memory_budget, else gpu_memory_utilization (vLLM's flag: a share of the GPU's
+    memory, default 0.9). On the CPU the default is every weight plus room for 64k tokens of KV cache."""
+    if config.budget_bytes is not None:
+        return config.budget_bytes
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory * 0.9)
-    # CPU: every weight plus room for 64k tokens of KV cache
+        share = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        return int(torch.cuda.get_device_properties(device).total_memory * share)
+    if config.gpu_memory_utilization is not None:
+        raise ValueError("gpu_memory_utilization is a share of a GPU's memory and this engine runs on the CPU: "
+                         "give gpu_memory_budget (bytes) instead")
     weights = spec.non_expert_bytes(dtype) + spec.routed_expert_bytes(dtype)
     return weights + work + 65536 * spec.kv_bytes_per_token(dtype)
 
@@ -151,7 +161,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, geometry: PageGeometry, d
     """The budget split, and the offload mode when none was given: static when every expert fits with room for
     KV cache, else elastic."""
     work = workspace_bytes(spec, config, dtype, device)
-    budget = config.budget_bytes or default_budget(device, spec, dtype, work)
+    budget = resolve_budget(config, device, spec, dtype, work)
     non_expert = spec.non_expert_bytes(dtype)
     pool_bytes = budget - non_expert - work
     if pool_bytes < geometry.huge_size:

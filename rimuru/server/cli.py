@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("RIMURU_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 routes (env RIMURU_API_KEY)",
     )
-    p.add_argument("--served-model-name", default=None, help="model name clients send (default: MODEL)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model names clients may send, the first one in responses (default: MODEL)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -36,12 +37,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_cli_args(args)
     engine = start_or_exit(lambda: LLMEngine(config))
-    server_config = ServerConfig(
-        served_model_name=args.served_model_name or args.model,
-        model_path=args.model,
-        api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes,
-    )
+    server_config = ServerConfig.from_cli_args(args.served_model_name, args.model, args.api_key, args.max_body_bytes)
     app = build_app(engine, server_config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -7,7 +7,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ServerConfig:
-    served_model_name: str  # the `model` clients must send; any other name gets a 404
+    served_model_name: str  # the `model` responses carry; clients may send it or an alias, any other name gets a 404
     model_path: str = ""  # shown as the model card's `root`
     api_key: str | None = None  # None: no authentication
     max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413 before they are parsed
+    aliases: tuple[str, ...] = ()  # more names the model answers to (vLLM: --served-model-name A B ...)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *(a for a in self.aliases if a != self.served_model_name))
+
+    @classmethod
+    def from_cli_args(cls, names: list[str] | None, model: str, api_key: str | None,
+                      max_body_bytes: int) -> ServerConfig:
+        """`--served-model-name` as vLLM reads it: one or more names, the first one in responses (default: MODEL)."""
+        names = names or [model]
+        return cls(served_model_name=names[0], aliases=tuple(names[1:]), model_path=model, api_key=api_key,
+                   max_body_bytes=max_body_bytes)

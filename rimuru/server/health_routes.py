@@ -28,8 +28,8 @@ def health_router(state: ServerState) -> APIRouter:
     @router.get("/v1/models", dependencies=[Depends(require_api_key(state.config.api_key))])
     async def show_available_models() -> dict:
         config = state.config
-        card = ModelCard(id=config.served_model_name, root=config.model_path or config.served_model_name,
-                         max_model_len=state.engine.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        cards = [ModelCard(id=name, root=config.model_path or config.served_model_name,
+                           max_model_len=state.engine.max_model_len) for name in config.served_model_names]
+        return ModelList(data=cards).model_dump()
 
     return router

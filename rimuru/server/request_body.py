@@ -29,10 +29,11 @@ async def read_request(request: Request, model: type[G], config: ServerConfig) -
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         raise APIError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from exc
-    if req.model != config.served_model_name:
+    if req.model not in config.served_model_names:
         raise APIError(
             404,
-            f"the model '{req.model}' does not exist; this server serves '{config.served_model_name}'",
+            f"the model '{req.model}' does not exist; this server serves "
+            f"{', '.join(repr(n) for n in config.served_model_names)}",
             param="model",
             code="model_not_found",
         )
