@@ -1,7 +1,8 @@
 """Measures the activation workspace a served engine really uses, against the bound the budget reserves.
 
-The budget is split as non-expert weights + activation workspace bound (`engine.setup.workspace_bytes`)
-+ page pool. Whatever the bound reserves beyond the real peak is KV cache the engine could have held.
+The budget is split as non-expert weights + activation workspace + page pool, the workspace measured at start-up
+before the pool exists (`engine/workspace_profile.py`). Whatever it reserves beyond the real peak is KV cache the
+engine could have held; a real peak above it is memory beyond the budget.
 This script builds one engine (CUDA graphs on, as served), then drives its worst cases:
 
 1. a prefill step of `max_num_batched_tokens` tokens (the largest mixed/prefill graph bucket);
@@ -18,6 +19,7 @@ temporaries, sampler copies) next to the bound, plus memory held outside torch's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -124,6 +126,7 @@ def main() -> None:
         "max_num_seqs": S, "max_num_batched_tokens": T, "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
         "budget_split": split,
         "workspace_bound": split["workspace"],
+        "workspace_profile": dataclasses.asdict(engine.workspace_profile) if engine.workspace_profile else None,
         "reserved_after_start_beyond_held": after_start - held,
         "start_peak_reserved_beyond_held": start_peak - held,
         "breakdown_after_start": breakdown,

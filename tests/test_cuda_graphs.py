@@ -55,17 +55,18 @@ def test_a_capture_cap_leaves_the_workspace_bound_as_measured() -> None:
     from rimuru.config import EngineConfig
     from rimuru.engine.setup import workspace_bytes
     from rimuru.model_spec import load_model_spec
+    from rimuru.sim.cost_model import H200_WORKSPACE_SCRATCH
 
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     capped = json.loads((results / "2026-11-30-probe-workspace-elastic-4096tok-cap512-5ca9050-h200.json").read_text())
     uncapped = json.loads((results / "2026-11-30-probe-workspace-elastic-4096tok-5ca9050-h200.json").read_text())
     assert capped["max_cudagraph_capture_size"] == 512 and uncapped["max_cudagraph_capture_size"] is None
     assert capped["measured_workspace"] < 1.05 * uncapped["measured_workspace"]
-    spec, cuda = load_model_spec("qwen1.5-moe-a2.7b"), torch.device("cuda")
+    spec = load_model_spec("qwen1.5-moe-a2.7b")
 
     def bound(cap: int | None) -> int:
         cfg = EngineConfig(model="qwen1.5-moe-a2.7b", max_num_batched_tokens=4096, max_cudagraph_capture_size=cap)
-        return workspace_bytes(spec, cfg, torch.bfloat16, cuda)
+        return workspace_bytes(spec, cfg, torch.bfloat16, H200_WORKSPACE_SCRATCH)
 
     assert bound(100) == bound(512) == bound(4096) == bound(None) >= capped["measured_workspace"]
 

@@ -174,17 +174,18 @@ def test_dummy_routing_realises_the_promised_shares(tiny_checkpoint) -> None:
         LLM(path, dummy_routing="zipf:1.0", load_format="safetensors", device="cpu")
 
 
-def test_workspace_bound_covers_every_measured_h200_peak() -> None:
+def test_simulated_workspace_bound_covers_every_measured_h200_peak() -> None:
     # benchmarks/probe_workspace.py measured, on the H200, what a served engine really uses beyond its weights and
-    # pool (torch's peak reserved + memory outside its allocator). The bound the budget reserves, computed for each
-    # probe's settings, must cover it, or the engine runs past its budget (each probe also records the bound its own
-    # code reserved: benchmarks/results/2026-11-30-probe-workspace-elastic-2048tok-f3ae023-h200.json measured
-    # 1,492 MB against 1,344 MB reserved at --max-num-batched-tokens 2048).
+    # pool (torch's peak reserved + memory outside its allocator). The bound the simulator reserves for the H200,
+    # computed for each probe's settings, must cover it, or the simulated pool is larger than the engine's (each
+    # probe also records the bound its own code reserved: benchmarks/results/2026-11-30-probe-workspace-elastic-
+    # 2048tok-f3ae023-h200.json measured 1,492 MB against 1,344 MB reserved at --max-num-batched-tokens 2048).
     import json
 
     from rimuru.config import EngineConfig
     from rimuru.engine.setup import workspace_bytes
     from rimuru.model_spec import load_model_spec
+    from rimuru.sim.cost_model import H200_WORKSPACE_SCRATCH
 
     results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     probes = sorted(results.glob("*probe-workspace*-h200.json"))
@@ -194,7 +195,7 @@ def test_workspace_bound_covers_every_measured_h200_peak() -> None:
         cfg = EngineConfig(model=probe["model"], max_num_seqs=probe["max_num_seqs"],
                            max_num_batched_tokens=probe["max_num_batched_tokens"],
                            max_cudagraph_capture_size=probe.get("max_cudagraph_capture_size"))
-        bound = workspace_bytes(load_model_spec(probe["model"]), cfg, torch.bfloat16, torch.device("cuda"))
+        bound = workspace_bytes(load_model_spec(probe["model"]), cfg, torch.bfloat16, H200_WORKSPACE_SCRATCH)
         assert probe["measured_workspace"] <= bound, (path.name, probe["measured_workspace"], bound)
         # the start-up peak too, for probes of the engine that warms every graph size up before the first capture
         # (engine/cuda_graphs.py; without those warm-ups elastic mode's start-up peak is the full graph pool plus an

@@ -36,7 +36,7 @@ def test_boundaries_ask_the_provider_only_for_layers_with_offloaded_experts(tmp_
     # make layer 1 fully resident, keep layer 0 with offloaded experts
     cache.make_resident([(1, e) for e in range(E) if not cache.residency.is_resident(1, e)])
     assert bool((cache.host_tables[1, :, 0] >= 0).all()) and not bool((cache.host_tables[0, :, 0] >= 0).all())
-    bounds = ExpertTableBoundaries(provider, eng.model)
+    bounds = ExpertTableBoundaries.over(provider, eng.model)
     calls: list[tuple] = []
     real_table = provider.table
 

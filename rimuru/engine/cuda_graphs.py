@@ -75,7 +75,7 @@ def capture_step_graphs(model: MoECausalLM, plan: GraphPlan, device: torch.devic
     at every MoE layer's expert-table decision, replayed with that decision on the host between the pieces
     (engine/piecewise_graphs.py), plus whole graphs over the resident tables where the plan has them (elastic).
     Expert tables and page tables change in place, so evictions, grows and loads never invalidate a graph."""
-    boundaries = ExpertTableBoundaries(plan.piecewise, model) if plan.piecewise is not None else None
+    boundaries = ExpertTableBoundaries.over(plan.piecewise, model) if plan.piecewise is not None else None
     graphs = StepGraphs(model, device, num_attention_layers, max_num_seqs, max_model_len, block_size,
                         max_num_batched_tokens, counter=plan.counter, boundaries=boundaries,
                         resident_provider=plan.resident, max_capture_size=max_capture_size)

@@ -39,7 +39,8 @@ from rimuru.engine.sampler import Sampler
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerOutput
 from rimuru.engine.setup import (
-    H200_WORKSPACE_SCRATCH,
+    CPU_WORKSPACE_SCRATCH,
+    MemoryPlan,
     load_popularity,
     load_tokenizer,
     load_weights,
@@ -48,9 +49,11 @@ from rimuru.engine.setup import (
     resolve_dtype,
     resolve_load_format,
     resolve_max_model_len,
+    workspace_bytes,
 )
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import NULL_TRACE, StepProfiler, StepTrace
+from rimuru.engine.workspace_profile import WorkspaceProfile, profile_workspace
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.residency import EXPERT
 from rimuru.experts.runtime import StepDemand
@@ -59,6 +62,7 @@ from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pass_fence import PassFence
 from rimuru.memory.pool import PagePool
 from rimuru.model_spec import load_model_spec
+from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.registry import build_model
 
 logger = logging.getLogger("rimuru")
@@ -77,12 +81,14 @@ class LLMEngine:
         geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=config.block_size,
                                           tp_size=config.tensor_parallel_size)
         self.geometry = geometry
-        memory = plan_memory(spec, config, geometry, dtype, device)
+        # non-expert weights first: the workspace is measured with them, before the pool exists
+        model = build_model(spec, dtype, device, torch.empty(0, device=device))
+        self.workspace_profile: WorkspaceProfile | None = None  # measured on a GPU
+        memory = self._plan_memory(model, geometry, dtype)
         self.pool = PagePool(geometry, memory.pool_bytes, device)
         num_attn = len(spec.attention_layer_ids)
-        kv_view = self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size), spec.head_dim,
-                                    dtype, config.block_size)
-        model = build_model(spec, dtype, device, kv_view)
+        model.bind_kv_cache(self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size),
+                                              spec.head_dim, dtype, config.block_size))
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device.type == "cuda")
         self.fence = PassFence(device)  # pages freed while a pass may read them: memory/pass_fence.py
@@ -129,6 +135,21 @@ class LLMEngine:
         self._kv_page_bytes = geometry.size(KV)
 
     # ---- start-up ------------------------------------------------------------------------------------
+    def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype) -> MemoryPlan:
+        """The budget split: on a GPU around the workspace measured for the offload mode's graphs (the mode when
+        none was given is chosen from the eager workspace), on the CPU around workspace_bytes' bound."""
+        spec, config, device = self.spec, self.config, self.device
+        if device.type != "cuda":
+            logger.info("on the CPU the workspace is bounded from the batch limits, not measured")
+            return plan_memory(spec, config, geometry, dtype, device,
+                               workspace_bytes(spec, config, dtype, CPU_WORKSPACE_SCRATCH))
+        max_model_len = config.max_model_len or spec.max_position_embeddings  # the longest the graphs can be sized for
+        self.workspace_profile = profile_workspace(
+            model, spec, config, geometry, dtype, device, max_model_len,
+            mode_for=lambda eager: plan_memory(spec, config, geometry, dtype, device, eager).mode)
+        return plan_memory(spec, config, geometry, dtype, device, self.workspace_profile.workspace,
+                           mode=self.workspace_profile.mode)
+
     def _capture_graphs(self) -> None:
         cfg = self.config
         graphs = capture_step_graphs(self.model, self.runtime.graph_plan(), self.device, self.runner.num_layers,
@@ -150,14 +171,13 @@ class LLMEngine:
                     self.runtime.cache.total_experts, format_bytes(s["host_experts"]))
 
     def _check_workspace(self) -> None:
-        """The budget reserved `workspace` for everything beyond weights and pool; say when the start alone
-        (graph pools, warm-up) took more, since then the engine holds more than gpu_memory_budget."""
+        """The budget reserved the measured `workspace` for everything beyond weights and pool; say when the start
+        alone (graph pools, warm-up) took more, since then the engine holds more than gpu_memory_budget."""
         split = self.budget_split
         used = torch.cuda.memory_reserved(self.device) - split["non_expert_weights"] - split["pool"]
         log = logger.warning if used > split["workspace"] else logger.info
-        log("after start, torch holds %s beyond weights and pool; the workspace bound is %s (its fixed scratch is "
-            "the H200's measured %s, not measured on this GPU)", format_bytes(used), format_bytes(split["workspace"]),
-            format_bytes(H200_WORKSPACE_SCRATCH))
+        log("after start, torch holds %s beyond weights and pool; the workspace measured before the pool is %s",
+            format_bytes(used), format_bytes(split["workspace"]))
 
     # ---- requests ------------------------------------------------------------------------------------
     @property

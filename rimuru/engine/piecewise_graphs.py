@@ -60,22 +60,35 @@ class PiecewiseGraph:
 class ExpertTableBoundaries:
     """Stands in for an OffloadExpertProvider while graphs are captured, and replays its decisions."""
 
-    def __init__(self, provider: OffloadExpertProvider, model: MoECausalLM) -> None:
-        self.provider = provider
+    def __init__(self, provider: OffloadExpertProvider | None, model: MoECausalLM, expert_view: Tensor,
+                 tables: Tensor) -> None:
+        self._provider = provider  # None: capture only (the start-up memory profile), never replayed
         self.model = model  # its MoE blocks read through this object while capturing
-        cache = provider.cache
-        self.expert_view = provider.expert_view
-        self.active = cache.tables.clone()  # [L_moe, E, 3] int32: what the captured MoE kernels read
+        self.predictor = provider.predictor if provider is not None else None
+        self.num_layers = tables.shape[0]
+        self.expert_view = expert_view
+        self.active = tables.clone()  # [L_moe, E, 3] int32: what the captured MoE kernels read
         self._pending: tuple[int, Tensor] | None = None
         self._capture: PiecewiseGraph | None = None
         self._pool: Any = None
         self.host_waits = 0  # boundaries that read the routing on the host (offloaded experts, not streaming)
         self.skipped_waits = 0  # boundaries that went on without a host read (fully resident or streaming)
 
+    @classmethod
+    def over(cls, provider: OffloadExpertProvider, model: MoECausalLM) -> ExpertTableBoundaries:
+        """The boundaries of a live offloading provider: captured, then replayed with its decisions."""
+        return cls(provider, model, provider.expert_view, provider.cache.tables)
+
+    @property
+    def provider(self) -> OffloadExpertProvider:
+        if self._provider is None:
+            raise RuntimeError("these boundaries were made to capture graphs for a memory profile, not to replay")
+        return self._provider
+
     # ---- the provider protocol, used while capturing (and during the eager warm-up before it) ------
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
-        predictor, nxt = self.provider.predictor, moe_layer + 1
-        if predictor is not None and nxt < self.provider.cache.num_layers:
+        predictor, nxt = self.predictor, moe_layer + 1
+        if predictor is not None and nxt < self.num_layers:
             mask = self._capture.row_mask if self._capture is not None else None  # padding rows prefetch nothing
             self._pending = (nxt, predictor.scores(nxt, hidden, mask))
         else:
@@ -94,7 +107,8 @@ class ExpertTableBoundaries:
         self.model.attach_experts(self)
 
     def uninstall(self) -> None:
-        self.model.attach_experts(self.provider)
+        if self._provider is not None:
+            self.model.attach_experts(self._provider)
 
     def begin_capture(self, pool: Any, row_mask: Tensor | None = None) -> None:
         self._pool = pool

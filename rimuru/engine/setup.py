@@ -2,12 +2,15 @@
 
 The engine (engine/llm_engine.py) calls these in order:
     resolve_device / resolve_dtype / load_tokenizer
+    build_model (models/registry.py): non-expert weights on the device, no pool yet
+    measure the workspace (engine/workspace_profile.py: the model's largest step and its CUDA graphs over a
+                    one-page scratch pool; on the CPU, workspace_bytes' bound)
     plan_memory     budget = non-expert weights (normal tensors, never move)
-                           + activation workspace (bounded from the batch limits)
+                           + activation workspace (as measured)
                            + pool (whole huge pages: routed experts + KV cache)
                     and the offload mode when none was given
-    build_model (models/registry.py) over the pool's KV view, then the expert runtime of the mode
-                    (experts/runtime_builders.py), which attaches its provider to the model
+    the pool; the model bound to its KV view; the expert runtime of the mode (experts/runtime_builders.py),
+                    which attaches its provider to the model
     load_weights    non-expert weights into the model, routed experts through the runtime
     resolve_max_model_len
 """
@@ -46,13 +49,9 @@ def start_or_exit(start: Callable[[], _Built]) -> _Built:
 
 logger = logging.getLogger("rimuru")
 
-# Kernel scratch, cuBLAS workspaces, loaded module images, the decode graphs' pool and fragmentation: what the
-# workspace holds that does not shrink with the step's tokens. Measured on the H200 (benchmarks/probe_workspace.py,
-# Qwen1.5-MoE, 256 sequences, elastic): 1,620 MB at T = 4096 and 1,492 MB at T = 2048 (benchmarks/results/
-# 2026-11-29-probe-workspace-elastic-4096tok-04fa9a3-h200.json, 2026-11-30-probe-workspace-elastic-2048tok-
-# f3ae023-h200.json): ~62 kB per token on ~1.36 GB. With the per-token term below (83 kB) this covers both with
-# >= 5 % to spare; tests/test_engine.py holds the bound to every committed probe.
-H200_WORKSPACE_SCRATCH = 896 * 2**20
+# The fixed scratch of the analytic workspace bound on the CPU (host memory: nothing there is measured); on a GPU
+# the workspace is measured before the pool is sized (engine/workspace_profile.py).
+CPU_WORKSPACE_SCRATCH = 16 * 2**20
 
 # With no offload mode given, static mode is picked when every routed expert fits and leaves at least this share of
 # the pool to KV cache; elastic otherwise.
@@ -101,15 +100,15 @@ def load_tokenizer(path: str | None) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """An upper bound of the activations of one forward pass and its sampling at the batch limits.
+def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, scratch: int) -> int:
+    """An upper bound of the activations of one forward pass and its sampling at the batch limits, for where
+    nothing can be measured (the CPU; the simulator's modelled GPU, whose hardware profile gives `scratch`).
 
     Per token: hidden states and residual, q/k/v/o, the MLP intermediates (routed: top-k copies of
     2f; shared expert: 2 * its width), the router logits. Per sampled sequence: the lm-head output (dtype)
     and the float32 logits; plus one sampler chunk's working copies (engine/sampler.py samples
-    SAMPLE_ROWS_PER_CHUNK rows at a time). Plus fixed scratch: on a GPU the H200's measured figure
-    (H200_WORKSPACE_SCRATCH; not measured on the GPU at hand, and the start-up log says so), 16 MiB on the CPU.
-    benchmarks/probe_workspace.py measures the real peak against this bound on the GPU.
+    SAMPLE_ROWS_PER_CHUNK rows at a time). Plus `scratch`: what does not shrink with the step (kernel scratch,
+    library workspaces, graph pools, fragmentation).
     """
     T, S = config.max_num_batched_tokens, config.max_num_seqs
     d, el = spec.hidden_size, dtype_bytes(dtype)
@@ -118,11 +117,6 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, d
               3 * spec.shared_expert_intermediate_size, 3 * spec.intermediate_size)
     per_token = (6 * d + 2 * qkv + mlp + spec.num_experts) * el + spec.num_experts_per_tok * 16
     logits = S * spec.vocab_size * (el + 4) + min(S, SAMPLE_ROWS_PER_CHUNK) * spec.vocab_size * SAMPLER_BYTES_PER_ENTRY
-    scratch = H200_WORKSPACE_SCRATCH if device.type == "cuda" else 16 * 2**20
-    # --max-cudagraph-capture-size below T needs no extra charge: steps above the cap run eagerly, and their
-    # activations take the room the smaller graph pool leaves (elastic, T = 4096, cap 512: 1,641 MB against
-    # 1,625 MB uncapped, both under this bound: benchmarks/results/2026-11-30-probe-workspace-elastic-4096tok-
-    # {cap512-,}5ca9050-h200.json).
     return T * per_token + logits + scratch
 
 
@@ -157,25 +151,25 @@ def resolve_load_format(config: EngineConfig) -> str:
 
 
 def plan_memory(spec: ModelSpec, config: EngineConfig, geometry: PageGeometry, dtype: torch.dtype,
-                device: torch.device) -> MemoryPlan:
-    """The budget split, and the offload mode when none was given: static when every expert fits with room for
-    KV cache, else elastic."""
-    work = workspace_bytes(spec, config, dtype, device)
-    budget = resolve_budget(config, device, spec, dtype, work)
+                device: torch.device, workspace: int, mode: str | None = None) -> MemoryPlan:
+    """The budget split around `workspace` (measured on a GPU, bounded on the CPU), and the offload mode: `mode`,
+    else the one asked for, else static when every expert fits with room for KV cache and elastic otherwise."""
+    budget = resolve_budget(config, device, spec, dtype, workspace)
     non_expert = spec.non_expert_bytes(dtype)
-    pool_bytes = budget - non_expert - work
+    pool_bytes = budget - non_expert - workspace
     if pool_bytes < geometry.huge_size:
         raise ValueError(
             f"gpu_memory_budget {format_bytes(budget)} is too small: non-expert weights take "
-            f"{format_bytes(non_expert)} and the activation workspace {format_bytes(work)}, leaving no page pool")
-    mode = config.offload_mode
+            f"{format_bytes(non_expert)} and the activation workspace {format_bytes(workspace)}, leaving no page pool")
+    mode = mode or config.offload_mode
     if mode is None:
         expert_bytes = spec.routed_expert_bytes(dtype)
         whole_pool = pool_bytes // geometry.huge_size * geometry.huge_size
         mode = "static" if expert_bytes <= (1 - STATIC_KV_SHARE) * whole_pool else "elastic"
         logger.info("offload_mode not given: %s (routed experts %s, pool %s)", mode, format_bytes(expert_bytes),
                     format_bytes(whole_pool))
-    return MemoryPlan(budget=budget, non_expert_weights=non_expert, workspace=work, pool_bytes=pool_bytes, mode=mode)
+    return MemoryPlan(budget=budget, non_expert_weights=non_expert, workspace=workspace, pool_bytes=pool_bytes,
+                      mode=mode)
 
 
 def load_popularity(config: EngineConfig, spec: ModelSpec) -> ExpertPopularity:

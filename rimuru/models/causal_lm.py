@@ -129,6 +129,11 @@ class MoECausalLM(nn.Module):
         return [(layer.post_attention_layernorm, layer.mlp) for layer in self.model.layers
                 if isinstance(layer.mlp, SparseMoE)]
 
+    def bind_kv_cache(self, kv_cache: Tensor) -> None:
+        """Every attention layer reads and writes `kv_cache` [n_pages, 2, block, Hkv, D] from now on (the start-up
+        memory profile runs over a one-page scratch pool before the real pool exists)."""
+        self.kv_cache = kv_cache
+
     def attach_experts(self, provider: ExpertProvider) -> None:
         """Every MoE block reads its routed experts through `provider` from now on (the expert runtime's provider,
         or a stand-in while CUDA graphs are captured)."""

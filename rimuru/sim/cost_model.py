@@ -36,6 +36,13 @@ from rimuru.model_spec import ModelSpec, dtype_bytes
 # start-up; the simulator's H200 profile uses this figure.
 H200_PIECEWISE_OVERHEAD_PER_LAYER_S = 75e-6
 
+# The fixed term of the simulated engine's workspace bound (engine/setup.workspace_bytes): kernel scratch, cuBLAS
+# workspaces, kernel images, the graphs' pool and fragmentation, from the engine's probes on the H200
+# (benchmarks/probe_workspace.py, Qwen1.5-MoE, 256 sequences: 1,620 MB at T = 4096 and 1,492 MB at T = 2048, ~62 kB
+# per token on ~1.36 GB; with the bound's 83 kB per token this covers both; tests/test_engine.py holds it to every
+# committed probe). The engine itself measures its workspace at start-up; the simulator has no GPU to measure.
+H200_WORKSPACE_SCRATCH = 896 * 2**20
+
 
 @dataclass(frozen=True)
 class HardwareConfig:
@@ -56,6 +63,7 @@ class HardwareConfig:
     compute_plus_memory: bool = False  # compute = FLOP time + byte time (fitted profiles) instead of their max
     # per MoE layer, a pass with experts offloaded (piecewise graphs) against one with all resident (whole graphs)
     piecewise_overhead_per_layer_s: float = H200_PIECEWISE_OVERHEAD_PER_LAYER_S
+    workspace_scratch_bytes: int = H200_WORKSPACE_SCRATCH  # the workspace bound's fixed term
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bandwidth", "flops_efficiency", "bandwidth_efficiency", "pcie_bandwidth"):

@@ -108,7 +108,7 @@ def plan_memory(spec: ModelSpec, cfg: SimConfig) -> MemoryPlan:
     geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=cfg.block_size)
     engine = EngineConfig(model="simulated", max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
                           max_num_batched_tokens=cfg.max_num_batched_tokens)
-    work = workspace_bytes(spec, engine, dtype, torch.device("cuda"))  # the device simulated is a GPU
+    work = workspace_bytes(spec, engine, dtype, cfg.hardware.workspace_scratch_bytes)  # nothing to measure here
     non_expert = spec.non_expert_bytes(dtype)
     num_huge = (cfg.budget_bytes - non_expert - work) // geometry.huge_size
     if num_huge <= 0:

@@ -1,0 +1,190 @@
+"""The start-up memory profile: what one step holds beyond the weights and the pool, measured before the pool exists.
+
+The budget is non-expert weights + workspace + pool, and the pool takes whatever is left, so the workspace has to be
+known before the pool is allocated (profile, then allocate, as vLLM does). The model's non-expert weights are on
+the GPU by then; its routed experts and KV cache live in the pool, which does not exist yet. The profile runs the
+model over a one-huge-page scratch pool instead: every expert table entry points at expert page 0 and every block
+table at KV page 0, so the kernels read and write real pages of the real shapes while the shapes of every
+activation are those of the engine's worst step.
+
+    scratch pool (one huge page)   | expert 0 | expert 1 | ... | kv 0 kv 1 ... |
+    every (layer, expert)  ------> expert page 0 (W1, W3, W2 alike)
+    every (sequence, block) -----> KV page 0
+
+What is measured (device memory seen by torch's allocator and by the driver, `torch.cuda.mem_get_info`):
+
+    forward   the eager pass of max_num_batched_tokens tokens over min(max_num_seqs, T) prompts, with every
+              sequence's last row sampled (temperature, top-k and top-p: the sampler's largest working set)
+    outside   memory the passes made outside torch's allocator (cuBLAS workspaces, loaded kernel images)
+    graphs    a throwaway capture of the same CUDA graphs the engine captures (whole, piecewise, or both), over the
+              scratch pool: the graphs' memory pool and the graph objects; then given back
+    sampling  S rows of logits sampled eagerly, the transient beside the graphs' pool
+
+The workspace is `forward + outside` when every step runs eagerly; with CUDA graphs it is `graphs + sampling +
+outside`, plus the eager `forward` when steps above --max-cudagraph-capture-size run eagerly beside the graphs. On
+the CPU nothing is measured (host memory; see setup.workspace_bytes for the bound used there).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rimuru.config import EngineConfig, format_bytes
+from rimuru.engine.cuda_graphs import StepGraphs
+from rimuru.engine.kv_cache_manager import KV
+from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
+from rimuru.engine.sampler import Sampler
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.experts.residency import EXPERT
+from rimuru.experts.static_provider import StaticExpertProvider
+from rimuru.memory.geometry import PageGeometry
+from rimuru.memory.pool import PagePool
+from rimuru.model_spec import ModelSpec
+from rimuru.models.causal_lm import MoECausalLM
+from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.loader import init_dummy_weights
+from rimuru.models.moe import NO_EXPERTS
+
+logger = logging.getLogger("rimuru")
+
+# the sampling parameters of the profile: every cut on, so the sampler's working copies are all made
+_PROFILE_SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
+
+
+@dataclass(frozen=True)
+class WorkspaceProfile:
+    mode: str  # the offload mode whose graphs were captured
+    forward: int  # eager pass of the largest step plus its sampling, beyond what was held before
+    outside: int  # device memory outside torch's allocator the passes made (cuBLAS workspaces, kernel images)
+    graphs: int  # CUDA graphs' pool and graph objects (0: eager)
+    sampling: int  # S rows sampled eagerly (beside the graphs)
+    eager_steps_beside_graphs: bool  # steps above the capture cap run eagerly while the graphs hold their pool
+
+    @property
+    def workspace(self) -> int:
+        if self.graphs == 0:
+            return self.forward + self.outside
+        return self.graphs + self.sampling + self.outside + (self.forward if self.eager_steps_beside_graphs else 0)
+
+    def describe(self) -> str:
+        parts = [f"forward {format_bytes(self.forward)}", f"outside torch {format_bytes(self.outside)}"]
+        if self.graphs:
+            parts += [f"CUDA graphs {format_bytes(self.graphs)}", f"sampling {format_bytes(self.sampling)}"]
+        return ", ".join(parts)
+
+
+def _device_used(device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+class _ScratchPool:
+    """One huge page of the real geometry: expert and KV views whose page 0 every table entry points at."""
+
+    def __init__(self, spec: ModelSpec, geometry: PageGeometry, dtype: torch.dtype, device: torch.device,
+                 num_kv_heads: int, block_size: int) -> None:
+        if geometry.num_pages(EXPERT, geometry.huge_size) < 1 or geometry.num_pages(KV, geometry.huge_size) < 1:
+            raise ValueError("a huge page holds no expert page or no KV page: the geometry cannot be profiled")
+        self.pool = PagePool(geometry, geometry.huge_size, device)
+        self.kv_view = self.pool.kv_view(num_kv_heads, spec.head_dim, dtype, block_size)
+        tables = torch.zeros(spec.num_moe_layers, spec.num_experts, 3, dtype=torch.int32, device=device)
+        self.provider = StaticExpertProvider(self.pool.expert_view(dtype), tables)
+
+
+def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, device: torch.device) -> ForwardBatch:
+    """`tokens` prompt tokens split over `seqs` fresh prompts, every block on KV page 0, each prompt's last row
+    sampled."""
+    lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+    starts = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    max_len = max(lens)
+    blocks = -(-max_len // block_size)
+    slots = (positions % block_size).to(torch.int64)  # page 0, the token's offset in its block
+    return ForwardBatch(
+        input_ids=torch.randint(0, 1000, (tokens,), device=device), positions=positions.to(device),
+        query_start_loc=starts.to(device), seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(num_layers, seqs, blocks, dtype=torch.int32, device=device),
+        slot_mapping=slots.to(device).expand(num_layers, tokens).contiguous(),
+        logits_indices=(starts[1:] - 1).to(torch.int64).to(device), max_query_len=max_len, max_seq_len=max_len)
+
+
+def _sample(logits: torch.Tensor, sampler: Sampler) -> None:
+    rows = logits.shape[0]  # logits [rows, V] fp32
+    sampler(logits, [_PROFILE_SAMPLING] * rows, [None] * rows)
+
+
+@torch.inference_mode()
+def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig, geometry: PageGeometry,
+                      dtype: torch.dtype, device: torch.device, max_model_len: int,
+                      mode_for: Callable[[int], str]) -> WorkspaceProfile:
+    """Measures the workspace of `model` (non-expert weights on `device`, no experts or KV cache bound yet) at the
+    batch limits of `config`, with graphs sized for `max_model_len`, for the CUDA graphs of the offload mode
+    `mode_for(eager workspace)` names; leaves the model unbound again. The non-expert weights are random here
+    (the checkpoint is read after the pool exists, and overwrites them)."""
+    init_dummy_weights(model, seed=config.seed)  # uninitialised memory could hold NaNs; shapes are what count
+    T, S = config.max_num_batched_tokens, config.max_num_seqs
+    num_attn = len(spec.attention_layer_ids)
+    kv_heads = max(1, spec.num_key_value_heads // config.tensor_parallel_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base_reserved, base_used = torch.cuda.memory_reserved(device), _device_used(device)
+    scratch = _ScratchPool(spec, geometry, dtype, device, kv_heads, config.block_size)
+    held = torch.cuda.memory_reserved(device)  # the scratch pool is not workspace
+    model.bind_kv_cache(scratch.kv_view)
+    model.attach_experts(scratch.provider)
+    sampler = Sampler(device, config.seed)
+    torch.cuda.reset_peak_memory_stats(device)
+    batch = _largest_step(num_attn, T, min(S, T), config.block_size, device)
+    hidden = model(batch)  # [T, d]
+    logits = model.compute_logits(hidden[batch.logits_indices])  # [rows, V] fp32
+    del hidden
+    _sample(logits, sampler)
+    del logits, batch
+    forward = torch.cuda.max_memory_reserved(device) - held
+    outside = max(0, (_device_used(device) - base_used) - (torch.cuda.memory_reserved(device) - base_reserved))
+    mode = mode_for(forward + outside)
+    graphs = sampling = 0
+    eager_beside = False
+    if not config.enforce_eager:
+        torch.cuda.empty_cache()
+        before = _device_used(device)
+        step_graphs = _capture_like_the_engine(model, scratch, mode, device, num_attn, config, max_model_len)
+        graphs = _device_used(device) - before
+        eager_beside = step_graphs.token_sizes[-1] < T
+        # the sampler's transient beside the graphs: its input is the graphs' logits buffer, counted above
+        logits = torch.zeros(S, spec.vocab_size, dtype=torch.float32, device=device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_reserved(device)
+        _sample(logits, sampler)
+        sampling = torch.cuda.max_memory_reserved(device) - start
+        del step_graphs, logits
+    model.bind_kv_cache(torch.empty(0, device=device))
+    model.attach_experts(NO_EXPERTS)  # nothing of the scratch pool stays reachable
+    del scratch
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    profile = WorkspaceProfile(mode=mode, forward=forward, outside=outside, graphs=graphs, sampling=sampling,
+                               eager_steps_beside_graphs=eager_beside)
+    logger.info("workspace measured before the pool: %s (%s)", format_bytes(profile.workspace), profile.describe())
+    return profile
+
+
+def _capture_like_the_engine(model: MoECausalLM, scratch: _ScratchPool, mode: str, device: torch.device,
+                             num_attn: int, config: EngineConfig, max_model_len: int) -> StepGraphs:
+    """The graph ladders the engine will capture in `mode` (static: whole graphs; fixed: piecewise; elastic:
+    piecewise and whole), over the scratch pool."""
+    provider = scratch.provider
+    boundaries = None
+    if mode != "static":
+        boundaries = ExpertTableBoundaries(None, model, provider.expert_view, provider.tables)
+    graphs = StepGraphs(model, device, num_attn, config.max_num_seqs, max_model_len, config.block_size,
+                        config.max_num_batched_tokens, boundaries=boundaries,
+                        resident_provider=provider if mode == "elastic" else None,
+                        max_capture_size=config.max_cudagraph_capture_size)
+    graphs.capture()
+    return graphs
