@@ -53,7 +53,7 @@ from rimuru.engine.setup import (
 )
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import NULL_TRACE, StepProfiler, StepTrace
-from rimuru.engine.workspace_profile import WorkspaceProfile, profile_workspace
+from rimuru.engine.workspace_profile import DeviceMemoryMark, WorkspaceProfile, profile_workspace
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.residency import EXPERT
 from rimuru.experts.runtime import StepDemand
@@ -75,6 +75,7 @@ class LLMEngine:
         self.config = config
         spec = self.spec = load_model_spec(config.model)
         device = self.device = resolve_device(config.device)
+        start_memory = DeviceMemoryMark.now(device) if device.type == "cuda" else None
         dtype = resolve_dtype(config.dtype, spec, device)
         self.tokenizer = load_tokenizer(config.tokenizer or (config.model if os.path.isdir(config.model) else None))
         load_format = resolve_load_format(config)
@@ -84,7 +85,7 @@ class LLMEngine:
         # non-expert weights first: the workspace is measured with them, before the pool exists
         model = build_model(spec, dtype, device, torch.empty(0, device=device))
         self.workspace_profile: WorkspaceProfile | None = None  # measured on a GPU
-        memory = self._plan_memory(model, geometry, dtype)
+        memory = self._plan_memory(model, geometry, dtype, start_memory)
         self.pool = PagePool(geometry, memory.pool_bytes, device)
         num_attn = len(spec.attention_layer_ids)
         model.bind_kv_cache(self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size),
@@ -135,18 +136,20 @@ class LLMEngine:
         self._kv_page_bytes = geometry.size(KV)
 
     # ---- start-up ------------------------------------------------------------------------------------
-    def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype) -> MemoryPlan:
+    def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
+                     start_memory: DeviceMemoryMark | None) -> MemoryPlan:
         """The budget split: on a GPU around the workspace measured for the offload mode's graphs (the mode when
         none was given is chosen from the eager workspace), on the CPU around workspace_bytes' bound."""
         spec, config, device = self.spec, self.config, self.device
-        if device.type != "cuda":
+        if start_memory is None:
             logger.info("on the CPU the workspace is bounded from the batch limits, not measured")
             return plan_memory(spec, config, geometry, dtype, device,
                                workspace_bytes(spec, config, dtype, CPU_WORKSPACE_SCRATCH))
         max_model_len = config.max_model_len or spec.max_position_embeddings  # the longest the graphs can be sized for
         self.workspace_profile = profile_workspace(
             model, spec, config, geometry, dtype, device, max_model_len,
-            mode_for=lambda eager: plan_memory(spec, config, geometry, dtype, device, eager).mode)
+            mode_for=lambda eager: plan_memory(spec, config, geometry, dtype, device, eager).mode,
+            engine_start=start_memory)
         return plan_memory(spec, config, geometry, dtype, device, self.workspace_profile.workspace,
                            mode=self.workspace_profile.mode)
 
@@ -221,6 +224,7 @@ class LLMEngine:
             raise ValueError(f"max_tokens={params.max_tokens} is too large: the prompt has {len(ids)} tokens "
                              f"and max_model_len is {self.max_model_len}, so at most {room} can be generated")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
+        self._check_logprobs(params)
         need = self.kv.blocks_for(len(ids) + max_tokens) * self.kv.num_layers
         most = self.max_kv_pages()
         if need > most:
@@ -239,6 +243,16 @@ class LLMEngine:
                 req.generator = torch.Generator(device=self.device)
                 req.generator.manual_seed(params.seed)
             self._inbox.append(req)
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's limit and message: -1 asks for the whole vocabulary; max_logprobs -1 allows it."""
+        if params.logprobs is None:
+            return
+        vocab = self.vocab_size
+        limit = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        asked = vocab if params.logprobs == -1 else params.logprobs
+        if asked > limit:
+            raise ValueError(f"Requested sample logprobs of {asked}, which is greater than max allowed: {limit}")
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -310,7 +324,7 @@ class LLMEngine:
 
     def _drain(self, launched: InFlight) -> list[RequestOutput]:
         sched, tokens = launched
-        outputs = self.outputs.process(sched, tokens.tolist())
+        outputs = self.outputs.process(sched, tokens.tolist(), tokens.logprobs())
         self.trace.mark("process")
         return outputs
 

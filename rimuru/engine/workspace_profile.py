@@ -77,6 +77,23 @@ class WorkspaceProfile:
         return ", ".join(parts)
 
 
+@dataclass(frozen=True)
+class DeviceMemoryMark:
+    """Device memory in use (driver's view) and reserved by torch's allocator at one moment."""
+
+    used: int
+    reserved: int
+
+    @classmethod
+    def now(cls, device: torch.device) -> DeviceMemoryMark:
+        return cls(used=_device_used(device), reserved=torch.cuda.memory_reserved(device))
+
+    def outside_torch_since(self, device: torch.device) -> int:
+        """Device memory made since this mark outside torch's allocator (kernel images, library handles)."""
+        later = DeviceMemoryMark.now(device)
+        return max(0, (later.used - self.used) - (later.reserved - self.reserved))
+
+
 def _device_used(device: torch.device) -> int:
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
@@ -96,7 +113,8 @@ class _ScratchPool:
         self.provider = StaticExpertProvider(self.pool.expert_view(dtype), tables)
 
 
-def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, device: torch.device) -> ForwardBatch:
+def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, vocab_size: int,
+                  device: torch.device) -> ForwardBatch:
     """`tokens` prompt tokens split over `seqs` fresh prompts, every block on KV page 0, each prompt's last row
     sampled."""
     lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
@@ -106,7 +124,7 @@ def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, devi
     blocks = -(-max_len // block_size)
     slots = (positions % block_size).to(torch.int64)  # page 0, the token's offset in its block
     return ForwardBatch(
-        input_ids=torch.randint(0, 1000, (tokens,), device=device), positions=positions.to(device),
+        input_ids=torch.randint(0, vocab_size, (tokens,), device=device), positions=positions.to(device),
         query_start_loc=starts.to(device), seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         block_tables=torch.zeros(num_layers, seqs, blocks, dtype=torch.int32, device=device),
         slot_mapping=slots.to(device).expand(num_layers, tokens).contiguous(),
@@ -121,10 +139,11 @@ def _sample(logits: torch.Tensor, sampler: Sampler) -> None:
 @torch.inference_mode()
 def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig, geometry: PageGeometry,
                       dtype: torch.dtype, device: torch.device, max_model_len: int,
-                      mode_for: Callable[[int], str]) -> WorkspaceProfile:
+                      mode_for: Callable[[int], str], engine_start: DeviceMemoryMark) -> WorkspaceProfile:
     """Measures the workspace of `model` (non-expert weights on `device`, no experts or KV cache bound yet) at the
     batch limits of `config`, with graphs sized for `max_model_len`, for the CUDA graphs of the offload mode
-    `mode_for(eager workspace)` names; leaves the model unbound again. The non-expert weights are random here
+    `mode_for(eager workspace)` names; leaves the model unbound again. Memory outside torch's allocator is counted
+    from `engine_start` (what building the model loaded counts too). The non-expert weights are random here
     (the checkpoint is read after the pool exists, and overwrites them)."""
     init_dummy_weights(model, seed=config.seed)  # uninitialised memory could hold NaNs; shapes are what count
     T, S = config.max_num_batched_tokens, config.max_num_seqs
@@ -132,21 +151,20 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     kv_heads = max(1, spec.num_key_value_heads // config.tensor_parallel_size)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    base_reserved, base_used = torch.cuda.memory_reserved(device), _device_used(device)
     scratch = _ScratchPool(spec, geometry, dtype, device, kv_heads, config.block_size)
     held = torch.cuda.memory_reserved(device)  # the scratch pool is not workspace
     model.bind_kv_cache(scratch.kv_view)
     model.attach_experts(scratch.provider)
     sampler = Sampler(device, config.seed)
     torch.cuda.reset_peak_memory_stats(device)
-    batch = _largest_step(num_attn, T, min(S, T), config.block_size, device)
+    batch = _largest_step(num_attn, T, min(S, T), config.block_size, spec.vocab_size, device)
     hidden = model(batch)  # [T, d]
     logits = model.compute_logits(hidden[batch.logits_indices])  # [rows, V] fp32
     del hidden
     _sample(logits, sampler)
     del logits, batch
     forward = torch.cuda.max_memory_reserved(device) - held
-    outside = max(0, (_device_used(device) - base_used) - (torch.cuda.memory_reserved(device) - base_reserved))
+    outside = engine_start.outside_torch_since(device)
     mode = mode_for(forward + outside)
     graphs = sampling = 0
     eager_beside = False
