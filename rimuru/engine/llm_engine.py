@@ -224,7 +224,6 @@ class LLMEngine:
             raise ValueError(f"max_tokens={params.max_tokens} is too large: the prompt has {len(ids)} tokens "
                              f"and max_model_len is {self.max_model_len}, so at most {room} can be generated")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
-        self._check_logprobs(params)
         need = self.kv.blocks_for(len(ids) + max_tokens) * self.kv.num_layers
         most = self.max_kv_pages()
         if need > most:
@@ -243,16 +242,6 @@ class LLMEngine:
                 req.generator = torch.Generator(device=self.device)
                 req.generator.manual_seed(params.seed)
             self._inbox.append(req)
-
-    def _check_logprobs(self, params: SamplingParams) -> None:
-        """vLLM's limit and message: -1 asks for the whole vocabulary; max_logprobs -1 allows it."""
-        if params.logprobs is None:
-            return
-        vocab = self.vocab_size
-        limit = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
-        asked = vocab if params.logprobs == -1 else params.logprobs
-        if asked > limit:
-            raise ValueError(f"Requested sample logprobs of {asked}, which is greater than max allowed: {limit}")
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -324,7 +313,7 @@ class LLMEngine:
 
     def _drain(self, launched: InFlight) -> list[RequestOutput]:
         sched, tokens = launched
-        outputs = self.outputs.process(sched, tokens.tolist(), tokens.logprobs())
+        outputs = self.outputs.process(sched, tokens.tolist())
         self.trace.mark("process")
         return outputs
 
