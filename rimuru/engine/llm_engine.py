@@ -116,8 +116,8 @@ class LLMEngine:
         self.piecewise_overhead_s: float | None = None  # measured after capture where whole graphs exist too
         if device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
-        if device.type == "cuda":
-            self._check_workspace()
+        if start_memory is not None:
+            self._check_workspace(start_memory)
         self._requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self._requests,
                                        self.async_scheduling)
@@ -173,14 +173,19 @@ class LLMEngine:
                     format_bytes(s["kv_free"]), kv_tokens, self.runtime.mode, self.runtime.cache.num_resident,
                     self.runtime.cache.total_experts, format_bytes(s["host_experts"]))
 
-    def _check_workspace(self) -> None:
+    def _check_workspace(self, start_memory: DeviceMemoryMark) -> None:
         """The budget reserved the measured `workspace` for everything beyond weights and pool; say when the start
-        alone (graph pools, warm-up) took more, since then the engine holds more than gpu_memory_budget."""
+        took more (graph pools, the host store's mappings, kernels loaded after the profile), since then the engine
+        holds more than its budget."""
         split = self.budget_split
-        used = torch.cuda.memory_reserved(self.device) - split["non_expert_weights"] - split["pool"]
+        later = DeviceMemoryMark.now(self.device)
+        reserved = later.reserved - start_memory.reserved - split["non_expert_weights"] - split["pool"]
+        outside = start_memory.outside_torch_since(self.device)
+        used = reserved + outside
         log = logger.warning if used > split["workspace"] else logger.info
-        log("after start, torch holds %s beyond weights and pool; the workspace measured before the pool is %s",
-            format_bytes(used), format_bytes(split["workspace"]))
+        log("after start the engine holds %s beyond weights and pool (torch %s, outside torch %s); the workspace "
+            "measured before the pool is %s", format_bytes(used), format_bytes(reserved), format_bytes(outside),
+            format_bytes(split["workspace"]))
 
     # ---- requests ------------------------------------------------------------------------------------
     @property
