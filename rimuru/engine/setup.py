@@ -151,11 +151,13 @@ def resolve_load_format(config: EngineConfig) -> str:
 
 
 def plan_memory(spec: ModelSpec, config: EngineConfig, geometry: PageGeometry, dtype: torch.dtype,
-                device: torch.device, workspace: int, mode: str | None = None) -> MemoryPlan:
-    """The budget split around `workspace` (measured on a GPU, bounded on the CPU), and the offload mode: `mode`,
-    else the one asked for, else static when every expert fits with room for KV cache and elastic otherwise."""
+                device: torch.device, workspace: int, mode: str | None = None,
+                non_expert_weights: int | None = None) -> MemoryPlan:
+    """The budget split around `workspace` (measured on a GPU, bounded on the CPU) and the non-expert weights (what
+    their tensors took, where measured; else their bytes), and the offload mode: `mode`, else the one asked for,
+    else static when every expert fits with room for KV cache and elastic otherwise."""
     budget = resolve_budget(config, device, spec, dtype, workspace)
-    non_expert = spec.non_expert_bytes(dtype)
+    non_expert = spec.non_expert_bytes(dtype) if non_expert_weights is None else non_expert_weights
     pool_bytes = budget - non_expert - workspace
     if pool_bytes < geometry.huge_size:
         raise ValueError(

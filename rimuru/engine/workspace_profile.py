@@ -139,7 +139,8 @@ def _sample(logits: torch.Tensor, sampler: Sampler) -> None:
 @torch.inference_mode()
 def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig, geometry: PageGeometry,
                       dtype: torch.dtype, device: torch.device, max_model_len: int,
-                      mode_for: Callable[[int], str], engine_start: DeviceMemoryMark) -> WorkspaceProfile:
+                      mode_for: Callable[[int], str], engine_start: DeviceMemoryMark,
+                      before_graphs: Callable[[str], None] = lambda mode: None) -> WorkspaceProfile:
     """Measures the workspace of `model` (non-expert weights on `device`, no experts or KV cache bound yet) at the
     batch limits of `config`, with graphs sized for `max_model_len`, for the CUDA graphs of the offload mode
     `mode_for(eager workspace)` names; leaves the model unbound again. Memory outside torch's allocator is counted
@@ -164,8 +165,9 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     _sample(logits, sampler)
     del logits, batch
     forward = torch.cuda.max_memory_reserved(device) - held
+    mode = mode_for(forward + engine_start.outside_torch_since(device))
+    before_graphs(mode)
     outside = engine_start.outside_torch_since(device)
-    mode = mode_for(forward + outside)
     graphs = sampling = 0
     eager_beside = False
     if not config.enforce_eager:

@@ -83,17 +83,40 @@ def build_adjuster(kind: str, expert_bytes: int, top_k: int, cost: CostAdjusterC
     return adjuster, costs
 
 
+def needs_host_store(settings: RuntimeSettings, spec: ModelSpec) -> bool:
+    """Whether the mode keeps experts in host memory (fixed with fewer resident than a layer holds, elastic)."""
+    if settings.mode == "elastic":
+        return True
+    if settings.mode != "fixed":
+        return False
+    resident = resolve_resident_count(settings.resident_experts, spec.num_experts)
+    return resolve_offload_limit(settings.expert_offload_limit, spec.num_experts, resident) > 0
+
+
+def build_host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> HostExpertStore:
+    """The home copy of every routed expert, pinned for a GPU. The engine makes it before the pool is sized: its
+    device-side mappings are memory the workspace profile has to see."""
+    return HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size, spec.hidden_size,
+                           dtype, pin=device.type == "cuda")
+
+
 def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
-                  model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ExpertRuntime:
+                  model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence,
+                  store: HostExpertStore | None = None) -> ExpertRuntime:
+    """The runtime of `settings.mode`; `store` is the host store of a mode that needs one (made here when not
+    given)."""
+    if store is None and needs_host_store(settings, spec):
+        store = build_host_store(spec, dtype, pool.device)
     residency = ExpertResidency(pool.allocator, spec.num_moe_layers, spec.num_experts,
                                 ranking=[popularity.ranking(layer) for layer in range(spec.num_moe_layers)])
     cache = ExpertCache(residency, pool.expert_view(dtype), pool.device)
     if settings.mode == "static":
         runtime: ExpertRuntime = _static(cache, spec, pool)
     elif settings.mode == "fixed":
-        runtime = _fixed(settings, cache, spec, dtype, pool, model, popularity, fence)
+        runtime = _fixed(settings, cache, spec, pool, model, popularity, fence, store)
     elif settings.mode == "elastic":
-        runtime = _elastic(settings, cache, spec, dtype, pool, model, popularity, fence)
+        assert store is not None
+        runtime = _elastic(settings, cache, spec, pool, model, popularity, fence, store)
     else:
         raise ValueError(f"offload_mode must be static, fixed or elastic, got {settings.mode!r}")
     model.attach_experts(runtime.provider)
@@ -114,15 +137,15 @@ def _static(cache: ExpertCache, spec: ModelSpec, pool: PagePool) -> StaticRuntim
     return StaticRuntime(cache)
 
 
-def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
-           model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ExpertRuntime:
+def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, pool: PagePool, model: MoECausalLM,
+           popularity: ExpertPopularity, fence: PassFence, store: HostExpertStore | None) -> ExpertRuntime:
     resident = resolve_resident_count(settings.resident_experts, spec.num_experts)
     limit = resolve_offload_limit(settings.expert_offload_limit, spec.num_experts, resident)
-    _check_fits("fixed", cache, pool, resident, limit, buffer_slots=limit)  # before the slow pinning
+    _check_fits("fixed", cache, pool, resident, limit, buffer_slots=limit)
     cache.make_prefix_resident(resident)
     if limit == 0:  # every expert resident for good: whole CUDA graphs stay possible
         return StaticRuntime(cache, mode="fixed")
-    store = _host_store(spec, dtype, pool.device)
+    assert store is not None
     pages = pool.allocator.allocate_mid(EXPERT, load_buffer_pages(limit), owner=BUFFER_OWNER)
     assert pages is not None  # _check_fits counted them
     loader = ExpertLoader(cache, store, pages, fence)
@@ -131,16 +154,15 @@ def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype
     return OffloadRuntime(cache, store, loader, provider)
 
 
-def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
-             model: MoECausalLM, popularity: ExpertPopularity, fence: PassFence) -> ElasticRuntime:
+def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, pool: PagePool, model: MoECausalLM,
+             popularity: ExpertPopularity, fence: PassFence, store: HostExpertStore) -> ElasticRuntime:
     E = spec.num_experts
     limit = resolve_elastic_limit(settings.expert_offload_limit, cache.num_layers, E,
                                   pool.allocator.mid_capacity(EXPERT))
     resident = elastic_start_resident(cache.num_layers, E, pool.allocator.mid_capacity(EXPERT), limit)
     slots = start_buffer_slots(cache.num_layers, E - resident, limit)
-    _check_fits("elastic", cache, pool, resident, limit, buffer_slots=slots)  # before the slow pinning
+    _check_fits("elastic", cache, pool, resident, limit, buffer_slots=slots)
     cache.make_prefix_resident(resident)
-    store = _host_store(spec, dtype, pool.device)
     pcie = _copy_bandwidth(store, pool.device)
     expert_bytes = 3 * cache.expert_page_bytes
     cost = slo_config(settings.slo_ttft_p99_ms, settings.slo_tpot_p99_ms, pcie_bandwidth=pcie)
@@ -153,11 +175,6 @@ def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, dty
     provider = OffloadExpertProvider(cache, loader, _predictor(model, spec), spec.num_experts_per_tok,
                                      popularity=online.probabilities, counter=counter)
     return ElasticRuntime(core, cache, store, loader, provider, counter, pcie, settings.async_scheduling)
-
-
-def _host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> HostExpertStore:
-    return HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size, spec.hidden_size,
-                           dtype, pin=device.type == "cuda")
 
 
 def _predictor(model: MoECausalLM, spec: ModelSpec) -> ExpertPredictor:
