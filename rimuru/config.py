@@ -74,6 +74,8 @@ class EngineConfig:
     max_cudagraph_capture_size: int | None = None
     # schedule and launch step n+1 before step n's tokens are read (engine/llm_engine.py); None: on on a GPU
     async_scheduling: bool | None = None
+    # keep finished requests' full KV blocks for later requests with the same prefix (engine/prefix_cache.py)
+    enable_prefix_caching: bool = True
     resident_experts: float | None = None  # fixed mode: experts per layer (>= 1) or a fraction (< 1)
     expert_offload_limit: int | None = None  # the most experts one layer may have offloaded
     expert_ranking: str | None = None  # JSON file from `rimuru profile`
@@ -87,6 +89,8 @@ class EngineConfig:
     # for the waiting requests beyond the throughput-best split (within the TPOT target). None: throughput alone.
     slo_ttft_p99_ms: float | None = None
     slo_tpot_p99_ms: float | None = None
+    # the most top logprobs a request may ask for per token (vLLM's flag; -1: the whole vocabulary)
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu") and not self.device.startswith("cuda:"):
@@ -127,6 +131,8 @@ class EngineConfig:
             raise ValueError(f"expert_offload_limit must be >= 0, got {self.expert_offload_limit}")
         if self.adjuster not in ADJUSTERS:
             raise ValueError(f"adjuster must be one of {', '.join(ADJUSTERS)}, got {self.adjuster!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or at least 0, got {self.max_logprobs}")
         for name in ("slo_ttft_p99_ms", "slo_tpot_p99_ms"):
             value = getattr(self, name)
             if value is None:
@@ -172,12 +178,15 @@ _FLAG_HELP = {
     "max_cudagraph_capture_size": "the largest step (tokens) replayed from a CUDA graph; larger steps run eagerly "
                                   "(default: max_num_batched_tokens, at most 8192)",
     "async_scheduling": "launch step n+1 before reading step n's tokens (default: on on a GPU)",
+    "enable_prefix_caching": "reuse the KV cache of prompt prefixes seen before (default: on)",
     "dummy_routing": "dummy weights only: uniform | zipf:S (a seeded power-law expert popularity)",
     "adjuster": "elastic mode: cost (offload only what PCIe can pay for; default) | paper (the paper's thresholds)",
     "slo_ttft_p99_ms": "elastic mode: TTFT target in ms; while the oldest waiting request has waited a quarter of it, "
                        "experts make room for the queue beyond the throughput-best split (default: none)",
     "slo_tpot_p99_ms": "elastic mode: TPOT target in ms; no split whose modelled decode step exceeds it (default: "
                        "none: offload only what costs no throughput)",
+    "max_logprobs": "the most top logprobs a request may ask for per generated token (-1: the whole vocabulary; "
+                    "default 20)",
 }
 
 _FLAG_TYPES: dict[str, Any] = {
@@ -187,7 +196,7 @@ _FLAG_TYPES: dict[str, Any] = {
     "max_cudagraph_capture_size": int,
     "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int,
     "expert_ranking": str, "tensor_parallel_size": int, "dummy_routing": str, "adjuster": str,
-    "slo_ttft_p99_ms": float, "slo_tpot_p99_ms": float,
+    "slo_ttft_p99_ms": float, "slo_tpot_p99_ms": float, "max_logprobs": int,
 }
 
 
@@ -202,8 +211,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_model: bool = True)
         if f.name == "enforce_eager":
             parser.add_argument(flag, action="store_true", help=_FLAG_HELP[f.name])
             continue
-        if f.name == "async_scheduling":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_FLAG_HELP[f.name])
+        if f.name in ("async_scheduling", "enable_prefix_caching"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=_FLAG_HELP[f.name])
             continue
         default = None if f.default is MISSING else f.default
         parser.add_argument(flag, type=_FLAG_TYPES[f.name], default=default, help=_FLAG_HELP.get(f.name))

@@ -200,7 +200,8 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": 5}, 400, None, ""),
     ({"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "range"),
     ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", ""),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs", "not supported"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, None, "max allowed: 20"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": -2}, 400, "logprobs", ""),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400, None, "stop"),
     ({"prompt": "hi"}, 400, "model", ""),
 ]

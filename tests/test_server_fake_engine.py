@@ -233,15 +233,19 @@ def test_step_profile_reads_the_engines_report(url: str) -> None:
 
 
 def test_fields_this_server_cannot_honour_are_refused_not_dropped(url: str) -> None:
-    """logit_bias, tools, tool_choice, response_format and top_logprobs change what a client gets back: set to
-    anything but their neutral value they are a 400 naming the field; at it, the request is served."""
+    """logit_bias, tools, tool_choice and response_format change what a client gets back: set to anything but
+    their neutral value they are a 400 naming the field; at it, the request is served. top_logprobs without
+    logprobs is vLLM's 400 naming it."""
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "ab"}], "max_completion_tokens": 2}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for name, value in (("logit_bias", {"5": 10.0}), ("response_format", {"type": "json_object"}),
-                        ("tools", [tool]), ("tool_choice", "required"), ("top_logprobs", 2)):
+                        ("tools", [tool]), ("tool_choice", "required")):
         resp = httpx.post(url + "/v1/chat/completions", json={**chat, name: value})
         assert resp.status_code == 400, name
         assert resp.json()["error"]["param"] == name and resp.json()["error"]["code"] == "unsupported"
+    resp = httpx.post(url + "/v1/chat/completions", json={**chat, "top_logprobs": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "top_logprobs"
+    assert "`logprobs` must be set to true" in resp.json()["error"]["message"]
     resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1], "logit_bias": {"1": -100}})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "logit_bias"
     neutral = {"logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "auto",

@@ -77,6 +77,8 @@ def count_routing(llm: Any, requests: Sequence[ProfileRequest], *, max_tokens: i
     def flush() -> None:
         total[...] += counter.snapshot_and_reset().numpy().astype(np.int64)
 
+    # a run counts what it forwards: blocks cached by earlier runs would skip their prompt tokens
+    engine.reset_prefix_cache()
     previous = engine.runtime.swap_routing_counter(counter)
     submitted: list[str] = []
     try:
@@ -188,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
     if not config.enforce_eager:
         logger.info("profile runs eagerly (enforce_eager=True): routing is counted outside CUDA graphs")
         config = config.with_(enforce_eager=True)
+    if config.enable_prefix_caching:
+        # a ranking counts every prompt token's routing; cached prefixes would skip theirs
+        config = config.with_(enable_prefix_caching=False)
     llm = start_or_exit(lambda: LLM(**vars(config)))
     engine = llm.engine
     # the engine's own tokenizer (--tokenizer or the model directory's); else the Qwen vocabulary

@@ -77,11 +77,15 @@ class LLM:
                 outs.append(comp)
             results.append(RequestOutput(request_id=first.request_id, prompt=first.prompt,
                                          prompt_token_ids=first.prompt_token_ids, outputs=outs, finished=True,
-                                         metrics=first.metrics))
+                                         metrics=first.metrics, num_cached_tokens=first.num_cached_tokens))
         return results
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Frees every prefix-cache page no request holds (vLLM's `LLM.reset_prefix_cache`); returns how many."""
+        return self.engine.reset_prefix_cache()
 
 
 def _engine_prompt(prompt: Prompt) -> str | list[int]:

@@ -55,9 +55,10 @@ from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import NULL_TRACE, StepProfiler, StepTrace
 from rimuru.engine.workspace_profile import DeviceMemoryMark, WorkspaceProfile, profile_workspace
 from rimuru.experts.adjuster import AdjustPlan
+from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.residency import EXPERT
 from rimuru.experts.runtime import StepDemand
-from rimuru.experts.runtime_builders import RuntimeSettings, build_runtime
+from rimuru.experts.runtime_builders import RuntimeSettings, build_host_store, build_runtime, needs_host_store
 from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pass_fence import PassFence
 from rimuru.memory.pool import PagePool
@@ -85,23 +86,24 @@ class LLMEngine:
         # non-expert weights first: the workspace is measured with them, before the pool exists
         model = build_model(spec, dtype, device, torch.empty(0, device=device))
         self.workspace_profile: WorkspaceProfile | None = None  # measured on a GPU
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else device.type == "cuda")
+        self._host_store: HostExpertStore | None = None  # made before the pool where the mode needs one
         memory = self._plan_memory(model, geometry, dtype, start_memory)
         self.pool = PagePool(geometry, memory.pool_bytes, device)
         num_attn = len(spec.attention_layer_ids)
         model.bind_kv_cache(self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size),
                                               spec.head_dim, dtype, config.block_size))
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else device.type == "cuda")
         self.fence = PassFence(device)  # pages freed while a pass may read them: memory/pass_fence.py
-        settings = RuntimeSettings(mode=memory.mode, resident_experts=config.resident_experts,
-                                   expert_offload_limit=config.expert_offload_limit, adjuster=config.adjuster,
-                                   slo_ttft_p99_ms=config.slo_ttft_p99_ms, slo_tpot_p99_ms=config.slo_tpot_p99_ms,
-                                   async_scheduling=self.async_scheduling)
-        self.runtime = build_runtime(settings, spec, dtype, self.pool, model, load_popularity(config, spec),
-                                     self.fence)
+        self.runtime = build_runtime(self._runtime_settings(memory.mode), spec, dtype, self.pool, model,
+                                     load_popularity(config, spec), self.fence, self._host_store)
+        self._host_store = None  # the runtime's now
         load_weights(model, spec, config, load_format, self.runtime, device)
+        if device.type == "cuda":  # start-up transients (the copy-bandwidth probe, weight staging) go back
+            torch.cuda.empty_cache()
         self.model = model
-        self.kv = KVCacheManager(self.pool.allocator, num_attn, config.block_size)
+        self.kv = KVCacheManager(self.pool.allocator, num_attn, config.block_size,
+                                 enable_prefix_caching=config.enable_prefix_caching)
         self._max_kv_pages = self.kv.capacity_pages() + self.runtime.evictable_kv_pages()
         kv_tokens = self._max_kv_pages // max(1, num_attn) * config.block_size
         self.max_model_len = resolve_max_model_len(config, spec, kv_tokens, self.pool.pool_bytes)
@@ -136,6 +138,19 @@ class LLMEngine:
         self._kv_page_bytes = geometry.size(KV)
 
     # ---- start-up ------------------------------------------------------------------------------------
+    def _runtime_settings(self, mode: str) -> RuntimeSettings:
+        config = self.config
+        return RuntimeSettings(mode=mode, resident_experts=config.resident_experts,
+                               expert_offload_limit=config.expert_offload_limit, adjuster=config.adjuster,
+                               slo_ttft_p99_ms=config.slo_ttft_p99_ms, slo_tpot_p99_ms=config.slo_tpot_p99_ms,
+                               async_scheduling=self.async_scheduling)
+
+    def _make_host_store(self, mode: str, dtype: torch.dtype) -> None:
+        """Pins the host expert store of an offloading mode before the graph profile: its device-side mappings
+        (hundreds of MB for a 58 GB store) are memory outside torch the workspace must hold."""
+        if needs_host_store(self._runtime_settings(mode), self.spec):
+            self._host_store = build_host_store(self.spec, dtype, self.device)
+
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:
         """The budget split: on a GPU around the workspace measured for the offload mode's graphs (the mode when
@@ -145,13 +160,16 @@ class LLMEngine:
             logger.info("on the CPU the workspace is bounded from the batch limits, not measured")
             return plan_memory(spec, config, geometry, dtype, device,
                                workspace_bytes(spec, config, dtype, CPU_WORKSPACE_SCRATCH))
+        # the non-expert weights as allocated (the allocator rounds every tensor up), not as counted
+        weights = torch.cuda.memory_reserved(device) - start_memory.reserved
         max_model_len = config.max_model_len or spec.max_position_embeddings  # the longest the graphs can be sized for
         self.workspace_profile = profile_workspace(
             model, spec, config, geometry, dtype, device, max_model_len,
-            mode_for=lambda eager: plan_memory(spec, config, geometry, dtype, device, eager).mode,
-            engine_start=start_memory)
+            mode_for=lambda eager: plan_memory(spec, config, geometry, dtype, device, eager,
+                                               non_expert_weights=weights).mode,
+            engine_start=start_memory, before_graphs=lambda mode: self._make_host_store(mode, dtype))
         return plan_memory(spec, config, geometry, dtype, device, self.workspace_profile.workspace,
-                           mode=self.workspace_profile.mode)
+                           mode=self.workspace_profile.mode, non_expert_weights=weights)
 
     def _capture_graphs(self) -> None:
         cfg = self.config
@@ -229,6 +247,7 @@ class LLMEngine:
             raise ValueError(f"max_tokens={params.max_tokens} is too large: the prompt has {len(ids)} tokens "
                              f"and max_model_len is {self.max_model_len}, so at most {room} can be generated")
         max_tokens = params.max_tokens if params.max_tokens is not None else room
+        self._check_logprobs(params)
         need = self.kv.blocks_for(len(ids) + max_tokens) * self.kv.num_layers
         most = self.max_kv_pages()
         if need > most:
@@ -247,6 +266,16 @@ class LLMEngine:
                 req.generator = torch.Generator(device=self.device)
                 req.generator.manual_seed(params.seed)
             self._inbox.append(req)
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's limit and message: -1 asks for the whole vocabulary; max_logprobs -1 allows it."""
+        if params.logprobs is None:
+            return
+        vocab = self.vocab_size
+        limit = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        asked = vocab if params.logprobs == -1 else params.logprobs
+        if asked > limit:
+            raise ValueError(f"Requested sample logprobs of {asked}, which is greater than max allowed: {limit}")
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -318,7 +347,7 @@ class LLMEngine:
 
     def _drain(self, launched: InFlight) -> list[RequestOutput]:
         sched, tokens = launched
-        outputs = self.outputs.process(sched, tokens.tolist())
+        outputs = self.outputs.process(sched, tokens.tolist(), tokens.logprobs())
         self.trace.mark("process")
         return outputs
 
@@ -368,6 +397,10 @@ class LLMEngine:
         """The step profiler's report (engine/step_profiler.py), None when it was never enabled."""
         return self.profiler.report() if self.profiler is not None else None
 
+    def reset_prefix_cache(self) -> int:
+        """Frees every prefix-cache page no request holds (vLLM's reset_prefix_cache); returns how many."""
+        return self.kv.reset_prefix_cache()
+
     def stats(self) -> dict[str, Any]:
         st = self.pool.allocator.stats()
         with self._lock:
@@ -377,12 +410,16 @@ class LLMEngine:
             "offload_mode": self.runtime.mode,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + queued,
-            "kv_pages_used": self.kv.pages_in_use,
-            "kv_pages_free": self.kv.capacity_pages(),
+            "kv_pages_used": self.kv.pages_in_use,  # held by requests
+            "kv_pages_free": self.kv.capacity_pages(),  # free or cached for no request (reclaimable)
+            "kv_pages_cached": self.kv.num_cached_pages,  # the prefix cache's pages no request holds
+            # vLLM's counters, in tokens: prompt tokens looked up at admission, and those found in the cache
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
             "pool_bytes": st.pool_bytes,
             "free_bytes": st.total_free_bytes,
             # the pool's split: pool_bytes == kv_bytes_used + expert_bytes_used + free_bytes
-            "kv_bytes_used": st.used_bytes.get(KV, 0),
+            "kv_bytes_used": st.used_bytes.get(KV, 0),  # cached pages included
             "expert_bytes_used": st.used_bytes.get(EXPERT, 0),  # resident experts and the load buffers
             "trapped_bytes": st.trapped_bytes,
             "resident_experts": cache.num_resident,

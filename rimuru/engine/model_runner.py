@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from rimuru.engine.cuda_graphs import StepGraphs
+from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs, logprob_rows, unpack_logprobs
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.scheduler import SchedulerOutput
@@ -106,16 +107,21 @@ class InputStager:
 class SampledTokens:
     """A launched step's sampled tokens on their way to the host: one non-blocking copy into pinned memory
     and an event, so reading them (`tolist`, the step's one device->host wait) can come after the next
-    step has been launched."""
+    step has been launched. Rows that asked for logprobs bring their packed logprobs (engine/logprobs.py) in
+    one more non-blocking copy behind the same event: the same single wait reads both."""
 
-    def __init__(self, tokens: torch.Tensor | None, device: torch.device, trace: StepTrace) -> None:
+    def __init__(self, tokens: torch.Tensor | None, device: torch.device, trace: StepTrace,
+                 logprobs: tuple[torch.Tensor, LogprobRows] | None = None) -> None:
         self._trace = trace
         self._event: torch.cuda.Event | None = None
+        self._rows = None if logprobs is None else logprobs[1]
+        self._logprobs = None if logprobs is None else logprobs[0]
         if tokens is None:
             self._host = None
         elif device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host = _to_pinned(tokens)
+            if self._logprobs is not None:
+                self._logprobs = _to_pinned(self._logprobs)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
@@ -129,6 +135,20 @@ class SampledTokens:
         out = self._host.tolist()
         self._trace.mark("readback")
         return out
+
+    def logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Each sampled row's logprobs (None: the row did not ask), read after `tolist`; None when no row asked."""
+        if self._logprobs is None or self._rows is None:
+            return None
+        if self._event is not None:
+            self._event.synchronize()  # already passed in `tolist`: no second wait
+        return unpack_logprobs(self._logprobs, self._rows)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class ModelRunner:
@@ -254,6 +274,9 @@ class ModelRunner:
         slot_mapping = np.full((L, Tp), -1, dtype=np.int64)
         slot_mapping[:, :T] = (flat[blk0[tok_row] + positions[:T] // bs].T.astype(np.int64) * bs
                                + positions[:T] % bs)
+        if any(s.num_cached_writes for s in scheduled):  # a full prefix hit: its shared page holds that KV already
+            skip = starts + np.fromiter((s.num_cached_writes for s in scheduled), dtype=np.int64, count=B)
+            slot_mapping[:, :T][:, positions[:T] < skip[tok_row]] = -1
         query_start_loc = qsl.astype(np.int32)
         if Bp > B:  # padding rows: one token each
             query_start_loc = np.concatenate([query_start_loc, T + np.arange(1, Bp - B + 1, dtype=np.int32)])
@@ -339,9 +362,13 @@ class ModelRunner:
         if not sampling:
             self._last_sampled = None
             return SampledTokens(None, self.device, trace)
-        tokens = self.sampler(logits, [r.params for r in sampling], [r.generator for r in sampling])
+        params = [r.params for r in sampling]
+        tokens = self.sampler(logits, params, [r.generator for r in sampling])
         self._last_sampled = (tokens, {r.seq_id: i for i, r in enumerate(sampling)})
-        out = SampledTokens(tokens, self.device, trace)
+        # the raw logits (the sampler never writes them; a graph's logits_out is not replayed before this)
+        asked = logprob_rows([p.logprobs for p in params], logits.shape[-1])
+        logprobs = None if asked is None else (compute_logprobs(logits, tokens, asked), asked)
+        out = SampledTokens(tokens, self.device, trace, logprobs)
         trace.mark("sample")
         return out
 

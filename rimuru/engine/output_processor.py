@@ -1,4 +1,5 @@
-"""A step's sampled tokens become request outputs: append, detokenise, check stop conditions, finish.
+"""A step's sampled tokens become request outputs: append (with their logprobs when asked), detokenise, check
+stop conditions, finish.
 
 Finished requests leave the scheduler here (their pages are freed at once); outputs are cumulative, as vLLM's.
 """
@@ -9,7 +10,8 @@ import time
 from typing import Any
 
 from rimuru.engine.detokenizer import detokenize_incrementally
-from rimuru.engine.outputs import CompletionOutput, RequestOutput
+from rimuru.engine.logprobs import TokenLogprobs
+from rimuru.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -22,22 +24,30 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.requests = requests  # the engine's live requests by id: finished ones are dropped here
         self.async_scheduling = async_scheduling  # each sampled row was counted as a pending token at launch
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs (a vocabulary at most)
 
-    def process(self, sched: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
-        """`tokens`: the sampled token of each scheduled request that samples, in order."""
+    def process(self, sched: SchedulerOutput, tokens: list[int],
+                logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
+        """`tokens`: the sampled token of each scheduled request that samples, in order; `logprobs`: their
+        logprobs in the same order (None: no row asked)."""
         outputs = []
         it = iter(tokens)
+        lps = iter(logprobs) if logprobs is not None else None
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
             if not s.samples:
                 continue
             token = next(it)
+            lp = next(lps) if lps is not None else None
             if self.async_scheduling:
                 req.num_pending_tokens -= 1
             if req.status.finished:  # async: finished or aborted while this step was in flight; a wasted row
                 continue
             req.output_token_ids.append(token)
+            if req.logprobs is not None:
+                assert lp is not None, f"{req.request_id} asked for logprobs but its row has none"
+                req.logprobs.append(self._logprob_entry(token, lp))
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             status = self._check_stop(req, token)
@@ -47,6 +57,23 @@ class OutputProcessor:
             else:
                 outputs.append(running_output(req))
         return outputs
+
+    def _logprob_entry(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's shape: the sampled token first, then the top ones by rank; a sampled token among them keeps
+        its first place in the dict and takes its top rank."""
+        entry = {token: Logprob(lp.token_logprob, lp.rank, self._token_text(token))}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), start=1):
+            entry[tid] = Logprob(value, rank, self._token_text(tid))
+        return entry
+
+    def _token_text(self, token: int) -> str | None:
+        """The token decoded alone, as vLLM shows logprob tokens (special tokens kept)."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def finish(self, req: Request, status: RequestStatus, now: float) -> None:
         self.scheduler.finish(req, status)
@@ -82,9 +109,11 @@ class OutputProcessor:
 
 def final_output(req: Request) -> RequestOutput:
     comp = CompletionOutput(index=0, text=req.output_text, token_ids=list(req.output_token_ids),
-                            finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+                            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                            logprobs=None if req.logprobs is None else list(req.logprobs))
     return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                         outputs=[comp], finished=req.status.finished, metrics=req.metrics)
+                         outputs=[comp], finished=req.status.finished, metrics=req.metrics,
+                         num_cached_tokens=req.num_cached_tokens)
 
 
 def running_output(req: Request) -> RequestOutput:
@@ -99,5 +128,7 @@ def running_output(req: Request) -> RequestOutput:
         hold = max(len(s) for s in p.stop_strings) - 1
         if hold:
             text = text[:-hold]
-    comp = CompletionOutput(0, text, req.output_token_ids.copy(), None, req.stop_reason)
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], False, req.metrics)
+    comp = CompletionOutput(0, text, req.output_token_ids.copy(), None, req.stop_reason,
+                            None if req.logprobs is None else req.logprobs.copy())
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], False, req.metrics,
+                         req.num_cached_tokens)

@@ -1,7 +1,8 @@
 """The state of one request (one sequence) as it moves through the engine.
 
 Lifecycle: WAITING -> RUNNING -> FINISHED_* ; a preempted request goes back to WAITING with its KV
-pages freed and `num_computed_tokens = 0` (recompute), keeping the tokens it already produced.
+pages freed and `num_computed_tokens = 0` (recompute), keeping the tokens it already produced (with prefix
+caching its full blocks stay cached, so it recomputes only what was reclaimed meanwhile).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rimuru.engine.outputs import RequestMetrics
+from rimuru.engine.outputs import RequestMetrics, SampleLogprobs
 from rimuru.engine.sampling_params import SamplingParams
 
 
@@ -47,7 +48,15 @@ class Request:
     num_pending_tokens: int = 0
     # kv_pages[i][l] = page id (kind "kv") of block i in attention layer l
     kv_pages: list[list[int]] = field(default_factory=list)
+    # prefix caching (engine/kv_cache_manager.py): the names of the full blocks of all_token_ids hashed so far, and
+    # how many leading blocks of kv_pages were offered to the cache (each is then the cached block or a private copy)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_offered_blocks: int = 0
+    # prompt tokens found in the prefix cache at admission (vLLM's RequestOutput.num_cached_tokens); None before
+    num_cached_tokens: int | None = None
     output_text: str = ""
+    # one entry per output token when params.logprobs is set (engine/output_processor.py), else None
+    logprobs: SampleLogprobs | None = field(init=False, default=None)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request sampling stream when a seed is given
@@ -60,6 +69,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def all_token_ids(self) -> list[int]:

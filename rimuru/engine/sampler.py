@@ -41,7 +41,7 @@ class Sampler:
         top_p = [p.top_p for p in params]
         cut = any(k < V for k in top_k) or any(p < 1.0 for p in top_p)
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        packed = self._to_device(torch.tensor([temps, top_k, top_p, greedy], dtype=torch.float32), logits.device)
+        packed = to_device(torch.tensor([temps, top_k, top_p, greedy], dtype=torch.float32), logits.device)
         B = logits.shape[0]
         sampled = torch.empty(B, dtype=torch.long, device=logits.device)
         for lo in range(0, B, SAMPLE_ROWS_PER_CHUNK):
@@ -65,12 +65,13 @@ class Sampler:
                 race[i].exponential_(generator=gen)
         return (probs / race).argmax(dim=-1)  # [b]
 
-    @staticmethod
-    def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return host
-        # pinned staging from the caching host allocator, which keeps it until the copy has completed
-        return host.pin_memory().to(device, non_blocking=True)
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on the device without a host sync."""
+    if device.type != "cuda":
+        return host
+    # pinned staging from the caching host allocator, which keeps it until the copy has completed
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # top log-probabilities returned per generated token, beside the sampled token's own (-1: the whole
+    # vocabulary); None: none. Bounded by the engine's max_logprobs.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # not served: refused
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -33,6 +37,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < -1):
+            raise ValueError(f"logprobs must be a non-negative integer or -1 (the whole vocabulary), "
+                             f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported: only the generated tokens' logprobs (logprobs=k) "
+                             "are computed")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")

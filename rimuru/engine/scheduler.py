@@ -11,7 +11,9 @@ Each step (vLLM v1 style, no separate prefill/decode phases):
      that does not fit stops admission and its missing pages are reported as the shortfall (the
      elastic adjuster turns this into expert evictions). Admissions leave `admission_reserve` pages
      free (elastic mode: pages the adjuster's grows wait for); a request held back only by the reserve
-     reports no shortfall.
+     reports no shortfall. A waiting request first takes the longest cached prefix of its tokens (prefix
+     caching, engine/kv_cache_manager.py) and is scheduled from there; the cache's unreferenced pages count as
+     free, so they go before any expert is evicted.
 The scheduler decides allocation and never touches tensors; the runner turns its output into tensors.
 With async scheduling a running request may have a pending token (sampled by the step in flight, not read
 yet): it is scheduled on as if known (its input comes from the device), unless that token is its last.
@@ -32,6 +34,9 @@ class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens before this step
     num_new_tokens: int
+    # leading tokens of this chunk whose KV a shared cached block holds already: computed (a full prefix hit
+    # recomputes its last token for logits) but not written, since a cached page is never written
+    num_cached_writes: int = 0
     # True when this step's chunk reaches the request's last known token, so a new token is sampled
     # (fixed when scheduled: read several times per step, before the step's token is appended)
     samples: bool = field(init=False)
@@ -118,15 +123,17 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             assert not req.num_pending_tokens  # a preempted request's token is read in the step that preempted it
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if (reserve and self.kv.pages_needed(req, n) > self.kv.capacity_pages() - reserve
-                    or not self.kv.allocate(req, n)):
-                out.shortfall_pages = max(0, self.kv.pages_needed(req, n) - self.kv.capacity_pages())
+            prefix = self.kv.lookup(req)
+            n = min(req.num_tokens - req.num_computed_tokens - prefix.num_tokens, budget)
+            need = self.kv.pages_needed(req, n, prefix)
+            if (reserve and need > self.kv.capacity_pages() - reserve
+                    or not self.kv.allocate(req, n, prefix)):
+                out.shortfall_pages = max(0, need - self.kv.capacity_pages())
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, prefix.num_cached_writes))
             budget -= n
         return out
 

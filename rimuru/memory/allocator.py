@@ -17,6 +17,12 @@ Invariants (checked by `check_invariants`):
   * a split huge page always has at least one non-free mid page (likewise).
 Hence every free small page is "trapped": it sits in a mid page that cannot merge yet.
 
+Reclaim: a holder of used pages that it can give back on demand (the prefix cache's unreferenced KV blocks,
+engine/prefix_cache.py) registers as `reclaimer`. Its pages stay USED here, but the capacities count them as
+obtainable, and an allocation that free pages cannot serve asks the reclaimer to free what is missing first
+(`reclaim_small`; for mid pages `reclaim_mid`, which empties whole mid pages), so a request never fails while
+reclaimable pages would make it fit.
+
 Free lists: huge and mid pages are min-heaps (lowest address first). A mid page leaves its heap lazily:
 entries are checked against `mid_state` when popped, because a merge of its huge page removes free mids
 without touching the heap. Free small pages live in their parent mid page's list (`_Parent.free`), so a
@@ -28,6 +34,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -66,6 +73,26 @@ class AllocatorStats:
     @property
     def total_used_bytes(self) -> int:
         return sum(self.used_bytes.values())
+
+
+class PageReclaimer(Protocol):
+    """Used pages whose holder frees them (through `free_small`) when the allocator asks."""
+
+    def reclaimable_small(self, kind: str) -> int:
+        """Small pages of `kind` that reclaim_small could free."""
+        ...
+
+    def reclaim_small(self, kind: str, count: int) -> None:
+        """Free at least `count` small pages of `kind` (count <= reclaimable_small(kind))."""
+        ...
+
+    def reclaimable_mid(self, kind: str) -> int:
+        """Mid pages of `kind` that reclaim_mid could empty (every used small page in them is reclaimable)."""
+        ...
+
+    def reclaim_mid(self, kind: str, count: int) -> None:
+        """Empty at least `count` mid pages of `kind` (count <= reclaimable_mid(kind)): free all their used smalls."""
+        ...
 
 
 class _Parent:
@@ -117,6 +144,7 @@ class PageAllocator:
 
         self._used = dict.fromkeys((*self._mid_kinds, *kinds), 0)
         self._pending: list[tuple[str, np.ndarray]] = []
+        self.reclaimer: PageReclaimer | None = None  # see the module docstring
 
     # ================================================================== queries
 
@@ -125,7 +153,14 @@ class PageAllocator:
         return self._free_huge
 
     def small_capacity(self, kind: str) -> int:
-        """Small pages of `kind` obtainable now, counting splits of free mid and huge pages."""
+        """Small pages of `kind` obtainable now, counting splits of free mid and huge pages and reclaimable pages."""
+        cap = self.free_small_capacity(kind)
+        if self.reclaimer is not None:
+            cap += self.reclaimer.reclaimable_small(kind)
+        return cap
+
+    def free_small_capacity(self, kind: str) -> int:
+        """Small pages of `kind` obtainable without reclaiming: free smalls and splits of free mid and huge pages."""
         if kind not in self._sph:
             self._check_level(kind, "small")
         cap = self._free_smalls[kind] + self._free_huge * self._sph[kind]
@@ -134,8 +169,37 @@ class PageAllocator:
         return cap
 
     def mid_capacity(self, kind: str) -> int:
+        """Mid pages of `kind` obtainable now: free ones, splits of free huge pages, and whole reclaimable ones."""
+        cap = self.free_mid_capacity(kind)
+        if self.reclaimer is not None:
+            cap += self.reclaimer.reclaimable_mid(kind)
+        return cap
+
+    def free_mid_capacity(self, kind: str) -> int:
+        """Mid pages of `kind` obtainable without reclaiming."""
         self._check_level(kind, "mid")
         return self._free_mids[kind] + self._free_huge * self.geometry.mids_per_huge(kind)
+
+    def num_reclaimable(self, kind: str) -> int:
+        """Used small pages of `kind` that the reclaimer would give back (counted as obtainable by small_capacity)."""
+        return self.reclaimer.reclaimable_small(kind) if self.reclaimer is not None else 0
+
+    def parent_keys(self, kind: str, ids: np.ndarray) -> np.ndarray:
+        """Byte offset of the mid page holding each used small page in `ids` (the key of its split mid page)."""
+        g = self.geometry
+        off = g.offset(kind, ids)
+        if len(self._mid_kinds) == 1:
+            mid_size = self._mid_size_table[0]
+        else:
+            mid_size = self._mid_size_table[self._huge_kind[g.huge_of_small(kind, ids)]]
+        return off - off % mid_size
+
+    def parent_used(self, key: int) -> tuple[str, int] | None:
+        """(mid kind, used small pages) of the split mid page at byte offset `key`; None when it is not split."""
+        p = self._parents.get(key)
+        if p is None:
+            return None
+        return p.mid_kind, self._spm[p.small_kind, p.mid_kind] - len(p.free)
 
     def num_used(self, kind: str) -> int:
         self.geometry.size(kind)
@@ -173,8 +237,13 @@ class PageAllocator:
         free mid pages (primary kind first); huge pages split into primary-kind mid pages.
         """
         self._check_count(count)
-        if count > self.small_capacity(kind):
-            return None
+        free = self.free_small_capacity(kind)
+        if count > free:
+            r = self.reclaimer
+            if r is None or count > free + r.reclaimable_small(kind):
+                return None
+            r.reclaim_small(kind, count - free)  # before any change here: it frees through free_small
+            assert self.free_small_capacity(kind) >= count, "the reclaimer freed less than it promised"
         if count == 0:
             return []
         out: list[int] = []
@@ -261,18 +330,12 @@ class PageAllocator:
 
     def _release_smalls(self, kind: str, ids: np.ndarray) -> None:
         """Free validated small pages (sorted, unique); merge parents whose pages are all free."""
-        g = self.geometry
         state = self._small_state[kind]
         state[ids] = FREE
         self._used[kind] -= ids.size
         self._free_smalls[kind] += ids.size
         # Parent key = byte offset of the enclosing mid page; ids are sorted so keys are non-decreasing.
-        off = g.offset(kind, ids)
-        if len(self._mid_kinds) == 1:
-            mid_size = self._mid_size_table[0]
-        else:
-            mid_size = self._mid_size_table[self._huge_kind[g.huge_of_small(kind, ids)]]
-        keys = off - off % mid_size
+        keys = self.parent_keys(kind, ids)
         cuts = (np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist()
         starts = [0, *cuts]
         ends = [*cuts, ids.size]
@@ -303,8 +366,13 @@ class PageAllocator:
     def allocate_mid(self, kind: str, count: int, owner: Hashable = None) -> list[int] | None:
         """`count` mid pages of `kind`, all or nothing. Free ones first (lowest id), then split huge pages."""
         self._check_count(count)
-        if count > self.mid_capacity(kind):
-            return None
+        free = self.free_mid_capacity(kind)
+        if count > free:
+            r = self.reclaimer
+            if r is None or count > free + r.reclaimable_mid(kind):
+                return None
+            r.reclaim_mid(kind, count - free)
+            assert self.free_mid_capacity(kind) >= count, "the reclaimer emptied fewer mid pages than it promised"
         out = []
         for _ in range(count):
             if not self._free_mids[kind]:

@@ -1,4 +1,4 @@
-"""`rimuru serve MODEL [engine flags] --host --port --api-key --served-model-name`."""
+"""`rimuru serve MODEL [engine flags] --host --port --api-key --served-model-name --chat-template ...`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model names clients may send, the first one in responses (default: MODEL)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template, or a file holding one, instead of the tokenizer's (vLLM's flag)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log every request's id, prompt length and sampling parameters")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines; no remote code runs (Rimuru's model classes are its own)")
     p.set_defaults(func=run)
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template` as vLLM reads it: a path to a file holding the template, else the template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:  # neither a file nor a Jinja template: most likely a mistyped path
+        raise SystemExit(f"error: --chat-template {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,8 +52,17 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_cli_args(args)
+    if args.trust_remote_code:
+        logging.getLogger("rimuru").info("--trust-remote-code: accepted; no remote code runs (Rimuru's model "
+                                         "classes are its own)")
+    template = read_chat_template(args.chat_template) if args.chat_template else None
     engine = start_or_exit(lambda: LLMEngine(config))
-    server_config = ServerConfig.from_cli_args(args.served_model_name, args.model, args.api_key, args.max_body_bytes)
+    if template is not None:
+        if engine.tokenizer is None:
+            raise SystemExit("error: --chat-template needs a model with a tokenizer")
+        engine.tokenizer.chat_template = template
+    server_config = ServerConfig.from_cli_args(args.served_model_name, args.model, args.api_key, args.max_body_bytes,
+                                               enable_log_requests=args.enable_log_requests)
     app = build_app(engine, server_config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -12,6 +12,7 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication
     max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413 before they are parsed
     aliases: tuple[str, ...] = ()  # more names the model answers to (vLLM: --served-model-name A B ...)
+    enable_log_requests: bool = False  # log every request's id, prompt length and sampling parameters (vLLM's flag)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -19,8 +20,8 @@ class ServerConfig:
 
     @classmethod
     def from_cli_args(cls, names: list[str] | None, model: str, api_key: str | None,
-                      max_body_bytes: int) -> ServerConfig:
+                      max_body_bytes: int, enable_log_requests: bool = False) -> ServerConfig:
         """`--served-model-name` as vLLM reads it: one or more names, the first one in responses (default: MODEL)."""
         names = names or [model]
         return cls(served_model_name=names[0], aliases=tuple(names[1:]), model_path=model, api_key=api_key,
-                   max_body_bytes=max_body_bytes)
+                   max_body_bytes=max_body_bytes, enable_log_requests=enable_log_requests)

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI API subset we serve (pydantic), plus vLLM's extra fields.
 
-Unknown fields are ignored, as vLLM does, so existing clients keep working; OpenAI fields we cannot honour
-(logprobs, echo, penalties, logit_bias, tools, structured output) are accepted at their neutral values only and
-rejected with a 400 otherwise, never silently dropped.
+Unknown fields are ignored, as vLLM does, so existing clients keep working; fields we cannot honour (echo,
+penalties, logit_bias, vLLM's prompt_logprobs, tools, structured output) are accepted at their neutral values only
+and rejected with a 400 otherwise, never silently dropped. Logprobs are served: completions' `logprobs: k`, chat's
+`logprobs: true` with `top_logprobs: k` (k = -1: the whole vocabulary, as vLLM takes it).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationInfo, field_validator
 
 TokenIds = list[NonNegativeInt]
 PromptInput = str | list[str] | TokenIds | list[TokenIds]
@@ -39,12 +40,12 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Accepted only at their neutral values (vLLM's benchmark sends repetition_penalty=1.0, logprobs=null).
+    # Accepted only at their neutral values (vLLM's benchmark sends repetition_penalty=1.0).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logprobs: Any = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's field: the prompt tokens' logprobs are not computed
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None  # neutral: {"type": "text"}
     user: str | None = None
@@ -53,14 +54,18 @@ class GenerationRequest(BaseModel):
         """The most tokens to generate for each choice; None: up to the model's context."""
         raise NotImplementedError
 
+    def num_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: top logprobs per generated token; None: no logprobs."""
+        raise NotImplementedError
+
     def unsupported(self) -> list[str]:
         """The fields set to a value this server cannot honour."""
         bad = {
-            "logprobs": self.logprobs not in (None, False, 0),
             "presence_penalty": self.presence_penalty not in (None, 0.0),
             "frequency_penalty": self.frequency_penalty not in (None, 0.0),
             "repetition_penalty": self.repetition_penalty not in (None, 1.0),
             "best_of": self.best_of not in (None, self.n),
+            "prompt_logprobs": self.prompt_logprobs is not None,
             "logit_bias": bool(self.logit_bias),
             "response_format": self.response_format not in (None, {"type": "text"}),
         }
@@ -70,11 +75,15 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     prompt: PromptInput
     max_tokens: int | None = 16
+    logprobs: Annotated[int, Field(ge=-1)] | None = None  # top logprobs per token, beside the sampled one's
     echo: bool = False
     suffix: str | None = None
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> list[str]:
         return super().unsupported() + (["echo"] if self.echo else []) + (["suffix"] if self.suffix else [])
@@ -103,16 +112,26 @@ class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = False  # the sampled tokens' logprobs, and top_logprobs more per token
+    top_logprobs: Annotated[int, Field(ge=-1)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None  # neutral: none, or auto / none without tools
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value not in (None, 0) and not info.data.get("logprobs"):
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
+        return value
 
     def token_limit(self) -> int | None:  # OpenAI's newer name wins over the deprecated one
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def unsupported(self) -> list[str]:
         bad = {
-            "top_logprobs": self.top_logprobs not in (None, 0),
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none") and not (self.tool_choice == "auto"
                                                                              and not self.tools),

@@ -7,6 +7,13 @@
 A stream's last event before `[DONE]`, when the client asked for usage, is its endpoint's chunk with no
 choice and `usage_info`. Field names and the always-present nulls (`logprobs`, `usage`) follow vLLM, whose
 clients (`vllm bench serve`, the `openai` package) parse these bodies.
+
+Logprobs, when asked, take each endpoint's OpenAI form (a chunk carries those of the tokens it adds):
+
+    completions  {"tokens": [str], "token_logprobs": [float], "top_logprobs": [{str: float}], "text_offset": [int]}
+                 top_logprobs: the sampled token and the k most likely (up to k+1 entries, as OpenAI's legacy API)
+    chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
+                 top_logprobs: the top_logprobs most likely tokens, best first
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rimuru.engine.outputs import CompletionOutput, RequestOutput
+from rimuru.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 
 Body = dict[str, Any]
 Choices = list[tuple[int, CompletionOutput]]  # (choice index, its final output), by index
@@ -28,6 +35,7 @@ class ResponseHead:
     id: str
     created: int  # unix seconds
     model: str  # the served model name
+    num_logprobs: int | None = None  # top logprobs per token the request asked for; None: no logprobs
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,9 @@ class ChoiceDelta:
     finish_reason: str | None
     stop_reason: int | str | None
     first: bool  # the choice's first chunk: a chat chunk names the assistant role in it
+    token_ids: list[int] | None = None  # the tokens this chunk adds, for their logprobs
+    logprobs: SampleLogprobs | None = None  # theirs, one entry per token
+    text_offset: int = 0  # completions' logprobs: the characters of the token texts sent before this chunk
 
 
 def usage_info(prompts: list[list[int]], outputs: Iterable[RequestOutput]) -> Body:
@@ -49,29 +60,89 @@ def usage_info(prompts: list[list[int]], outputs: Iterable[RequestOutput]) -> Bo
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# JSON has no -inf: OpenAI and vLLM send this floor instead
+_LOGPROB_FLOOR = -9999.0
+
+
+def _token_text(token_id: int, lp: Logprob) -> str:
+    # an engine without a tokenizer names tokens as vLLM's --return-tokens-as-token-ids does
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def token_texts_length(token_ids: list[int], logprobs: SampleLogprobs) -> int:
+    """How far the tokens' texts move completions' text_offset: a stream counts it as the whole body does, so the
+    chunks' logprobs put together are the whole body's (lone bytes of one character each count as U+FFFD)."""
+    return sum(len(_token_text(t, entry[t])) for t, entry in zip(token_ids, logprobs, strict=True))
+
+
+def completion_logprobs(token_ids: list[int], logprobs: SampleLogprobs, text_offset: int) -> Body:
+    """The legacy completions form; text_offset: where the first token's text starts in the choice's text."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        text = _token_text(token_id, entry[token_id])
+        tokens.append(text)
+        token_logprobs.append(max(entry[token_id].logprob, _LOGPROB_FLOOR))
+        top.append({_token_text(t, lp): max(lp.logprob, _LOGPROB_FLOOR) for t, lp in entry.items()})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprob(token_id: int, lp: Logprob) -> Body:
+    text = _token_text(token_id, lp)
+    return {"token": text, "logprob": max(lp.logprob, _LOGPROB_FLOOR), "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: SampleLogprobs, num_top: int) -> Body:
+    """The chat form; num_top: the request's top_logprobs (-1: every entry)."""
+    content = []
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        # the top entries are ranks 1..num_top; the sampled token's own entry is among them only if it ranks there
+        top = sorted((item for item in entry.items() if num_top == -1 or item[1].rank <= num_top),
+                     key=lambda item: item[1].rank)
+        content.append({**_chat_logprob(token_id, entry[token_id]),
+                        "top_logprobs": [_chat_logprob(t, lp) for t, lp in top]})
+    return {"content": content}
+
+
+def _logprobs(head: ResponseHead, token_ids: list[int] | None, logprobs: SampleLogprobs | None, text_offset: int,
+              chat: bool) -> Body | None:
+    if head.num_logprobs is None or token_ids is None or logprobs is None:
+        return None
+    if chat:
+        return chat_logprobs(token_ids, logprobs, head.num_logprobs)
+    return completion_logprobs(token_ids, logprobs, text_offset)
+
+
 def _body(head: ResponseHead, object_name: str, choices: list[Body], usage: Body | None) -> Body:
     return {"id": head.id, "object": object_name, "created": head.created, "model": head.model,
             "choices": choices, "usage": usage}
 
 
-def _completion_choice(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> Body:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+def _completion_choice(index: int, text: str, logprobs: Body | None, finish_reason: str | None,
+                       stop_reason: int | str | None) -> Body:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def completion_response(head: ResponseHead, choices: Choices, usage: Body) -> Body:
-    return _body(head, "text_completion",
-                 [_completion_choice(i, c.text, c.finish_reason, c.stop_reason) for i, c in choices], usage)
+    bodies = [_completion_choice(i, c.text, _logprobs(head, c.token_ids, c.logprobs, 0, chat=False), c.finish_reason,
+                                 c.stop_reason) for i, c in choices]
+    return _body(head, "text_completion", bodies, usage)
 
 
 def chat_completion_response(head: ResponseHead, choices: Choices, usage: Body) -> Body:
-    bodies = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-               "finish_reason": c.finish_reason} for i, c in choices]
+    bodies = [{"index": i, "message": {"role": "assistant", "content": c.text},
+               "logprobs": _logprobs(head, c.token_ids, c.logprobs, 0, chat=True), "finish_reason": c.finish_reason}
+              for i, c in choices]
     return _body(head, "chat.completion", bodies, usage)
 
 
 def completion_chunk(head: ResponseHead, delta: ChoiceDelta | None, usage: Body | None = None) -> Body:
-    choices = [] if delta is None else [_completion_choice(delta.index, delta.text, delta.finish_reason,
-                                                            delta.stop_reason)]
+    choices = []
+    if delta is not None:
+        logprobs = _logprobs(head, delta.token_ids, delta.logprobs, delta.text_offset, chat=False)
+        choices = [_completion_choice(delta.index, delta.text, logprobs, delta.finish_reason, delta.stop_reason)]
     # a completion chunk is the same object as the whole body, as in OpenAI's and vLLM's streams
     return _body(head, "text_completion", choices, usage)
 
@@ -80,7 +151,9 @@ def chat_completion_chunk(head: ResponseHead, delta: ChoiceDelta | None, usage: 
     choices = []
     if delta is not None:
         message = {"role": "assistant", "content": delta.text} if delta.first else {"content": delta.text}
-        choices = [{"index": delta.index, "delta": message, "logprobs": None, "finish_reason": delta.finish_reason}]
+        logprobs = _logprobs(head, delta.token_ids, delta.logprobs, delta.text_offset, chat=True)
+        choices = [{"index": delta.index, "delta": message, "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason}]
     return _body(head, "chat.completion.chunk", choices, usage)
 
 

@@ -52,6 +52,7 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
             ignore_eos=req.ignore_eos,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=req.num_logprobs(),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc

@@ -9,6 +9,7 @@ that vanished, closes the stream, which aborts what is still running.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -24,14 +25,21 @@ from rimuru.server.sampling import reject_unsupported, to_sampling_params
 from rimuru.server.state import ServerState
 from rimuru.server.streaming import event_stream_response, stream_events
 
+logger = logging.getLogger("rimuru")
+
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
 
 async def create_response(
     request: Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], shapes: ResponseShapes
 ) -> Response:
-    head = ResponseHead(f"{shapes.id_prefix}-{uuid.uuid4().hex}", int(time.time()), state.config.served_model_name)
+    head = ResponseHead(f"{shapes.id_prefix}-{uuid.uuid4().hex}", int(time.time()), state.config.served_model_name,
+                        req.num_logprobs())
     stream = await submit(state.engine, req, prompts, head.id)
+    if state.config.enable_log_requests:
+        logger.info("request %s: %d prompt(s) of %s tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, "
+                    "stream=%s", head.id, len(prompts), [len(p) for p in prompts], req.n, req.max_tokens,
+                    req.temperature, req.top_p, req.stream)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         events = stream_events(stream, head, shapes.chunk, prompts, include_usage, state.metrics.count_error)

@@ -1,4 +1,5 @@
-"""Server-sent events of one streamed response: each engine output becomes the delta the client lacks.
+"""Server-sent events of one streamed response: each engine output becomes the delta the client lacks (its new
+text, and the logprobs of its new tokens when asked).
 
     data: {chunk of choice i}      one per engine output that adds tokens (or finishes its choice)
     data: {chunk, no choice, usage}  only with stream_options.include_usage
@@ -18,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from rimuru.engine.outputs import RequestOutput
 from rimuru.server.async_engine import EngineDeadError, RequestStream
 from rimuru.server.errors import error_body
-from rimuru.server.responses import Body, ChoiceDelta, ResponseHead, usage_info
+from rimuru.server.responses import Body, ChoiceDelta, ResponseHead, token_texts_length, usage_info
 
 Chunk = Callable[[ResponseHead, ChoiceDelta | None, Body | None], Body]
 
@@ -46,6 +47,7 @@ async def stream_events(
     # detokenizer does), so text only ever grows and each delta is what the client has not seen.
     sent_text: dict[int, int] = {}  # choice -> characters sent
     sent_tokens: dict[int, int] = {}  # choice -> tokens covered by what was sent
+    sent_offset: dict[int, int] = {}  # choice -> completions' text_offset after the logprobs sent
     last: dict[int, RequestOutput] = {}  # choice -> its latest output, for the usage chunk
     try:
         while not stream.done():
@@ -55,8 +57,13 @@ async def stream_events(
                 c = out.outputs[0]
                 if len(c.token_ids) == sent_tokens.get(index, 0) and c.finish_reason is None:
                     continue  # nothing new for the client
+                done = sent_tokens.get(index, 0)
+                new_ids, new_logprobs = c.token_ids[done:], None if c.logprobs is None else c.logprobs[done:]
                 delta = ChoiceDelta(index, c.text[sent_text.get(index, 0):], c.finish_reason, c.stop_reason,
-                                    first=index not in sent_tokens)
+                                    first=index not in sent_tokens, token_ids=new_ids, logprobs=new_logprobs,
+                                    text_offset=sent_offset.get(index, 0))
+                if new_logprobs is not None:
+                    sent_offset[index] = delta.text_offset + token_texts_length(new_ids, new_logprobs)
                 sent_text[index] = len(c.text)
                 sent_tokens[index] = len(c.token_ids)
                 yield sse(chunk(head, delta, None))
