@@ -20,6 +20,10 @@ What is measured (device memory seen by torch's allocator and by the driver, `to
               scratch pool: the graphs' memory pool and the graph objects; then given back
     sampling  S rows of logits sampled eagerly, the transient beside the graphs' pool
 
+Device memory is read with `torch.cuda.mem_get_info`, which sees the whole GPU: like vLLM's profile, this one assumes
+no other process allocates on the GPU while the engine starts (another process's memory would be charged to the
+workspace; the GPU tests that start engines run one at a time for this reason).
+
 The workspace is `forward + outside` when every step runs eagerly; with CUDA graphs it is `graphs + sampling +
 outside`, plus the eager `forward` when steps above --max-cudagraph-capture-size run eagerly beside the graphs. On
 the CPU nothing is measured (host memory; see setup.workspace_bytes for the bound used there).
@@ -166,7 +170,8 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     del logits, batch
     forward = torch.cuda.max_memory_reserved(device) - held
     mode = mode_for(forward + engine_start.outside_torch_since(device))
-    before_graphs(mode)
+    with torch.inference_mode(False):  # what the hook makes (the host store) outlives the profile: normal tensors
+        before_graphs(mode)
     outside = engine_start.outside_torch_since(device)
     graphs = sampling = 0
     eager_beside = False
