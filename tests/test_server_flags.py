@@ -31,7 +31,8 @@ def test_serve_help_lists_the_vllm_flags() -> None:
     out = subprocess.run([sys.executable, "-m", "rimuru.cli", "serve", "--help"], capture_output=True, text=True,
                          check=True).stdout
     for flag in ("--chat-template", "--enable-log-requests", "--trust-remote-code", "--served-model-name",
-                 "--gpu-memory-utilization", "--max-logprobs", "--enable-prefix-caching"):
+                 "--gpu-memory-utilization", "--max-logprobs", "--enable-prefix-caching", "--generation-config",
+                 "--enable-prompt-tokens-details"):
         assert flag in out, flag
 
 

@@ -27,6 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a Jinja chat template, or a file holding one, instead of the tokenizer's (vLLM's flag)")
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log every request's id, prompt length and sampling parameters")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage reports prompt_tokens_details.cached_tokens (prompt tokens from the prefix cache)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling parameters: the model's generation_config.json (auto), none (vllm), or "
+                        "DIR/generation_config.json; a request's own values win")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines; no remote code runs (Rimuru's model classes are its own)")
     p.set_defaults(func=run)
@@ -49,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from rimuru.engine.setup import start_or_exit
     from rimuru.server.app import build_app
     from rimuru.server.config import ServerConfig
+    from rimuru.server.generation_config import load_sampling_defaults
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = EngineConfig.from_cli_args(args)
@@ -56,13 +62,19 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("rimuru").info("--trust-remote-code: accepted; no remote code runs (Rimuru's model "
                                          "classes are its own)")
     template = read_chat_template(args.chat_template) if args.chat_template else None
+    try:
+        defaults = load_sampling_defaults(args.generation_config, args.model)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     engine = start_or_exit(lambda: LLMEngine(config))
     if template is not None:
         if engine.tokenizer is None:
             raise SystemExit("error: --chat-template needs a model with a tokenizer")
         engine.tokenizer.chat_template = template
     server_config = ServerConfig.from_cli_args(args.served_model_name, args.model, args.api_key, args.max_body_bytes,
-                                               enable_log_requests=args.enable_log_requests)
+                                               enable_log_requests=args.enable_log_requests,
+                                               enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                                               sampling_defaults=defaults)
     app = build_app(engine, server_config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -18,7 +18,7 @@ Logprobs, when asked, take each endpoint's OpenAI form (a chunk carries those of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,8 @@ class ResponseHead:
     created: int  # unix seconds
     model: str  # the served model name
     num_logprobs: int | None = None  # top logprobs per token the request asked for; None: no logprobs
+    prompt_tokens_details: bool = False  # usage carries prompt_tokens_details.cached_tokens
+    n: int = 1  # choices per prompt
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,26 @@ class ChoiceDelta:
     text_offset: int = 0  # completions' logprobs: the characters of the token texts sent before this chunk
 
 
-def usage_info(prompts: list[list[int]], outputs: Iterable[RequestOutput]) -> Body:
+def usage_info(prompts: list[list[int]], outputs: Iterable[RequestOutput], prompt_tokens_details: bool = False,
+               n: int = 1) -> Body:
+    """`outputs` in choice order (prompt p's choices at p*n ... p*n+n-1). With `prompt_tokens_details` (vLLM's
+    --enable-prompt-tokens-details) the usage says how many prompt tokens came from the prefix cache, each prompt
+    counted once (its first choice's)."""
+    outputs = list(outputs)
     # prompt tokens count each prompt once, however many choices (n) it has, as OpenAI does
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs if o.outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    usage: Body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                   "total_tokens": prompt_tokens + completion_tokens}
+    if prompt_tokens_details:
+        cached = sum(o.num_cached_tokens or 0 for o in outputs[::n])
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def response_usage(head: ResponseHead, prompts: list[list[int]], by_choice: Mapping[int, RequestOutput]) -> Body:
+    """The usage of one response: its choices' outputs by choice index."""
+    return usage_info(prompts, [o for _, o in sorted(by_choice.items())], head.prompt_tokens_details, head.n)
 
 
 # JSON has no -inf: OpenAI and vLLM send this floor instead

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.server.errors import APIError
+from rimuru.server.generation_config import SamplingDefaults
 from rimuru.server.protocol import GenerationRequest
+
+NO_DEFAULTS = SamplingDefaults()
 
 
 def reject_unsupported(req: GenerationRequest) -> None:
@@ -17,10 +20,14 @@ def reject_unsupported(req: GenerationRequest) -> None:
         raise APIError(400, f"'{bad[0]}' is not supported by this server", param=bad[0], code="unsupported")
 
 
-def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: int, choice: int) -> SamplingParams:
+def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: int, choice: int,
+                       defaults: SamplingDefaults = NO_DEFAULTS) -> SamplingParams:
     """The params of one choice (`choice` in [0, n)) of one prompt; each choice gets its own seed so that
-    n seeded choices differ from each other and still repeat across identical requests."""
+    n seeded choices differ from each other and still repeat across identical requests. `defaults` (the model's
+    generation config) fill what the request leaves out."""
     max_tokens = req.token_limit()
+    if max_tokens is None:
+        max_tokens = defaults.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
                        code="invalid_value")
@@ -42,9 +49,9 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
     try:
         return SamplingParams(
             n=1,  # the server adds one engine request per choice
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
+            temperature=_first(req.temperature, defaults.temperature, 1.0),
+            top_p=_first(req.top_p, defaults.top_p, 1.0),
+            top_k=_first(req.top_k, defaults.top_k, -1),
             seed=None if req.seed is None else req.seed + choice,
             max_tokens=max_tokens,
             stop=req.stop,
@@ -56,3 +63,7 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+def _first(*values: float | int | None) -> float | int:
+    return next(v for v in values if v is not None)

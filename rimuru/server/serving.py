@@ -19,9 +19,10 @@ from fastapi.responses import JSONResponse, Response
 from rimuru.engine.outputs import RequestOutput
 from rimuru.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from rimuru.server.errors import APIError
+from rimuru.server.generation_config import SamplingDefaults
 from rimuru.server.protocol import GenerationRequest
-from rimuru.server.responses import ResponseHead, ResponseShapes, usage_info
-from rimuru.server.sampling import reject_unsupported, to_sampling_params
+from rimuru.server.responses import ResponseHead, ResponseShapes, response_usage
+from rimuru.server.sampling import NO_DEFAULTS, reject_unsupported, to_sampling_params
 from rimuru.server.state import ServerState
 from rimuru.server.streaming import event_stream_response, stream_events
 
@@ -34,8 +35,8 @@ async def create_response(
     request: Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], shapes: ResponseShapes
 ) -> Response:
     head = ResponseHead(f"{shapes.id_prefix}-{uuid.uuid4().hex}", int(time.time()), state.config.served_model_name,
-                        req.num_logprobs())
-    stream = await submit(state.engine, req, prompts, head.id)
+                        req.num_logprobs(), state.config.enable_prompt_tokens_details, req.n)
+    stream = await submit(state.engine, req, prompts, head.id, state.config.sampling_defaults)
     if state.config.enable_log_requests:
         logger.info("request %s: %d prompt(s) of %s tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, "
                     "stream=%s", head.id, len(prompts), [len(p) for p in prompts], req.n, req.max_tokens,
@@ -46,17 +47,18 @@ async def create_response(
         return event_stream_response(events)
     outs = await collect(request, stream)
     choices = [(i, o.outputs[0]) for i, o in sorted(outs.items())]
-    return JSONResponse(shapes.response(head, choices, usage_info(prompts, outs.values())))
+    return JSONResponse(shapes.response(head, choices, response_usage(head, prompts, outs)))
 
 
 async def submit(
-    engine: AsyncEngine, req: GenerationRequest, prompts: list[list[int]], response_id: str
+    engine: AsyncEngine, req: GenerationRequest, prompts: list[list[int]], response_id: str,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> RequestStream:
     """Adds one engine request per prompt and choice, `{response_id}-{prompt}-{choice}`; the stream numbers
     them in that order, which is the OpenAI choice index."""
     reject_unsupported(req)
     batch = [
-        (f"{response_id}-{p}-{i}", ids, to_sampling_params(req, len(ids), engine.max_model_len, i))
+        (f"{response_id}-{p}-{i}", ids, to_sampling_params(req, len(ids), engine.max_model_len, i, defaults))
         for p, ids in enumerate(prompts)
         for i in range(req.n)
     ]

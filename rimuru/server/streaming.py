@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from rimuru.engine.outputs import RequestOutput
 from rimuru.server.async_engine import EngineDeadError, RequestStream
 from rimuru.server.errors import error_body
-from rimuru.server.responses import Body, ChoiceDelta, ResponseHead, token_texts_length, usage_info
+from rimuru.server.responses import Body, ChoiceDelta, ResponseHead, response_usage, token_texts_length
 
 Chunk = Callable[[ResponseHead, ChoiceDelta | None, Body | None], Body]
 
@@ -68,7 +68,7 @@ async def stream_events(
                 sent_tokens[index] = len(c.token_ids)
                 yield sse(chunk(head, delta, None))
         if include_usage:
-            yield sse(chunk(head, None, usage_info(prompts, last.values())))
+            yield sse(chunk(head, None, response_usage(head, prompts, last)))
     except Exception as exc:
         status = 503 if isinstance(exc, EngineDeadError) else 500
         count_error(status)
