@@ -153,7 +153,8 @@ def test_builders_give_the_openai_shapes() -> None:
         "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop", "stop_reason": "!"}],
     }
     assert chat_completion_response(HEAD, [(1, done)], usage)["choices"] == [
-        {"index": 1, "message": {"role": "assistant", "content": "hi"}, "logprobs": None, "finish_reason": "stop"}
+        {"index": 1, "message": {"role": "assistant", "content": "hi"}, "logprobs": None, "finish_reason": "stop",
+         "stop_reason": "!"}
     ]
     delta = ChoiceDelta(2, "lo", None, None, first=True)
     assert completion_chunk(HEAD, delta) == {
@@ -163,9 +164,10 @@ def test_builders_give_the_openai_shapes() -> None:
     first = chat_completion_chunk(HEAD, delta)
     assert first["object"] == "chat.completion.chunk" and first["usage"] is None
     assert first["choices"] == [{"index": 2, "delta": {"role": "assistant", "content": "lo"}, "logprobs": None,
-                                 "finish_reason": None}]
+                                 "finish_reason": None, "stop_reason": None}]
     later = chat_completion_chunk(HEAD, ChoiceDelta(2, "!", "stop", "!", first=False))
     assert later["choices"][0]["delta"] == {"content": "!"} and later["choices"][0]["finish_reason"] == "stop"
+    assert later["choices"][0]["stop_reason"] == "!"
     for chunk in (completion_chunk, chat_completion_chunk):
         assert chunk(HEAD, None, usage)["choices"] == [] and chunk(HEAD, None, usage)["usage"] == usage
 

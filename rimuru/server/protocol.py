@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationInf
 
 TokenIds = list[NonNegativeInt]
 PromptInput = str | list[str] | TokenIds | list[TokenIds]
+# what a union field must hold, said once instead of one pydantic message per member of the union
+UNION_FIELD_HELP = {
+    "prompt": "prompt must be a string, a list of strings, a list of token ids (integers >= 0) or a list of such "
+              "lists",
+}
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +37,7 @@ class GenerationRequest(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # 64 bits, as vLLM takes it
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     stream: bool = False

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from rimuru.server.config import ServerConfig
 from rimuru.server.errors import APIError
-from rimuru.server.protocol import GenerationRequest
+from rimuru.server.protocol import UNION_FIELD_HELP, GenerationRequest
 
 G = TypeVar("G", bound=GenerationRequest)
 
@@ -27,6 +27,9 @@ async def read_request(request: Request, model: type[G], config: ServerConfig) -
         req = model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else None
+        if field in UNION_FIELD_HELP:
+            raise APIError(400, UNION_FIELD_HELP[field], param=field, code="invalid_value") from exc
         param = ".".join(str(p) for p in err["loc"]) or None
         raise APIError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from exc
     if req.model not in config.served_model_names:

@@ -149,7 +149,8 @@ def completion_response(head: ResponseHead, choices: Choices, usage: Body) -> Bo
 
 def chat_completion_response(head: ResponseHead, choices: Choices, usage: Body) -> Body:
     bodies = [{"index": i, "message": {"role": "assistant", "content": c.text},
-               "logprobs": _logprobs(head, c.token_ids, c.logprobs, 0, chat=True), "finish_reason": c.finish_reason}
+               "logprobs": _logprobs(head, c.token_ids, c.logprobs, 0, chat=True), "finish_reason": c.finish_reason,
+               "stop_reason": c.stop_reason}  # as vLLM: the stop string or token id that ended the choice
               for i, c in choices]
     return _body(head, "chat.completion", bodies, usage)
 
@@ -169,7 +170,7 @@ def chat_completion_chunk(head: ResponseHead, delta: ChoiceDelta | None, usage: 
         message = {"role": "assistant", "content": delta.text} if delta.first else {"content": delta.text}
         logprobs = _logprobs(head, delta.token_ids, delta.logprobs, delta.text_offset, chat=True)
         choices = [{"index": delta.index, "delta": message, "logprobs": logprobs,
-                    "finish_reason": delta.finish_reason}]
+                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}]
     return _body(head, "chat.completion.chunk", choices, usage)
 
 

@@ -52,7 +52,7 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
             temperature=_first(req.temperature, defaults.temperature, 1.0),
             top_p=_first(req.top_p, defaults.top_p, 1.0),
             top_k=_first(req.top_k, defaults.top_k, -1),
-            seed=None if req.seed is None else req.seed + choice,
+            seed=None if req.seed is None else _wrap_int64(req.seed + choice),
             max_tokens=max_tokens,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
@@ -67,3 +67,8 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
 
 def _first(*values: float | int | None) -> float | int:
     return next(v for v in values if v is not None)
+
+
+def _wrap_int64(seed: int) -> int:
+    """Choice i of a seeded request draws from seed + i, kept within the 64 bits a generator takes."""
+    return (seed + 2**63) % 2**64 - 2**63
