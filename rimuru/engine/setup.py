@@ -127,6 +127,8 @@ def resolve_budget(config: EngineConfig, device: torch.device, spec: ModelSpec, 
     """Bytes the engine may use: gpu_memory_budget, else gpu_memory_utilization (vLLM's flag: a share of the GPU's
     memory, default 0.9). On the CPU the default is every weight plus room for 64k tokens of KV cache."""
     if config.budget_bytes is not None:
+        if device.type == "cpu":
+            return _cpu_budget(config, spec, dtype, work, config.budget_bytes)
         return config.budget_bytes
     if device.type == "cuda":
         share = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
@@ -135,7 +137,28 @@ def resolve_budget(config: EngineConfig, device: torch.device, spec: ModelSpec, 
         raise ValueError("gpu_memory_utilization is a share of a GPU's memory and this engine runs on the CPU: "
                          "give gpu_memory_budget (bytes) instead")
     weights = spec.non_expert_bytes(dtype) + spec.routed_expert_bytes(dtype)
-    return weights + work + 65536 * spec.kv_bytes_per_token(dtype)
+    return _cpu_budget(config, spec, dtype, work, weights + work + 65536 * spec.kv_bytes_per_token(dtype))
+
+
+def _cpu_budget(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, work: int, asked: int) -> int:
+    """On the CPU the pool is host memory: a budget sized for a GPU (32 GiB for a 3 MB model) is capped at what the
+    model can use (every weight, the workspace, KV for max_num_seqs sequences of the longest context), and one the
+    machine's memory cannot hold is refused."""
+    context = config.max_model_len or spec.max_position_embeddings
+    need = (spec.non_expert_bytes(dtype) + spec.routed_expert_bytes(dtype) + work
+            + config.max_num_seqs * context * spec.kv_bytes_per_token(dtype))
+    budget = min(asked, need)
+    if budget < asked and config.budget_bytes is not None:
+        logger.info("on the CPU the budget %s is capped at what the model can use: %s", format_bytes(asked),
+                    format_bytes(budget))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if budget > host:
+        what = (f"gpu_memory_budget {format_bytes(budget)} is" if config.budget_bytes is not None else
+                f"on the CPU this model needs {format_bytes(budget)} (its weights in float32, the workspace and KV "
+                "cache), which is")
+        raise ValueError(f"{what} more than this machine's memory ({format_bytes(host)}); on the CPU the pool is "
+                         "host memory: give a smaller budget, or run on a GPU")
+    return budget
 
 
 def resolve_load_format(config: EngineConfig) -> str:
