@@ -34,6 +34,7 @@ from rimuru.engine.kv_cache_manager import KV, KVCacheManager
 from rimuru.engine.model_runner import ModelRunner, SampledTokens
 from rimuru.engine.output_processor import OutputProcessor, final_output
 from rimuru.engine.outputs import RequestOutput
+from rimuru.engine.recent_tpot import RecentTpot
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.sampling_params import SamplingParams
@@ -132,6 +133,7 @@ class LLMEngine:
         self.peak_running = 0
         self.start_time = time.monotonic()
         self.step_metrics = StepMetricsRing()
+        self.recent_tpot = RecentTpot()  # what finished requests saw: the SLO mode corrects its step model with it
         self.profiler: StepProfiler | None = None  # enable_step_profiler()
         self.trace: StepTrace = NULL_TRACE  # what watches each step: the profiler once enabled
         self._expert_page_bytes = geometry.size(EXPERT)
@@ -318,13 +320,16 @@ class LLMEngine:
         self.pool.allocator.complete_forward()  # pages the finished pass may have read are free now
         t_end = self._record(t0, num_tokens, self.runner.graph_steps > graph_steps0, plan, loaded0)
         trace.end(t_end)
+        for out in outputs:
+            self.recent_tpot.observe(out)
         return outputs
 
     def _demand(self, sched: SchedulerOutput) -> StepDemand:
         return StepDemand(shortfall_kv_pages=sched.shortfall_pages, num_batched_tokens=sched.num_tokens,
                           num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                           num_stalled=len(sched.stalled), max_num_seqs=self.scheduler.max_num_seqs,
-                          oldest_wait_s=self.scheduler.oldest_wait_s(time.monotonic()))
+                          oldest_wait_s=self.scheduler.oldest_wait_s(time.monotonic()),
+                          tpot_p99_s=self.recent_tpot.p99_s(), tpot_observed=self.recent_tpot.count)
 
     def _launch(self, sched: SchedulerOutput) -> InFlight | None:
         self.runtime.before_pass(sched.num_tokens)

@@ -36,7 +36,10 @@ compute estimate, and the model charges it to every n > 0.
 Rules, every step:
   * Allowed n: reachable (from n_min = n_now - free/P, since grows take free pages only, up to every expert the
     limits allow) and either hiding its copies (copy(n) - overlap compute(n) <= exposed_copy_share compute(n))
-    or, with a TPOT SLO, within it (step(n) <= tpot_slo_s). The best allowed n maximises tput.
+    or, with a TPOT SLO, within it (step(n) <= tpot_slo_s / correction). The best allowed n maximises tput.
+    The correction (>= 1) is learned from finished requests: every `tpot_feedback_requests` of them it is
+    multiplied by their measured TPOT p99 over the SLO, so a model that underestimates offloaded steps (on the
+    H200 it held the modelled step within 50 ms while requests saw 62-82 ms) tightens its own bound.
   * Forced offloading (no SLO, and n_now - (F + KV pages) / P > 0: the experts do not all fit even without KV,
     e.g. Qwen3-30B-A3B at 48 GiB) allows every n: copies show whatever the split, so tokens per second decide.
     A pool merely full of KV is not forced: when no reachable split hides its copies there (they were measured
@@ -105,6 +108,12 @@ class CostAdjusterConfig:
     initial_copy_overlap: float = 0.0
     compute_fixed_share: float = 0.8  # share of step compute that does not grow with the batch (weight reads)
     tpot_slo_s: float | None = None  # when set: allowed n keep the modelled step time within it
+    # The model's decode step misses costs (mixed prefill steps, routing reads, copies it counts as hidden), so
+    # with a TPOT SLO the bound it holds the modelled step to is the SLO / a correction learned from what finished
+    # requests saw: after every `tpot_feedback_requests` new ones, correction *= measured TPOT p99 / SLO, kept in
+    # [1, max_tpot_correction] (never looser than the SLO; back towards it while requests do better).
+    tpot_feedback_requests: int = 16
+    max_tpot_correction: float = 10.0
     # when set: while the head of the queue, short of pages, has waited `ttft_pressure_share` of it, evict for the
     # waiting requests beyond the throughput-best split (within tpot_slo_s when that is set)
     ttft_slo_s: float | None = None
@@ -132,6 +141,9 @@ class CostAdjusterConfig:
         for name in ("tpot_slo_s", "ttft_slo_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.tpot_feedback_requests < 1 or self.max_tpot_correction < 1:
+            raise ValueError(f"need tpot_feedback_requests >= 1 and max_tpot_correction >= 1, got "
+                             f"{self.tpot_feedback_requests}, {self.max_tpot_correction}")
         if not 0.0 <= self.ttft_pressure_share <= 1.0:
             raise ValueError(f"ttft_pressure_share must be in [0, 1], got {self.ttft_pressure_share}")
         if self.exposed_copy_share < 0 or self.min_gain < 0 or self.reverse_cooldown_steps < 0:
@@ -200,6 +212,24 @@ class CostAdjuster:
         self._reserve_mid = 0  # mid pages kept from admissions for the last plan's grows (grow_reserve)
         self._reserve_since: int | None = None  # the plan since which grows have waited for pages
         self.last: CostEstimate | None = None
+        self.tpot_correction = 1.0  # measured TPOT p99 over the SLO, accumulated (see tpot_feedback_requests)
+        self._tpot_seen = 0  # finished requests observed when the correction was last updated
+
+    @property
+    def tpot_bound_s(self) -> float | None:
+        """What the modelled decode step may take: the TPOT SLO over the learned correction (None: no SLO)."""
+        slo = self.config.tpot_slo_s
+        return None if slo is None else slo / self.tpot_correction
+
+    def _learn_tpot(self, state: AdjusterState) -> None:
+        cfg = self.config
+        if cfg.tpot_slo_s is None or state.tpot_p99_s is None:
+            return
+        if state.tpot_observed - self._tpot_seen < cfg.tpot_feedback_requests:
+            return
+        self._tpot_seen = state.tpot_observed
+        ratio = state.tpot_p99_s / cfg.tpot_slo_s
+        self.tpot_correction = min(cfg.max_tpot_correction, max(1.0, self.tpot_correction * ratio))
 
     def max_offloaded(self) -> int | None:
         """The largest number of offloaded experts the last plan's model allowed: the engine's scheduler stalls
@@ -229,12 +259,15 @@ class CostAdjuster:
                 out["cost_compute_ms"] = 1e3 * last.compute_s
             if last.max_allowed is not None:
                 out["cost_max_offloaded"] = float(last.max_allowed)
+        if self.config.tpot_slo_s is not None:
+            out["cost_tpot_correction"] = self.tpot_correction
         return out
 
     def plan(self, state: AdjusterState) -> AdjustPlan:
         cfg = self.config
         self.step += 1
         self._reserve_mid = 0
+        self._learn_tpot(state)
         P = cfg.pages_per_expert
         E = state.rankings.shape[1]
         n_now = sum(E - len(r) for r in state.resident)
@@ -299,7 +332,8 @@ class CostAdjuster:
         if pressure:
             # the queue's TTFT is at risk: the fewest offloaded that admit every waiting request the model can (the
             # first candidate of highest concurrency), within the TPOT target, whatever the throughput
-            within = step_s <= cfg.tpot_slo_s if cfg.tpot_slo_s is not None else np.ones(len(cands), dtype=bool)
+            bound = self.tpot_bound_s
+            within = step_s <= bound if bound is not None else np.ones(len(cands), dtype=bool)
             if within.any():
                 target = max(target, int(cands[int(np.argmax(np.where(within, tput * step_s, -1.0)))]))
         # stalls may wait for evictions up to the best split (the smallest of equals: a tie offloads no more), or
@@ -418,8 +452,9 @@ class CostAdjuster:
         copy = act * self.expert_bytes / cfg.pcie_bandwidth * self.copy_slowdown() * self.copy_excess()
         exposed = np.maximum(0.0, copy - self.copy_overlap() * comp)
         step_s = np.maximum(comp + exposed + np.where(n > 0, overhead, 0.0), 1e-9)  # > 0 whatever the config
-        if cfg.tpot_slo_s is not None:
-            ok = step_s <= cfg.tpot_slo_s
+        bound = self.tpot_bound_s
+        if bound is not None:
+            ok = step_s <= bound
         else:
             ok = exposed <= cfg.exposed_copy_share * comp + 1e-12
         return conc / step_s, step_s, ok

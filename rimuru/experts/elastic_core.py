@@ -249,7 +249,7 @@ class ElasticCore:
             offload_limit=self.offload_limit,
             num_batched_tokens=demand.num_batched_tokens, num_running=demand.num_running,
             num_waiting=demand.num_waiting, num_stalled=demand.num_stalled, max_num_seqs=demand.max_num_seqs,
-            oldest_wait_s=demand.oldest_wait_s,
+            oldest_wait_s=demand.oldest_wait_s, tpot_p99_s=demand.tpot_p99_s, tpot_observed=demand.tpot_observed,
             # held by requests: the prefix cache's unreferenced pages are free room (in free_mid_pages when whole)
             kv_mid_pages=(allocator.num_used("kv") - allocator.num_reclaimable("kv")) / self.smalls_per_mid,
             buffer_slot_pages=load_buffer_pages(1) if self.lazy_buffers else 0,  # held for good: no cost

@@ -42,6 +42,8 @@ class StepDemand:
     num_stalled: int = 0  # running requests sitting out this step until evictions free their pages
     max_num_seqs: int | None = None  # the scheduler's cap on running requests
     oldest_wait_s: float = 0.0  # how long the head of the waiting queue has waited since it arrived (0: no queue)
+    tpot_p99_s: float | None = None  # TPOT p99 of recently finished requests (engine/recent_tpot.py; None: too few)
+    tpot_observed: int = 0  # finished requests whose TPOT has been observed so far
 
 
 @dataclass(frozen=True)

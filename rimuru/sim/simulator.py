@@ -23,6 +23,7 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
+from rimuru.engine.recent_tpot import recent_p99
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler
@@ -274,7 +275,8 @@ class Simulation:
                     shortfall_kv_pages=out.shortfall_pages, num_batched_tokens=out.num_tokens,
                     num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                     num_stalled=len(out.stalled), max_num_seqs=self.scheduler.max_num_seqs,
-                    oldest_wait_s=self.scheduler.oldest_wait_s(clock)))
+                    oldest_wait_s=self.scheduler.oldest_wait_s(clock),
+                    tpot_p99_s=recent_p99(result.tpot_s), tpot_observed=len(result.tpot_s)))
                 grown, moved = len(moves.grow), bool(moves.evict or moves.grow)
             if out.is_empty:
                 self._end_step(after_step)  # no forward pass reads the evicted pages
