@@ -6,6 +6,12 @@ KV cache, so offloading experts would buy concurrency; (3) for each offload mode
 in a subprocess under that budget, replay the same ShareGPT sample with the benchmark client while
 polling /metrics, stop the server; (4) print a side-by-side table and plot the memory split over
 time. A mode the engine does not implement yet is reported as such, not hidden.
+
+The request rate is set from this machine's measured speed (unless --request-rate is given): about
+1.5 times what static mode completes with the KV room the budget leaves, so a queue forms on any machine.
+Results go to --out-dir (default demo-out/); the tracked docs/demo.md and docs/demo_memory.png change
+only with --update-docs. The temporary checkpoint and server logs are removed at the end (--keep-work
+keeps them).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +53,24 @@ def pick_budget(ckpt: Path, kv_tokens: int, engine_flags: dict) -> tuple[int, di
     budget = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + pages * page
     return budget, {"expert_bytes": split["experts_resident"], "kv_page_bytes": page,
                     "total_experts": st["total_experts"]}
+
+
+def measured_request_rate(ckpt: Path, budget: int, flags: dict, kv_tokens: int, prompt_len: int,
+                          output_len: int) -> float:
+    """Requests per second static mode completes on this machine with the KV room of `budget`, times 1.5: the
+    sequences that fit at once (KV tokens over a typical request's) generate together, timed."""
+    from rimuru import LLM, SamplingParams
+
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, offload_mode="static", **flags)
+    fit = max(1, kv_tokens // (prompt_len + output_len))
+    prompts = [{"prompt_token_ids": [3 + (i + j) % 50 for j in range(prompt_len)]} for i in range(fit)]
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    del llm
+    return 1.5 * fit / max(elapsed, 1e-6)
 
 
 def start_server(ckpt: Path, mode: str, budget: int, port: int, flags: dict, log: Path) -> subprocess.Popen:
@@ -142,9 +167,10 @@ def plot(runs: dict[str, list[dict]], path: Path, budget: int, info: dict) -> No
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Rimuru demo: one small MoE model, static vs elastic offloading")
     ap.add_argument("--model", default=None, help="checkpoint directory (default: build a demo one)")
-    ap.add_argument("--modes", default="static,elastic")
+    ap.add_argument("--modes", default="static,fixed,elastic")
     ap.add_argument("--num-prompts", type=int, default=60)
-    ap.add_argument("--request-rate", type=float, default=2.5)
+    ap.add_argument("--request-rate", type=float, default=None,
+                    help="req/s (default: 1.5x what static completes on this machine, measured first)")
     ap.add_argument("--max-prompt-len", type=int, default=192)
     ap.add_argument("--max-output-len", type=int, default=64)
     ap.add_argument("--kv-tokens", type=int, default=640, help="KV room (tokens) left beside all experts")
@@ -152,21 +178,39 @@ def main(argv: list[str] | None = None) -> int:
                     help="elastic mode: the most experts a layer may offload (of 16)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default="docs", help="writes demo.md and demo_memory.png here")
+    ap.add_argument("--out-dir", default="demo-out", help="writes demo.md and demo_memory.png here")
+    ap.add_argument("--update-docs", action="store_true", help="also write docs/demo.md and docs/demo_memory.png")
+    ap.add_argument("--keep-work", action="store_true", help="keep the temporary checkpoint and server logs")
+    ap.add_argument("--resident-experts", type=float, default=0.5,
+                    help="fixed mode: experts kept resident per layer (a count, or a fraction < 1)")
     args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="rimuru-demo-"))
+    try:
+        return _run(args, work)
+    finally:
+        if args.keep_work:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
+
+def _run(args: argparse.Namespace, work: Path) -> int:
     from rimuru.bench.cli import bench_serve
 
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="rimuru-demo-"))
     ckpt = Path(args.model) if args.model else build_checkpoint(work / "demo-moe")
     flags = {"device": "cpu", "max_model_len": args.max_prompt_len + args.max_output_len + 16,
              "max_num_seqs": 64, "max_num_batched_tokens": 1024}
-    mode_flags = {"elastic": {"expert_offload_limit": args.expert_offload_limit}}
+    mode_flags = {"elastic": {"expert_offload_limit": args.expert_offload_limit},
+                  "fixed": {"resident_experts": args.resident_experts}}
     budget, info = pick_budget(ckpt, args.kv_tokens, flags)
     print(f"checkpoint {ckpt}; budget {budget} B: all experts {info['expert_bytes']} B + KV for ~{args.kv_tokens} "
           "tokens", flush=True)
+    rate_note = "given"
+    if args.request_rate is None:
+        args.request_rate = round(measured_request_rate(ckpt, budget, flags, args.kv_tokens, args.max_prompt_len // 2,
+                                                        args.max_output_len), 2)
+        rate_note = "1.5x what static mode completed on this machine, measured first"
+        print(f"request rate {args.request_rate} req/s ({rate_note})", flush=True)
     url = f"http://127.0.0.1:{args.port}"
     rows: list[dict] = []
     runs: dict[str, list[dict]] = {}
@@ -190,24 +234,29 @@ def main(argv: list[str] | None = None) -> int:
                      "peak_waiting": peak(tl, "rimuru:num_requests_waiting"),
                      "peak_kv": peak(tl, "rimuru:kv_pages_used"),
                      "min_resident": min((s.get("rimuru:resident_experts", 0) for s in tl), default=0)})
-        (work / f"bench-{mode}.json").write_text(json.dumps(report, indent=1))
+        out_dir = Path(args.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"bench-{mode}.json").write_text(json.dumps(report, indent=1))
     result = table(rows)
     print("\n" + result)
-    png = out_dir / "demo_memory.png"
-    if runs:
-        plot(runs, png, budget, info)
-        print(f"plot: {png}")
-    md = out_dir / "demo.md"
-    md.write_text(
+    folders = [Path(args.out_dir)] + ([Path("docs")] if args.update_docs else [])
+    text = (
         "# Demo: `make demo` (python -m rimuru.demo)\n\n"
-        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} on {os.cpu_count()} CPU cores, no GPU. Model: the demo "
+        f"Generated on {os.cpu_count()} CPU cores, no GPU. Model: the demo "
         f"qwen2_moe checkpoint ({DEMO_SHAPE['num_hidden_layers']} layers, {DEMO_SHAPE['num_experts']} experts/layer, "
         f"random weights); budget {budget / 2**20:.2f} MiB = every expert "
-        f"({info['expert_bytes'] / 2**20:.2f} MiB) + KV for about {args.kv_tokens} tokens + weights + workspace. "
-        f"ShareGPT: {args.num_prompts} prompts at {args.request_rate} req/s (Poisson, seed {args.seed}), "
-        f"prompts <= {args.max_prompt_len} tokens, replies capped at {args.max_output_len} tokens, EOS ignored.\n\n"
+        f"({info['expert_bytes'] / 2**20:.2f} MiB) + KV for about {args.kv_tokens} tokens + weights + workspace; "
+        f"fixed mode keeps {args.resident_experts:g} of each layer's experts resident. "
+        f"ShareGPT: {args.num_prompts} prompts at {args.request_rate} req/s ({rate_note}; Poisson, seed {args.seed}), "
+        f"prompts <= {args.max_prompt_len} tokens, replies capped at {args.max_output_len} tokens, EOS ignored. "
+        "The numbers vary with the machine.\n\n"
         + result + "\n\n![memory split over time](demo_memory.png)\n")
-    print(f"wrote {md}")
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        if runs:
+            plot(runs, folder / "demo_memory.png", budget, info)
+        (folder / "demo.md").write_text(text)
+        print(f"wrote {folder / 'demo.md'}" + (f" and {folder / 'demo_memory.png'}" if runs else ""))
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 
 
