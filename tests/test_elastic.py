@@ -345,9 +345,9 @@ def test_cost_stats_reach_metrics() -> None:
     assert (stats["cost_target_offloaded"], stats["cost_max_offloaded"]) == (0.0, 1.0)  # home; stalls: 1
     assert stats["cost_grow_reserve_mid_pages"] == 3 + 9
     assert core.admission_reserve_kv_pages() == 12 * 4  # mid pages -> KV pages
-    text = ServerMetrics(lambda: stats).render().decode()
+    text = ServerMetrics(lambda: stats, "m", 64).render().decode()
     for name, value in stats.items():
-        assert f"rimuru:{name} {float(value)}" in text
+        assert f'rimuru:{name}{{model_name="m"}} {float(value)}' in text
     assert _tiny_runtime(PaperAdjuster(), None).core.stats() == {}
 
 

@@ -65,6 +65,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.running: dict[str, _Running] = {}
         self.profile: dict[str, Any] | None = None
+        self.step_metrics = None  # no per-step ring: no tokens-per-step histogram
 
     @property
     def vocab_size(self) -> int:
@@ -223,7 +224,7 @@ def test_unsupported_fields_and_errors_are_counted(url: str) -> None:
     raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]})
     resp = httpx.post(url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
-    assert 'rimuru:http_errors_total{status="400"} 4.0' in httpx.get(url + "/metrics").text
+    assert f'rimuru:http_errors_total{{model_name="{MODEL}",status="400"}} 4.0' in httpx.get(url + "/metrics").text
 
 
 def test_step_profile_reads_the_engines_report(url: str) -> None:

@@ -9,14 +9,15 @@ import time
 import httpx
 
 _LINE = re.compile(r"^(rimuru:[a-zA-Z_:]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)$")
+_MODEL_ONLY = re.compile(r'^\{model_name="(?:[^"\\]|\\.)*"\}$')  # the one label every rimuru: sample carries
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Unlabelled `rimuru:` samples (histogram buckets and per-layer series are skipped)."""
+    """`rimuru:` samples labelled only with the served model (histogram buckets and per-layer series are skipped)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _LINE.match(line.strip())
-        if m and not m.group(2):
+        if m and (not m.group(2) or _MODEL_ONLY.match(m.group(2))):
             out[m.group(1)] = float(m.group(3))
     return out
 

@@ -34,7 +34,8 @@ __all__ = ["ServerConfig", "build_app"]
 def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
     # The metrics read the AsyncEngine's stats snapshot and observe the requests it finishes, so each needs
     # the other: the snapshot is read through a closure over the AsyncEngine made on the next line.
-    metrics = ServerMetrics(lambda: async_engine.stats())
+    metrics = ServerMetrics(lambda: async_engine.stats(), config.served_model_name, engine.max_model_len,
+                            engine.step_metrics)
     async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
     state = ServerState(config, async_engine, metrics)
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.sampling_params import SamplingParams
+from rimuru.engine.step_metrics import StepMetricsRing
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_INTERVAL_S = 0.0005  # see AsyncEngine.start
@@ -39,6 +40,7 @@ class EngineLike(Protocol):
 
     tokenizer: Any  # a Hugging Face tokenizer, or None for a model served on token ids only
     max_model_len: int
+    step_metrics: StepMetricsRing | None  # the engine's per-step ring (vLLM's tokens per step); None: none kept
 
     @property
     def vocab_size(self) -> int: ...  # prompt token ids lie in [0, vocab_size)
@@ -58,19 +60,37 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class RequestTiming:
+    """One engine request as the server sees it, on the engine's clock (`time.monotonic`, as `RequestMetrics`), so
+    the engine's scheduling time compares with the server's own times."""
+
     arrival: float
-    first_token: float | None = None
+    first_token: float | None = None  # when its first output with a token reached the router
+    last_token: float | None = None
+    scheduled: float | None = None  # first scheduled, from the engine's RequestMetrics (None: not reported)
     num_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave it (RequestOutput.num_cached_tokens)
+    token_gaps: list[float] = field(default_factory=list)  # between outputs that brought new tokens (vLLM's ITL)
+
+
+@dataclass
+class ChoiceGroup:
+    """The n choices of one prompt: vLLM observes n, and the most tokens a choice generated, once all have ended."""
+
+    n: int
+    unfinished: int
+    most_tokens: int = 0
 
 
 @dataclass
 class FinishedRequest:
-    """What the metrics need once a request ends."""
+    """What the metrics need once a request ends: finished, aborted (client gone) or failed with its step."""
 
     timing: RequestTiming
     finished_at: float
     prompt_tokens: int
-    finish_reason: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    max_tokens: int = 0  # its max_tokens, resolved as the engine resolves it
+    choices: ChoiceGroup | None = None  # its prompt's choices, updated before the metrics see it
 
 
 StreamItem = tuple[int, RequestOutput] | BaseException  # (choice index, output), or the failure that ended it
@@ -137,8 +157,22 @@ def _deliver(batch: list[tuple[RequestStream, StreamItem]]) -> None:
         stream.queue.put_nowait(item)
 
 
+@dataclass
+class _Route:
+    """Where one engine request's outputs go, and what the metrics note about it on the way."""
+
+    loop: asyncio.AbstractEventLoop
+    stream: RequestStream
+    index: int  # its choice index in the stream
+    timing: RequestTiming
+    prompt_len: int
+    max_tokens: int
+    choices: ChoiceGroup
+
+
 class AsyncEngine:
-    """`on_finished` runs on the engine thread once per finished request (the metrics' latency histograms)."""
+    """`on_finished` runs on the engine thread once per ended request, also an aborted or failed one (the
+    metrics' histograms). The snapshot (`stats()`) adds the server's token counters, counted as tokens arrive."""
 
     def __init__(self, engine: EngineLike, on_finished: Callable[[FinishedRequest], None] | None = None):
         self._engine = engine
@@ -147,8 +181,11 @@ class AsyncEngine:
         self.vocab_size = engine.vocab_size
         self._on_finished = on_finished
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
-        # request id -> (loop, stream, choice index, timing, prompt length); touched only on the engine thread
-        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream, int, RequestTiming, int]] = {}
+        self._routes: dict[str, _Route] = {}  # by engine request id; touched only on the engine thread
+        # vLLM's counters, as its engine counts them: a prompt (and the part the prefix cache gave) once its first
+        # token is out, generated tokens as they arrive; aborted requests' tokens included
+        self._token_counts = {"server_prompt_tokens": 0, "server_prompt_tokens_cached": 0,
+                              "server_generation_tokens": 0}
         self._stats: dict = {}
         self._stats_lock = threading.Lock()
         self._stats_time = 0.0
@@ -179,17 +216,20 @@ class AsyncEngine:
             return dict(self._stats)
 
     # ---- called from asyncio handlers --------------------------------------------------------
-    async def add(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestStream:
-        """Add all requests or none (ValueError from the engine propagates, nothing stays queued)."""
+    async def add(self, requests: list[tuple[str, list[int], SamplingParams]], n: int = 1) -> RequestStream:
+        """Add all requests or none (ValueError from the engine propagates, nothing stays queued). `n`: choices per
+        prompt; the requests come prompt by prompt, each prompt's n choices in a row."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(self.abort, [rid for rid, _, _ in requests])
+        groups = [ChoiceGroup(n, min(n, len(requests) - start)) for start in range(0, len(requests), n)]
 
         def add_all() -> None:
             added: list[str] = []
             try:
                 for index, (rid, prompt_ids, params) in enumerate(requests):
-                    timing = RequestTiming(arrival=time.perf_counter())
-                    self._routes[rid] = (loop, stream, index, timing, len(prompt_ids))
+                    max_tokens = params.max_tokens or self.max_model_len - len(prompt_ids)
+                    self._routes[rid] = _Route(loop, stream, index, RequestTiming(arrival=time.monotonic()),
+                                               len(prompt_ids), max_tokens, groups[index // n])
                     self._engine.add_request(rid, prompt_ids, params)
                     added.append(rid)
             except BaseException:
@@ -206,9 +246,12 @@ class AsyncEngine:
         """Fire and forget: safe from any thread, also from a cancelled handler."""
 
         def abort_all() -> None:
+            now = time.monotonic()
             for rid in request_ids:
-                if self._routes.pop(rid, None) is not None:
+                route = self._routes.pop(rid, None)
+                if route is not None:
                     self._engine.abort_request(rid)
+                    self._ended(route, "abort", now)  # the engine's own abort output finds no route
 
         self._commands.put((abort_all, concurrent.futures.Future()))
 
@@ -268,36 +311,54 @@ class AsyncEngine:
         """One `call_soon_threadsafe` per event loop and step, not per request: every such call writes the
         loop's wake-up pipe, and each syscall hands the GIL to the loop thread, which the engine thread then
         waits to get back: one call per request would cost ~50 GIL hand-overs per step with ~50 streams."""
-        now = time.perf_counter()
+        now = time.monotonic()
         batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamItem]]] = {}
+        counts = self._token_counts
         for out in outputs:
             route = self._routes.get(out.request_id)
             if route is None:  # aborted meanwhile
                 continue
-            loop, stream, index, timing, prompt_len = route
+            timing = route.timing
             n_tokens = sum(len(c.token_ids) for c in out.outputs)
-            if n_tokens > 0 and timing.first_token is None:
-                timing.first_token = now
-            timing.num_tokens = n_tokens
+            if n_tokens > timing.num_tokens:
+                if timing.first_token is None:
+                    timing.first_token = now
+                    timing.cached_tokens = out.num_cached_tokens or 0
+                    counts["server_prompt_tokens"] += route.prompt_len
+                    counts["server_prompt_tokens_cached"] += timing.cached_tokens
+                elif timing.last_token is not None:
+                    timing.token_gaps.append(now - timing.last_token)
+                timing.last_token = now
+                counts["server_generation_tokens"] += n_tokens - timing.num_tokens
+                timing.num_tokens = n_tokens
+            if timing.scheduled is None and out.metrics is not None:
+                timing.scheduled = out.metrics.first_scheduled_time
             if out.finished:
                 del self._routes[out.request_id]
-                if self._on_finished is not None:
-                    reason = out.outputs[0].finish_reason if out.outputs else None
-                    self._on_finished(FinishedRequest(timing, now, prompt_len, reason))
-            batches.setdefault(loop, []).append((stream, (index, out)))
+                self._ended(route, out.outputs[0].finish_reason if out.outputs else None, now)
+            batches.setdefault(route.loop, []).append((route.stream, (route.index, out)))
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # the handlers' loop is closed: nobody is listening any more
                 pass
 
+    def _ended(self, route: _Route, reason: str | None, now: float) -> None:
+        choices = route.choices
+        choices.unfinished -= 1
+        choices.most_tokens = max(choices.most_tokens, route.timing.num_tokens)
+        if self._on_finished is not None:
+            self._on_finished(FinishedRequest(route.timing, now, route.prompt_len, reason, route.max_tokens, choices))
+
     def _fail_all(self, exc: BaseException) -> None:
-        for rid, (loop, stream, _, _, _) in list(self._routes.items()):
+        now = time.monotonic()
+        for rid, route in list(self._routes.items()):
             try:
                 self._engine.abort_request(rid)
             except Exception:  # pragma: no cover
                 log.exception("abort after failure")
-            _post(loop, stream, exc)
+            _post(route.loop, route.stream, exc)
+            self._ended(route, "error", now)
         self._routes.clear()
 
     def _refresh_stats(self) -> None:
@@ -308,5 +369,6 @@ class AsyncEngine:
             log.exception("engine.stats failed")
             return
         stats["server_tracked_requests"] = len(self._routes)
+        stats.update(self._token_counts)
         with self._stats_lock:
             self._stats = stats

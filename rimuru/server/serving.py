@@ -63,7 +63,7 @@ async def submit(
         for i in range(req.n)
     ]
     try:
-        return await engine.add(batch)
+        return await engine.add(batch, n=req.n)
     except ValueError as exc:  # the engine's reasons: too long, can never fit in the pool, ...
         raise APIError(400, str(exc), code="invalid_request") from exc
     except EngineDeadError as exc:
