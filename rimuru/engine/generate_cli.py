@@ -20,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--min-tokens", type=int, default=0, help="EOS and stop ids cannot end a reply before this many")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
     p.set_defaults(func=run)
 
@@ -33,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli_args(args)
     llm = start_or_exit(lambda: LLM(**vars(config)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                            top_k=args.top_k, seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                            min_tokens=args.min_tokens)
     for out in llm.generate(args.prompt, params):
         comp = out.outputs[0]
         if args.json:

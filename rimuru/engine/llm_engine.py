@@ -65,6 +65,7 @@ from rimuru.memory.pass_fence import PassFence
 from rimuru.memory.pool import PagePool
 from rimuru.model_spec import load_model_spec
 from rimuru.models.causal_lm import MoECausalLM
+from rimuru.models.moe import NO_EXPERTS
 from rimuru.models.registry import build_model
 
 logger = logging.getLogger("rimuru")
@@ -397,6 +398,20 @@ class LLMEngine:
         """Steps are no longer watched; the last report is gone."""
         self.profiler = None
         self.trace = NULL_TRACE
+
+    def shutdown(self) -> None:
+        """Cuts the reference cycles among the engine's parts, so that dropping the engine frees its memory at once
+        instead of at the garbage collector's next full pass (until then a GPU's memory stays taken); the engine
+        serves nothing after:
+
+            MoE block -> its expert provider -> the expert predictor -> the MoE blocks   (fixed and elastic modes;
+                                                      the provider holds the pool's expert view and the host store)
+            page allocator -> its reclaimer, the prefix cache -> the allocator
+            engine -> its step profiler -> the expert-wait callback -> the engine
+        """
+        self.disable_step_profiler()
+        self.model.attach_experts(NO_EXPERTS)
+        self.pool.allocator.reclaimer = None
 
     def step_profile_report(self) -> dict[str, Any] | None:
         """The step profiler's report (engine/step_profiler.py), None when it was never enabled."""

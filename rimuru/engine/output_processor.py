@@ -84,7 +84,9 @@ class OutputProcessor:
         p = req.params
         if self.tokenizer is not None:
             new_text = detokenize_incrementally(self.tokenizer, req, p.skip_special_tokens)
-            if p.stop_strings and new_text:
+            # as vLLM: a stop string ends a request from its (min_tokens + 1)-th token on, where EOS and the stop
+            # ids can first be sampled; one completed earlier stays in the text
+            if p.stop_strings and new_text and req.num_output_tokens > p.min_tokens:
                 # a stop string may straddle the old and new text: search the tail that could contain it
                 start = max(0, len(req.output_text) - max(len(s) for s in p.stop_strings) + 1)
                 req.output_text += new_text

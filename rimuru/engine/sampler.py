@@ -4,19 +4,72 @@ Greedy rows take the argmax of the raw logits. Sampled rows are scaled by temper
 and top-p (one sort serves both), and drawn with the exponential race (argmax p / E, E ~ Exp(1)),
 which equals a categorical draw. A request with a seed draws its E from its own generator, so its
 tokens don't depend on which other requests share the batch.
+
+Rows may come with banned tokens (`BannedTokens`: EOS and stop ids of requests still short of `min_tokens`, as vLLM's
+min-tokens logits processor). They are set to -inf in the sampler's own copies of the logits, one chunk of rows at a
+time: the raw logits stay as they are for the logprobs, and the host never waits.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from rimuru.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rimuru.engine.request import Request
 
 # Rows sampled together. The sampler's working copies ([rows, V] float32 scaled logits, sort values and
 # int64 order, masks, probabilities, the race) cost ~48 bytes per vocabulary entry and row: a 256-row batch
 # of a 152k vocabulary would need ~1.9 GB at once, a 32-row chunk ~230 MB. workspace_bytes reserves one chunk.
 SAMPLE_ROWS_PER_CHUNK = 32
 SAMPLER_BYTES_PER_ENTRY = 48
+
+
+@dataclass(frozen=True)
+class BannedTokens:
+    """Tokens some rows may not draw: entry j bans token index[1, j] in row index[0, j], rows ascending."""
+
+    rows: list[int]  # index[0] on the host: which entries fall in a chunk of rows, without reading the device
+    index: torch.Tensor  # [2, N] int64 on the logits' device
+
+    def touches(self, lo: int, hi: int) -> bool:
+        """Whether any of rows lo .. hi - 1 bans a token."""
+        return bisect_left(self.rows, lo) < bisect_left(self.rows, hi)
+
+    def apply(self, chunk: torch.Tensor, lo: int) -> None:
+        """-inf at the banned entries of rows lo .. lo + len(chunk) - 1, written into `chunk` (the sampler's copy,
+        never the raw logits)."""
+        a, b = bisect_left(self.rows, lo), bisect_left(self.rows, lo + chunk.shape[0])
+        if a < b:
+            chunk[self.index[0, a:b] - lo, self.index[1, a:b]] = float("-inf")
+
+
+def min_tokens_bans(requests: Sequence[Request], vocab_size: int, device: torch.device) -> BannedTokens | None:
+    """Per sampled row (one request each, in order): EOS (unless ignore_eos) and stop_token_ids while the request has
+    generated fewer than `min_tokens` tokens; a token sampled by a pass still in flight (async scheduling) counts as
+    generated. None when no row bans anything, the common case, which costs one pass over the rows."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, req in enumerate(requests):
+        p = req.params
+        if not p.min_tokens or len(req.output_token_ids) + req.num_pending_tokens >= p.min_tokens:
+            continue
+        stops = set(p.stop_token_ids)
+        if req.eos_token_id is not None and not p.ignore_eos:
+            stops.add(req.eos_token_id)
+        for t in sorted(stops):
+            if 0 <= t < vocab_size:  # an id past the vocabulary can never be drawn anyway
+                rows.append(i)
+                cols.append(t)
+    if not rows:
+        return None
+    return BannedTokens(rows, to_device(torch.tensor([rows, cols], dtype=torch.int64), device))
 
 
 class Sampler:
@@ -26,16 +79,18 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+        banned: BannedTokens | None = None,
     ) -> torch.Tensor:
-        """logits [B, V] float32 -> token ids [B] int64 (on the logits' device), without any host sync.
+        """logits [B, V] float32 -> token ids [B] int64 (on the logits' device), without any host sync; a row
+        never draws a token `banned` names for it.
 
         A greedy-only batch is one argmax. Otherwise the per-request numbers travel in ONE packed
         host->device copy: rows temperature, top-k, top-p, greedy of a float32 [4, B] tensor.
         """
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1)  # [B]
+            return _argmax(logits, banned)  # [B]
         V = logits.shape[-1]
         top_k = [p.top_k if p.top_k > 0 else V for p in params]
         top_p = [p.top_p for p in params]
@@ -46,15 +101,19 @@ class Sampler:
         sampled = torch.empty(B, dtype=torch.long, device=logits.device)
         for lo in range(0, B, SAMPLE_ROWS_PER_CHUNK):
             hi = min(B, lo + SAMPLE_ROWS_PER_CHUNK)
-            sampled[lo:hi] = self._draw(logits[lo:hi], packed[:, lo:hi], cut, generators[lo:hi], greedy[lo:hi])
+            sampled[lo:hi] = self._draw(logits[lo:hi], packed[:, lo:hi], cut, generators[lo:hi], greedy[lo:hi],
+                                        banned, lo)
         if not any(greedy):
             return sampled
-        return torch.where(packed[3] > 0.5, logits.argmax(dim=-1), sampled)
+        return torch.where(packed[3] > 0.5, _argmax(logits, banned), sampled)
 
-    def _draw(self, logits: torch.Tensor, packed: torch.Tensor, cut: bool,
-              generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
-        """One chunk of rows: logits [b, V], packed [4, b] -> sampled ids [b] (greedy rows are overwritten later)."""
-        scaled = logits / packed[0][:, None]  # [b, V]
+    def _draw(self, logits: torch.Tensor, packed: torch.Tensor, cut: bool, generators: list[torch.Generator | None],
+              greedy: list[bool], banned: BannedTokens | None, lo: int) -> torch.Tensor:
+        """One chunk of rows (from row `lo`): logits [b, V], packed [4, b] -> sampled ids [b] (greedy rows are
+        overwritten later)."""
+        scaled = logits / packed[0][:, None]  # [b, V], a new tensor: the bans go into it
+        if banned is not None:
+            banned.apply(scaled, lo)
         if cut:  # top-k as float32 is exact: k <= V < 2**24
             scaled = _apply_top_k_top_p(scaled, packed[1].long()[:, None], packed[2][:, None])
         probs = torch.softmax(scaled, dim=-1)  # [b, V]
@@ -64,6 +123,22 @@ class Sampler:
             if gen is not None and not greedy[i]:
                 race[i].exponential_(generator=gen)
         return (probs / race).argmax(dim=-1)  # [b]
+
+
+def _argmax(logits: torch.Tensor, banned: BannedTokens | None) -> torch.Tensor:
+    """logits [B, V] -> greedy ids [B], skipping banned tokens: a chunk of rows with bans is copied (one chunk at a
+    time, within the sampler's workspace) and its argmax replaces theirs."""
+    ids = logits.argmax(dim=-1)  # [B]
+    if banned is None:
+        return ids
+    B = logits.shape[0]
+    for lo in range(0, B, SAMPLE_ROWS_PER_CHUNK):
+        hi = min(B, lo + SAMPLE_ROWS_PER_CHUNK)
+        if banned.touches(lo, hi):
+            chunk = logits[lo:hi].clone()  # [b, V]
+            banned.apply(chunk, lo)
+            ids[lo:hi] = chunk.argmax(dim=-1)
+    return ids
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

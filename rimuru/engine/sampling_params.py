@@ -22,6 +22,9 @@ class SamplingParams:
     # vocabulary); None: none. Bounded by the engine's max_logprobs.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # not served: refused
+    # vLLM's: before this many generated tokens neither EOS nor stop_token_ids can be sampled (the sampler masks
+    # them) and stop strings do not stop
+    min_tokens: int = 0
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -35,6 +38,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:

