@@ -40,3 +40,17 @@ def parity_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     root = tmp_path_factory.mktemp("parity_ckpt")
     return {arch: make_tiny_checkpoint(arch, root / arch, fused_experts=arch in ("mixtral", "olmoe"), seed=3)
             for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint: Callable[..., Path]) -> Path:
+    """The tiny qwen2_moe checkpoint most API tests read."""
+    return tiny_checkpoint("qwen2_moe")
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt: Path) -> Any:
+    """An `LLM` over `ckpt` on the CPU with a 64 MiB budget, shared by one test module."""
+    from rimuru import LLM
+
+    return LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu")

@@ -21,14 +21,6 @@ BUDGET = "64MiB"
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint) -> Path:
-    return tiny_checkpoint("qwen2_moe")
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt: Path) -> LLM:
-    return LLM(str(ckpt), gpu_memory_budget=BUDGET, device="cpu")
 
 
 # ---- chat ------------------------------------------------------------------------------------------------------

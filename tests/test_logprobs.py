@@ -23,14 +23,6 @@ K = 5
 ATOL = 1e-4  # float32 against float32: the model parity tests' tolerance on the logits
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint) -> Path:
-    return tiny_checkpoint("qwen2_moe")
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt: Path) -> LLM:
-    return LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu")
 
 
 def hf_logprobs(ckpt: Path, tokens: list[int]) -> torch.Tensor:

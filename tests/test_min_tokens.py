@@ -17,14 +17,6 @@ BUDGET = "64MiB"
 PROMPTS = [[5, 17, 33, 80, 120], [7, 9, 11], [200, 3, 150, 42]]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint) -> Path:
-    return tiny_checkpoint("qwen2_moe")
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt: Path) -> LLM:
-    return LLM(str(ckpt), gpu_memory_budget=BUDGET, device="cpu")
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

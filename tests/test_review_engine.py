@@ -8,11 +8,6 @@ from rimuru.engine.llm import LLM
 from rimuru.engine.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_checkpoint) -> LLM:
-    return LLM(str(tiny_checkpoint("qwen2_moe")), device="cpu", gpu_memory_budget="64MiB")
-
-
 def _stream(llm: LLM, rid: str, prompt: str, params: SamplingParams) -> list:
     eng = llm.engine
     eng.add_request(rid, prompt, params)

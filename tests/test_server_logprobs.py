@@ -27,10 +27,6 @@ PROMPT = [5, 17, 80, 120, 33]
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint) -> Path:
-    return tiny_checkpoint("qwen2_moe")
-
 
 @pytest.fixture(scope="module")
 def client(ckpt: Path) -> Iterator[openai.OpenAI]:
