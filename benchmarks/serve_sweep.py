@@ -98,7 +98,7 @@ ROW_FIELDS = (
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "median_itl_ms", "p99_itl_ms", "peak_running", "peak_waiting", "expert_bytes_pcie", "prefetch_hits",
     "prefetch_misses", "prefetch_hit_rate", "preemptions", "forward_steps", "expert_evictions", "expert_grows",
-    "piecewise_overhead_ms", "point_wall_s", "timeline",
+    "piecewise_overhead_ms", "kv_tokens_max", "workspace_bytes", "point_wall_s", "timeline",
 )
 _SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
                  "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -236,6 +236,8 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "expert_grows": delta("rimuru:expert_grows"),
         # elastic with graphs: what the engine measured at start-up (a level, not a delta)
         "piecewise_overhead_ms": metric(after, "rimuru:piecewise_overhead_ms"),
+        "kv_tokens_max": metric(after, "rimuru:kv_tokens_max"),
+        "workspace_bytes": metric(after, "rimuru:workspace_bytes"),
     }
 
 

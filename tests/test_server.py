@@ -371,3 +371,10 @@ def test_stream_batches_keep_the_latest_cumulative_output_per_choice() -> None:
         assert aborted == ["b"]
 
     asyncio.run(scenario())
+
+
+def test_start_levels_reach_metrics(server: Server) -> None:
+    m = server.metrics()
+    engine = server.engine
+    assert m["rimuru:kv_tokens_max"] == engine.max_kv_pages() // engine.kv.num_layers * engine.config.block_size
+    assert m["rimuru:workspace_bytes"] == engine.budget_split["workspace"] > 0

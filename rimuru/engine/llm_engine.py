@@ -448,6 +448,10 @@ class LLMEngine:
             "peak_running": self.peak_running,
             "preemptions": self.scheduler.num_preemptions,
             "piecewise_overhead_ms": None if self.piecewise_overhead_s is None else 1e3 * self.piecewise_overhead_s,
+            # KV tokens the pool could ever give requests (every allowed expert evicted) and the workspace the
+            # budget reserved: levels fixed at start, what a serving sweep records beside its latencies
+            "kv_tokens_max": self._max_kv_pages // max(1, self.kv.num_layers) * self.config.block_size,
+            "workspace_bytes": self.budget_split["workspace"],
             **self.runtime.stats(),  # expert_bytes_loaded, prefetch hits/misses, evictions, grows, adjuster view
         }
 
