@@ -1,0 +1,248 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5-MoE (and Qwen3-Next), in plain torch.
+
+Per token t and value head j (key head j // (Hv / Hk) supplies q_t, k_t):
+
+    x_t = SiLU(causal_depthwise_conv1d(in_proj_qkv(h))_t)        conv over the last `kernel` inputs
+    q_t, k_t, v_t = split(x_t);  q_t = l2norm(q_t) / sqrt(dk);  k_t = l2norm(k_t)
+    beta_t = sigmoid(in_proj_b(h)_t)                            in (0, 1): how far the state moves
+    g_t = -exp(A_log) * softplus(in_proj_a(h)_t + dt_bias)      <= 0: log of the state's decay
+    S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T      the gated delta rule
+    o_t = S_t^T q_t
+    y_t = out_proj(RMSNormGated(o_t, z_t)),  z = in_proj_z(h),  RMSNormGated = w * norm(o) * silu(z)
+
+The recurrence has two forms here, with equal results: `chunk_gated_delta_rule` (prefill; chunks of C
+tokens become a few matmuls and one triangular solve, then a scan over chunks) and
+`recurrent_gated_delta_rule` (decode; one state update per token).
+
+State memory layout, per request and per linear-attention layer:
+
+    recurrent state  [Hv, dk, dv] fp32, even in a bf16 model (the sums run long): S above, key dim first
+    conv state       [conv_dim, kernel - 1] model dtype: the last kernel - 1 pre-conv inputs, oldest
+                     first; conv_dim = 2 * Hk * dk + Hv * dv, channels ordered [q | k | v] as in_proj_qkv
+
+A batch of B requests passes them as [B, Hv, dk, dv] and [B, conv_dim, kernel - 1]. The layer reads the
+initial states and returns the final ones as new tensors; writing them back (e.g. into pool pages) is the
+caller's. Initial-state memory of a request that starts fresh is garbage (reused pool bytes): its zero
+state is SELECTED with `torch.where`, never made by multiplying with a mask (NaN * 0 is NaN).
+
+Tokens come flattened as in ForwardBatch: sequence b owns rows query_start_loc[b] : query_start_loc[b+1].
+Inside, sequences are padded to the longest one; padded steps get beta = 0 and g = 0, which leave the
+state unchanged, so the state after the padding is the state at the sequence's end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNormGated(nn.Module):
+    """w * x / rms(x), then * silu(z) in fp32: the output norm of a gated DeltaNet head (not zero-centred)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:  # x, z [..., size]
+        dtype = x.dtype
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)  # rounded as HF
+        return (self.weight * normed * F.silu(z.float())).to(dtype)  # [..., size]
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:  # [..., D]
+    """x / sqrt(sum(x^2) + eps): eps inside the root, as the reference kernels do."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def pad_varlen(x: Tensor, query_start_loc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Flattened rows [T, ...] -> padded [B, L, ...] (zeros past each end), plus valid [B, L] and lens [B]."""
+    lens = (query_start_loc[1:] - query_start_loc[:-1]).long()  # [B]
+    max_len = int(lens.max()) if lens.numel() else 0
+    steps = torch.arange(max_len, device=x.device)  # [L]
+    valid = steps[None, :] < lens[:, None]  # [B, L]
+    rows = (query_start_loc[:-1].long()[:, None] + steps[None, :]).clamp(max=max(x.shape[0] - 1, 0))  # [B, L]
+    padded = x[rows]  # [B, L, ...]
+    mask = valid.view(*valid.shape, *([1] * (x.dim() - 1)))
+    return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device)), valid, lens
+
+
+def causal_conv1d(
+    x: Tensor, conv_state: Tensor, weight: Tensor, lens: Tensor
+) -> tuple[Tensor, Tensor]:  # x [B, C, L], conv_state [B, C, K-1], weight [C, K], lens [B]
+    """Depthwise causal conv + SiLU over each sequence, continuing from conv_state; returns (y, final state).
+
+    Output t of sequence b sees inputs t-K+1 .. t, where negative times come from its conv state. The
+    final state is the last K-1 inputs before each sequence's end, which for a sequence shorter than K-1
+    still includes part of the initial state.
+    """
+    B, C, L = x.shape
+    K = weight.shape[1]
+    full = torch.cat([conv_state.to(x.dtype), x], dim=-1)  # [B, C, K-1+L]: state columns are times -K+1..-1
+    y = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=C)  # [B, C, L], no padding: all causal
+    y = F.silu(y).to(x.dtype)
+    # Sequence b ends at column (K-1) + lens[b] of `full`; its last K-1 inputs are the columns just before.
+    cols = lens[:, None] + torch.arange(K - 1, device=x.device)[None, :]  # [B, K-1]
+    final = full.gather(2, cols[:, None, :].expand(B, C, K - 1))  # [B, C, K-1]
+    return y, final
+
+
+def chunk_gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk_size: int = 64
+) -> tuple[Tensor, Tensor]:
+    """The gated delta rule in chunks. q, k [B, H, L, dk] (normalised, scaled), v [B, H, L, dv],
+    g, beta [B, H, L], state [B, H, dk, dv]; all fp32. Returns o [B, H, L, dv] and the final state.
+
+    Inside a chunk with cumulative log decay c_t = g_1 + ... + g_t and entry state S_0, the updates
+    u_t = beta_t (v_t - S_{t-1}'^T k_t) (S' = decayed state) satisfy a unit lower-triangular system
+
+        u_t + sum_{s<t} beta_t e^{c_t - c_s} (k_t . k_s) u_s = beta_t v_t - beta_t e^{c_t} S_0^T k_t
+
+    and then  o_t = e^{c_t} S_0^T q_t + sum_{s<=t} e^{c_t - c_s} (q_t . k_s) u_s,
+              S_C = e^{c_C} S_0 + sum_s e^{c_C - c_s} k_s u_s^T.
+    """
+    B, H, L, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-L) % chunk_size
+    if pad:  # padded steps: beta = 0, g = 0 leave the state alone and their outputs are dropped
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (L + pad) // chunk_size
+    C = chunk_size
+    q, k, v = (t.reshape(B, H, n, C, t.shape[-1]) for t in (q, k, v))  # [B, H, n, C, d]
+    g, beta = (t.reshape(B, H, n, C) for t in (g, beta))  # [B, H, n, C]
+
+    c = g.cumsum(-1)  # [B, H, n, C] cumulative log decay inside each chunk
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # [C, C] s <= t
+    # e^{c_t - c_s} for s <= t; the masked entries would be e^{positive}: mask before exp, not after
+    decay_ts = (c[..., :, None] - c[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [B, H, n, C, C]
+
+    kk = k @ k.transpose(-1, -2)  # [B, H, n, C, C]
+    system = beta[..., :, None] * kk * decay_ts  # strictly-lower part is A; the diagonal is replaced by 1
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    system = system.masked_fill(~causal, 0.0).tril(-1) + eye  # [B, H, n, C, C] unit lower triangular
+    rhs_v = beta[..., None] * v  # [B, H, n, C, dv]
+    rhs_k = (beta * c.exp())[..., None] * k  # [B, H, n, C, dk]: multiplies S_0 on the right-hand side
+    solved = torch.linalg.solve_triangular(system, torch.cat([rhs_v, rhs_k], dim=-1), upper=False,
+                                           unitriangular=True)  # [B, H, n, C, dv + dk]
+    u_v, u_k = solved.split([dv, dk], dim=-1)  # u = u_v - u_k @ S_0
+
+    qk = (q @ k.transpose(-1, -2)) * decay_ts  # [B, H, n, C, C], zero above the diagonal
+    q_decayed = q * c.exp()[..., None]  # [B, H, n, C, dk]: reads S_0 through e^{c_t}
+    k_to_end = k * (c[..., -1:] - c).exp()[..., None]  # [B, H, n, C, dk]: e^{c_C - c_s} k_s
+    chunk_decay = c[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
+
+    out = torch.empty(B, H, n, C, dv, dtype=q.dtype, device=q.device)
+    for i in range(n):  # the only sequential part: one step per chunk
+        u = u_v[:, :, i] - u_k[:, :, i] @ state  # [B, H, C, dv]
+        out[:, :, i] = q_decayed[:, :, i] @ state + qk[:, :, i] @ u
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u  # [B, H, dk, dv]
+    return out.reshape(B, H, n * C, dv)[:, :, :L], state
+
+
+def recurrent_gated_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The gated delta rule one token at a time (decode). Same arguments and results as the chunk form."""
+    L = q.shape[2]
+    outs = []
+    for t in range(L):
+        state = state * g[:, :, t].exp()[..., None, None]  # [B, H, dk, dv] decayed
+        k_t = k[:, :, t]  # [B, H, dk]
+        predicted = (k_t[..., None] * state).sum(-2)  # [B, H, dv] = S^T k
+        delta = beta[:, :, t, None] * (v[:, :, t] - predicted)  # [B, H, dv]
+        state = state + k_t[..., None] * delta[..., None, :]  # rank-1 update k delta^T
+        outs.append((q[:, :, t, :, None] * state).sum(-2))  # [B, H, dv] = S^T q
+    return torch.stack(outs, dim=2), state  # [B, H, L, dv], [B, H, dk, dv]
+
+
+class GatedDeltaNet(nn.Module):
+    """One gated DeltaNet layer over a varlen batch; parameter names follow the HF checkpoints."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+        chunk_size: int = 64,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads={num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={num_k_heads}")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.chunk_size = chunk_size
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        # nn.Conv1d only to hold `conv1d.weight` [conv_dim, 1, K] under the checkpoint's name
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = RMSNormGated(head_v_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """Per-request (conv state [conv_dim, K-1] in the model dtype, recurrent state [Hv, dk, dv] fp32)."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def forward(
+        self,
+        x: Tensor,  # [T, hidden]
+        query_start_loc: Tensor,  # [B+1] int
+        conv_state: Tensor,  # [B, conv_dim, K-1] model dtype, garbage where has_initial_state is False
+        recurrent_state: Tensor,  # [B, Hv, dk, dv] fp32, likewise
+        has_initial_state: Tensor,  # [B] bool: False = the sequence starts fresh (zero states)
+        recurrent: bool = False,  # True: the per-token form (decode); False: the chunk form (prefill)
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns (output [T, hidden], final conv state [B, conv_dim, K-1], final recurrent state [B, Hv, dk, dv])."""
+        T = x.shape[0]
+        Hv, dk, dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
+        keep = has_initial_state.bool()
+        conv0 = torch.where(keep[:, None, None], conv_state, torch.zeros((), dtype=conv_state.dtype,
+                                                                         device=conv_state.device))
+        state0 = torch.where(keep[:, None, None, None], recurrent_state.float(),
+                             torch.zeros((), dtype=torch.float32, device=recurrent_state.device))
+
+        mixed, valid, lens = pad_varlen(self.in_proj_qkv(x), query_start_loc)  # [B, L, conv_dim]
+        b_pad = pad_varlen(self.in_proj_b(x), query_start_loc)[0]  # [B, L, Hv]
+        a_pad = pad_varlen(self.in_proj_a(x), query_start_loc)[0]  # [B, L, Hv]
+        B, L = valid.shape
+        conv_out, conv_final = causal_conv1d(mixed.transpose(1, 2), conv0, self.conv1d.weight.squeeze(1), lens)
+        q, k, v = conv_out.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, L, self.num_k_heads, dk).float()  # [B, L, Hk, dk]
+        k = k.reshape(B, L, self.num_k_heads, dk).float()
+        v = v.reshape(B, L, Hv, dv).float()  # [B, L, Hv, dv]
+        q = l2_normalize(q) * dk**-0.5
+        k = l2_normalize(k)
+        group = Hv // self.num_k_heads  # value head j reads key head j // group
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)  # [B, L, Hv, dk]
+
+        beta = b_pad.sigmoid().float()  # [B, L, Hv]; rounded to the model dtype first, as HF
+        g = -self.A_log.float().exp() * F.softplus(a_pad.float() + self.dt_bias.float())  # [B, L, Hv]
+        # padded steps must not touch the state: select beta = 0 and g = 0 there
+        beta = torch.where(valid[..., None], beta, 0.0)
+        g = torch.where(valid[..., None], g, 0.0)
+
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, Hv, L, d]
+        g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, Hv, L]
+        if recurrent:
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state0)
+        else:
+            o, state = chunk_gated_delta_rule(q, k, v, g, beta, state0, self.chunk_size)
+        o = o.transpose(1, 2)[valid].to(x.dtype)  # [T, Hv, dv]: padded rows dropped, back to token order
+
+        z = self.in_proj_z(x).view(T, Hv, dv)  # [T, Hv, dv]
+        y = self.norm(o, z).reshape(T, self.value_dim)  # [T, Hv*dv]
+        return self.out_proj(y), conv_final.to(conv_state.dtype), state  # [T, hidden]
