@@ -24,6 +24,11 @@ _QKV_BIAS_BY_DEFAULT = {"qwen2_moe"}
 # Architectures with RMSNorm on q and k per head (Qwen3 family) or over the whole projection (OLMoE).
 _PER_HEAD_QK_NORM = {"qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
 _FULL_WIDTH_QK_NORM = {"olmoe"}
+# Qwen3.5-MoE (the multimodal wrapper and its text model): always renormalises the top-k routing weights
+# and always gates attention output, whatever the config says (transformers hard-codes both; the public
+# configs carry no norm_topk_prob), and without layer_types every 4th layer is full attention.
+_QWEN3_5 = {"qwen3_5_moe", "qwen3_5_moe_text"}
+_QWEN3_5_FULL_ATTENTION_INTERVAL = 4
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
@@ -81,6 +86,8 @@ class ModelSpec:
     linear_conv_kernel_dim: int
     eos_token_id: tuple[int, ...]
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # Fraction of each attention head's dims that rotary rotates (Qwen3.5: 0.25 of 256).
+    partial_rotary_factor: float = 1.0
 
     # ------------------------------------------------------------------ construction
 
@@ -114,11 +121,19 @@ class ModelSpec:
         if not 0 < top_k <= num_experts:
             raise ModelSpecError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
 
+        qwen3_5 = model_type in _QWEN3_5
+        if qwen3_5 and d.get("layer_types") is None and not d.get("full_attention_interval"):
+            d["full_attention_interval"] = _QWEN3_5_FULL_ATTENTION_INTERVAL
         layer_types = cls._layer_types(d, layers)
         moe_layers = cls._moe_layers(d, layers)
 
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_theta = d.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None)
+        partial_factor = d.get("partial_rotary_factor") or (
+            rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
+        partial_factor = float(partial_factor if partial_factor is not None else 1.0)
+        if not 0.0 < partial_factor <= 1.0:
+            raise ModelSpecError(f"partial_rotary_factor={partial_factor} must be in (0, 1]")
         eos = d.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         return cls(
@@ -134,7 +149,7 @@ class ModelSpec:
             moe_intermediate_size=moe_inter,
             intermediate_size=dense_inter,
             shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", model_type == "mixtral")),
+            norm_topk_prob=qwen3_5 or bool(d.get("norm_topk_prob", model_type == "mixtral")),
             layer_types=layer_types,
             moe_layers=moe_layers,
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
@@ -143,7 +158,7 @@ class ModelSpec:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
             attention_bias=bool(d.get("attention_bias", model_type in _QKV_BIAS_BY_DEFAULT)),
-            attn_output_gate=bool(d.get("attn_output_gate", False)),
+            attn_output_gate=qwen3_5 or bool(d.get("attn_output_gate", False)),
             linear_num_key_heads=int(d.get("linear_num_key_heads") or 0),
             linear_num_value_heads=int(d.get("linear_num_value_heads") or 0),
             linear_key_head_dim=int(d.get("linear_key_head_dim") or 0),
@@ -151,6 +166,7 @@ class ModelSpec:
             linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim") or 0),
             eos_token_id=eos_ids,
             hf_config=dict(config),
+            partial_rotary_factor=partial_factor,
         )
 
     @staticmethod

@@ -70,6 +70,8 @@ def test_qwen35_text_config_is_unwrapped():
     assert s.linear_conv_dim == 2 * 16 * 128 + 32 * 128
     assert s.rope_theta == 10_000_000.0 and s.eos_token_id == (248044,)
     assert s.num_moe_layers == 40
+    # Qwen3.5 always renormalises its top-k (the config has no norm_topk_prob) and rotates 64 of 256 dims
+    assert s.norm_topk_prob is True and s.attn_output_gate is True and s.partial_rotary_factor == 0.25
 
 
 def test_qwen35_122b():
@@ -93,6 +95,13 @@ def test_layer_types_from_interval_when_absent():
     cfg["num_hidden_layers"] = 8
     s = ModelSpec.from_hf_config(cfg)
     assert s.layer_types == (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,) + (LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)
+
+
+def test_qwen35_layer_types_default_without_interval():
+    cfg = dict(load_model_spec("qwen3.5-122b-a10b").hf_config["text_config"])
+    del cfg["layer_types"], cfg["full_attention_interval"]
+    s = ModelSpec.from_hf_config({**cfg, "num_hidden_layers": 8})
+    assert s.attention_layer_ids == (3, 7) and s.norm_topk_prob is True
 
 
 def test_hf_config_not_in_equality():

@@ -16,10 +16,13 @@ Every add rounds to the model dtype exactly where `h = h + f(norm(h))` did, so t
 
 Parameter names follow the Hugging Face checkpoints (`model.layers.{i}.self_attn.q_proj.weight`, ...),
 so the loader maps checkpoint tensors to parameters by name. An architecture file subclasses
-`MoECausalLM` and overrides `make_attention` / `make_moe` and the checkpoint-name hooks only.
+`MoECausalLM` and overrides `make_attention` / `make_moe` (or `make_layer`, for a layer whose token mixer
+is not attention) and the checkpoint-name hooks only.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -34,15 +37,24 @@ from rimuru.models.rotary import RotaryEmbedding, check_rope_config
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, self_attn: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+    def __init__(
+        self, self_attn: nn.Module | None, mlp: nn.Module, hidden_size: int, eps: float, zero_centred: bool = False
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = RMSNorm(hidden_size, eps, zero_centred=zero_centred)
+        if self_attn is not None:  # None: a subclass holds another token mixer under its checkpoint name
+            self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, zero_centred=zero_centred)
         self.mlp = mlp
 
+    def mix(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch, linear_state: Any
+    ) -> Tensor:  # [T, d] -> [T, d]: the token mixer; hybrid layers override it
+        return self.self_attn(x, cos, sin, kv_cache, batch)
+
     def forward(
-        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch
+        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch,
+        linear_state: Any = None,
     ) -> tuple[Tensor, Tensor]:  # x, residual [T, d]: the residual stream is x + residual (x alone if None)
         if residual is None:
             h, x = x, self.input_layernorm(x)
@@ -51,7 +63,7 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, SparseMoE):
             # Earliest point this layer's routing could be predicted: let the provider prefetch.
             self.mlp.provider.before_layer(self.mlp.moe_idx, h)
-        x = self.self_attn(x, cos, sin, kv_cache, batch)  # [T, d]
+        x = self.mix(x, cos, sin, kv_cache, batch, linear_state)  # [T, d]
         x, h = self.post_attention_layernorm.add_norm(x, h)  # h += attn output
         return self.mlp(x), h  # [T, d] each; the next norm adds them
 
@@ -59,11 +71,13 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, layers: list[DecoderLayer], eps: float) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, layers: list[DecoderLayer], eps: float, zero_centred: bool = False
+    ) -> None:  # fmt: skip
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = RMSNorm(hidden_size, eps, zero_centred=zero_centred)
 
 
 class MoECausalLM(nn.Module):
@@ -72,28 +86,36 @@ class MoECausalLM(nn.Module):
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # Per-expert checkpoint names of W1 (gate), W3 (up), W2 (down): `...mlp.experts.{e}.{name}.weight`.
     expert_weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # Regexes of checkpoint names the loader skips: tensors of parts of the checkpoint this model does not run.
+    checkpoint_skipped: tuple[str, ...] = ()
+    # The x_hat * (1 + w) form of every plain RMSNorm (input, post-attention, final) instead of x_hat * w.
+    zero_centred_norms: bool = False
 
     def __init__(self, spec: ModelSpec, kv_cache: Tensor) -> None:
         super().__init__()
         self._check_supported(spec)
         self.spec = spec
         self.kv_cache = kv_cache  # [n_pages, 2, block, Hkv, D]; a view of the pool, not model state
-        attn_ids, moe_ids = spec.attention_layer_ids, spec.moe_layer_ids
-        layers = []
-        for i in range(spec.num_hidden_layers):
-            attn = self.make_attention(spec, attn_ids.index(i))
-            if spec.moe_layers[i]:
-                mlp = self.make_moe(spec, moe_ids.index(i))
-            else:
-                mlp = self.make_mlp(spec)
-            layers.append(DecoderLayer(attn, mlp, spec.hidden_size, spec.rms_norm_eps))
-        self.model = DecoderStack(spec.vocab_size, spec.hidden_size, layers, spec.rms_norm_eps)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+        layers = [self.make_layer(spec, i) for i in range(spec.num_hidden_layers)]
+        self.model = DecoderStack(spec.vocab_size, spec.hidden_size, layers, spec.rms_norm_eps,
+                                  zero_centred=self.zero_centred_norms)
+        self.rotary = RotaryEmbedding.from_factor(spec.head_dim, spec.rope_theta, spec.partial_rotary_factor)
         self.lm_head: nn.Linear | None = None
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     # ------------------------------------------------------------------ architecture hooks
+
+    def make_layer(self, spec: ModelSpec, layer_id: int) -> DecoderLayer:
+        attn = self.make_attention(spec, spec.attention_layer_ids.index(layer_id))
+        return DecoderLayer(attn, self.make_channel_mixer(spec, layer_id), spec.hidden_size, spec.rms_norm_eps,
+                            zero_centred=self.zero_centred_norms)
+
+    def make_channel_mixer(self, spec: ModelSpec, layer_id: int) -> nn.Module:
+        """The layer's MoE block, or its dense MLP where the layer is not MoE."""
+        if spec.moe_layers[layer_id]:
+            return self.make_moe(spec, spec.moe_layer_ids.index(layer_id))
+        return self.make_mlp(spec)
 
     def make_attention(self, spec: ModelSpec, attn_idx: int) -> Attention:
         bias = spec.attention_bias
@@ -142,12 +164,14 @@ class MoECausalLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, batch: ForwardBatch) -> Tensor:
+    def forward(self, batch: ForwardBatch, linear_state: Any = None) -> Tensor:
+        """Hidden states [T, d] after the final norm. linear_state: the per-request state of linear-attention
+        layers, for hybrid architectures only (None for the others)."""
         h = self.model.embed_tokens(batch.input_ids)  # [T, d]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, D/2] each, shared by all layers
         residual: Tensor | None = None
         for layer in self.model.layers:
-            h, residual = layer(h, residual, cos, sin, self.kv_cache, batch)
+            h, residual = layer(h, residual, cos, sin, self.kv_cache, batch, linear_state)
         if residual is None:
             return self.model.norm(h)
         return self.model.norm.add_norm(h, residual)[0]  # [T, d]

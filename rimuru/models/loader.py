@@ -14,6 +14,9 @@ the caller points at expert pages (see `write_expert_to_pages`). Two checkpoint 
                  model.layers.{i}.mlp.experts.down_proj     [E, d, f]
                  (transformers 5 `save_pretrained(..., save_original_format=False)`)
 
+An architecture may rename checkpoint prefixes (`checkpoint_renames`, e.g. a multimodal wrapper's
+`model.language_model.`) and skip the parts it does not run (`checkpoint_skipped`).
+
 Tensors are read one at a time (per expert for fused tensors) from memory-mapped files, so the
 whole checkpoint is never resident at once.
 """
@@ -96,7 +99,10 @@ def load_checkpoint(
         shard_targets: dict[str, str] = {}  # shard name (checkpoint style) -> checkpoint name
         experts: dict[int, _LayerExperts] = {}
         unexpected: list[str] = []
+        skipped = [re.compile(p) for p in model.checkpoint_skipped]
         for name in handles:
+            if any(p.search(name) for p in skipped):
+                continue
             canon = name
             for old, new in model.checkpoint_renames:
                 canon = canon.replace(old, new)
@@ -228,12 +234,13 @@ def write_expert_to_pages(
 
 def init_dummy_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random non-expert weights of the real shapes on the model's device (vLLM's
-    `--load-format dummy`): N(0, std) everywhere, norm weights 1."""
+    `--load-format dummy`): N(0, std) everywhere, norm weights 1 (0 for zero-centred norms: also scale 1)."""
     generators: dict[torch.device, torch.Generator] = {}
+    zero_centred = {f"{n}.weight" for n, m in model.named_modules() if getattr(m, "zero_centred", False)}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if name in zero_centred else 1.0)
                 continue
             if p.device not in generators:
                 generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)

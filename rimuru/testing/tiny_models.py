@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+# Architectures with a tiny maker that the engine cannot serve yet (not in ARCHS, which engine tests sweep).
+HYBRID_ARCHS = ("qwen3_5_moe_text",)
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2
@@ -68,30 +70,46 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 2, "num_experts": 8, "intermediate_size": 32, "clip_qkv": 1.5,
         "norm_topk_prob": False, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     },
+    # Hybrid: gated DeltaNet layers (2 key heads, 4 value heads) and gated full attention (layer_types
+    # defaults to full attention every 4th layer), partial rotary over 4 of 16 dims, shared expert.
+    "qwen3_5_moe_text": {
+        "num_hidden_layers": 4, "num_experts": 8, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                            "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+    },
 }
+# Zero-centred RMSNorms (x_hat * (1 + w)) store offsets from 1: every norm of these architectures but the
+# gated norm inside their linear-attention layers.
+_ZERO_CENTRED_NORMS = {"qwen3_5_moe_text"}
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
     """transformers config object of the tiny `arch` model."""
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3MoeConfig
 
     classes = {
         "qwen2_moe": Qwen2MoeConfig,
         "qwen3_moe": Qwen3MoeConfig,
         "mixtral": MixtralConfig,
         "olmoe": OlmoeConfig,
+        "qwen3_5_moe_text": Qwen3_5MoeTextConfig,
     }
     if arch not in classes:
-        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCHS)}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCHS + HYBRID_ARCHS)}")
     return classes[arch](**{**_COMMON, **_ARCH_CONFIG[arch], **overrides})
 
 
-def _redraw_weights(model: torch.nn.Module, seed: int) -> None:
+def _redraw_weights(model: torch.nn.Module, seed: int, zero_centred_norms: bool = False) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.uniform_(0.7, 1.3, generator=g)
+                # the same effective scale, 0.7 .. 1.3, for both norm forms
+                zero_centred = zero_centred_norms and not name.endswith("linear_attn.norm.weight")
+                low = 0.7 - 1.0 if zero_centred else 0.7
+                p.uniform_(low, low + 0.6, generator=g)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1, generator=g)
             elif "embed_tokens" in name:
@@ -151,7 +169,7 @@ def make_tiny_checkpoint(
     config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    _redraw_weights(model, seed)
+    _redraw_weights(model, seed, zero_centred_norms=arch in _ZERO_CENTRED_NORMS)
     kwargs: dict[str, Any] = {"save_original_format": not fused_experts}
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size

@@ -1,0 +1,108 @@
+"""Qwen3.5-MoE (`qwen3_5_moe` multimodal checkpoints run as text only, and `qwen3_5_moe_text`): a hybrid.
+
+    layer i: token mixer = GatedDeltaNet (`linear_attn`) or GatedAttention (`self_attn`), by layer_types[i]
+             channel mixer = routed experts (fp32 softmax, top-k always renormalised)
+                             + shared expert * sigmoid(shared_expert_gate)
+    every plain RMSNorm (input, post-attention, final, q/k) is zero-centred: x_hat * (1 + w); the gated
+    norm inside GatedDeltaNet is not.
+
+Full-attention layers use the paged KV cache exactly as every other architecture does. Linear-attention
+layers carry a per-request recurrent and conv state, passed to `forward` as a `LinearAttentionState`
+(models/linear_attention_state.py); the pool integration, which puts that state into pool pages, replaces
+it. Until then the engine cannot hold the state, so this class is not in the model registry
+(models/registry.py): build it with `registry.build_model_of_class`.
+
+Checkpoints: a multimodal checkpoint names the text model `model.language_model.`; its vision tower
+(`model.visual.*`) and the multi-token-prediction head (`mtp.*`) are skipped: image input and speculative
+decoding with the MTP layer are out of scope.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from rimuru.model_spec import FULL_ATTENTION, ModelSpec
+from rimuru.models.attention import Attention
+from rimuru.models.causal_lm import DecoderLayer, MoECausalLM
+from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.gated_attention import GatedAttention
+from rimuru.models.gated_deltanet import GatedDeltaNet
+from rimuru.models.linear_attention_state import LinearAttentionState
+from rimuru.models.moe import SharedExpertMoE
+from rimuru.models.rotary import check_rope_config
+
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+class LinearAttentionDecoderLayer(DecoderLayer):
+    """A decoder layer whose token mixer is a gated DeltaNet reading and writing per-request state."""
+
+    def __init__(self, linear_attn: GatedDeltaNet, linear_idx: int, mlp: nn.Module, hidden_size: int,
+                 eps: float) -> None:
+        super().__init__(None, mlp, hidden_size, eps, zero_centred=True)
+        self.linear_attn = linear_attn
+        self.linear_idx = linear_idx  # ordinal among linear-attention layers: which state row
+
+    def mix(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch,
+        linear_state: LinearAttentionState | None,
+    ) -> Tensor:  # [T, d] -> [T, d]
+        if linear_state is None:
+            raise ValueError("a hybrid model's forward needs a LinearAttentionState for its linear-attention layers")
+        if linear_state.slots.shape[0] != batch.num_seqs:
+            raise ValueError(f"LinearAttentionState names {linear_state.slots.shape[0]} slots for "
+                             f"{batch.num_seqs} sequences")
+        qsl = batch.query_start_loc
+        # A sequence with context before this pass continues its state; one without starts from zero
+        # (no prefix caching for hybrid models, so no context means a fresh request).
+        has_initial_state = batch.seq_lens.long() > (qsl[1:] - qsl[:-1]).long()  # [B]
+        conv, recurrent = linear_state.read(self.linear_idx)
+        out, conv, recurrent = self.linear_attn(
+            x, qsl, conv, recurrent, has_initial_state, recurrent=batch.max_query_len == 1,  # decode: per token
+        )
+        linear_state.write(self.linear_idx, conv, recurrent)
+        return out
+
+
+class Qwen3_5MoeForCausalLM(MoECausalLM):
+    checkpoint_renames = (("model.language_model.", "model."),)
+    # Multi-token prediction (MTP) and the vision tower are out of scope: their tensors are not loaded.
+    checkpoint_skipped = (r"^mtp\.", r"^model\.visual\.")
+    zero_centred_norms = True
+
+    def make_layer(self, spec: ModelSpec, layer_id: int) -> DecoderLayer:
+        if spec.layer_types[layer_id] == FULL_ATTENTION:
+            return super().make_layer(spec, layer_id)
+        linear = GatedDeltaNet(
+            spec.hidden_size, spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim,
+            spec.linear_value_head_dim, spec.linear_conv_kernel_dim, spec.rms_norm_eps,
+        )
+        return LinearAttentionDecoderLayer(linear, spec.linear_layer_ids.index(layer_id),
+                                           self.make_channel_mixer(spec, layer_id), spec.hidden_size,
+                                           spec.rms_norm_eps)
+
+    def make_attention(self, spec: ModelSpec, attn_idx: int) -> Attention:
+        return GatedAttention(spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
+                              attn_idx, eps=spec.rms_norm_eps, bias=spec.attention_bias)
+
+    def make_moe(self, spec: ModelSpec, moe_idx: int) -> nn.Module:
+        return SharedExpertMoE(shared_intermediate_size=spec.shared_expert_intermediate_size,
+                               **self.moe_kwargs(spec, moe_idx))
+
+    def forward(self, batch: ForwardBatch, linear_state: LinearAttentionState | None = None) -> Tensor:
+        return super().forward(batch, linear_state)
+
+    @staticmethod
+    def _check_supported(spec: ModelSpec) -> None:
+        if spec.model_type not in MODEL_TYPES:
+            raise ValueError(f"Qwen3_5MoeForCausalLM does not run model_type {spec.model_type!r}")
+        text = spec.hf_config.get("text_config") or spec.hf_config  # the multimodal wrapper nests it
+        act = text.get("hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"{spec.model_type}: hidden_act={act!r} is not supported (only 'silu')")
+        if spec.shared_expert_intermediate_size <= 0:
+            raise NotImplementedError(f"{spec.model_type}: every MoE layer has a shared expert "
+                                      "(shared_expert_intermediate_size > 0)")
+        # Text positions make mrope's three sections equal, so it is plain 1-D rotary over the first R dims.
+        check_rope_config(text, allow_partial=True)
+

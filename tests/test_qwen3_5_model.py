@@ -1,0 +1,233 @@
+"""The Qwen3.5-MoE hybrid model against transformers' Qwen3_5MoeForCausalLM, on the CPU in float32.
+
+As in test_models_parity: experts at shuffled pages of a NaN-filled expert view, KV at shuffled pages of a
+NaN-filled KV cache. The linear-attention state lives at shuffled slots of a NaN-filled
+LinearAttentionState, so a request that starts fresh must select its zero state, never read the slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from rimuru.experts.static_provider import StaticExpertProvider
+from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from rimuru.models import ForwardBatch, load_checkpoint, write_expert_to_pages
+from rimuru.models.linear_attention_state import LinearAttentionState
+from rimuru.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from rimuru.models.registry import build_model_of_class
+
+pytest.importorskip("transformers")
+
+ARCH = "qwen3_5_moe_text"
+BLOCK = 16
+# The chunk form of the delta rule sums in another order than transformers' (and than the per-token form).
+ATOL = 1e-3
+PROMPT_LENS = (5, 17, 70, 1)  # inside one page, past one, past a 64-token delta-rule chunk, one token
+L, F = LINEAR_ATTENTION, FULL_ATTENTION
+PATTERNS = {
+    "LLLF": None,  # the default rule: full attention when (i + 1) % 4 == 0
+    "FLL": [F, L, L],  # full attention first, linear layers after it
+}
+
+
+def checkpoint(tiny_checkpoint: Callable[..., Path], pattern: str, fused: bool) -> Path:
+    types = PATTERNS[pattern]
+    if types is None:
+        return tiny_checkpoint(ARCH, fused_experts=fused)
+    return tiny_checkpoint(ARCH, fused_experts=fused, num_hidden_layers=len(types), layer_types=types)
+
+
+class HybridModel:
+    """The Rimuru model plus the page and state-slot bookkeeping an engine would do, for hand-built batches."""
+
+    def __init__(self, ckpt: Path, seed: int = 0, num_kv_pages: int = 64, num_slots: int = 8) -> None:
+        g = torch.Generator().manual_seed(seed)
+        spec = ModelSpec.from_pretrained(ckpt)
+        n_moe, E = spec.num_moe_layers, spec.num_experts
+        n_mid = 3 * n_moe * E + 7  # spare pages stay NaN
+        self.tables = torch.randperm(n_mid, generator=g)[: 3 * n_moe * E].view(n_moe, E, 3).int()
+        self.expert_view = torch.full((n_mid, spec.moe_intermediate_size * spec.hidden_size), float("nan"))
+        kv_shape = (num_kv_pages, 2, BLOCK, spec.num_key_value_heads, spec.head_dim)
+        self.kv_cache = torch.full(kv_shape, float("nan"))
+        provider = StaticExpertProvider(self.expert_view, self.tables)
+        self.model = build_model_of_class(Qwen3_5MoeForCausalLM, spec, torch.float32, "cpu", self.kv_cache, provider)
+        self.loaded: set[tuple[int, int]] = set()
+        load_checkpoint(self.model, spec, ckpt, self._sink)
+        self.spec = spec
+        self.state = LinearAttentionState.allocate(spec, num_slots, torch.float32, fill=float("nan"))
+        self.free_slots = torch.randperm(num_slots, generator=g).tolist()
+        self.free_pages = torch.randperm(num_kv_pages, generator=g).tolist()
+        self.slot: dict[int, int] = {}  # seq -> its state slot
+        self.pages: dict[int, list[list[int]]] = {}  # seq -> per attention layer, its page ids
+        self.lens: dict[int, int] = {}
+
+    def _sink(self, moe_layer: int, expert: int, w1: Tensor, w3: Tensor, w2: Tensor) -> None:
+        self.loaded.add((moe_layer, expert))
+        write_expert_to_pages(self.expert_view, self.tables[moe_layer, expert], w1, w3, w2)
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[Tensor]:
+        """One forward pass over (seq id, new tokens) pairs; the logits of every new token per seq."""
+        n_attn = len(self.spec.attention_layer_ids)
+        ids, positions, qsl, seq_lens, slots = [], [], [0], [], [[] for _ in range(n_attn)]
+        for seq, tokens in chunks:
+            start = self.lens.get(seq, 0)
+            end = start + len(tokens)
+            if seq not in self.slot:
+                self.slot[seq] = self.free_slots.pop()
+            pages = self.pages.setdefault(seq, [[] for _ in range(n_attn)])
+            for layer_pages in pages:
+                while len(layer_pages) * BLOCK < end:
+                    layer_pages.append(self.free_pages.pop())
+            for a in range(n_attn):
+                slots[a] += [pages[a][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
+            ids += tokens
+            positions += range(start, end)
+            qsl.append(qsl[-1] + len(tokens))
+            seq_lens.append(end)
+            self.lens[seq] = end
+        max_blocks = max(len(self.pages[seq][0]) for seq, _ in chunks)
+        tables = torch.zeros(n_attn, len(chunks), max_blocks, dtype=torch.int32)
+        for b, (seq, _) in enumerate(chunks):
+            for a in range(n_attn):
+                tables[a, b, : len(self.pages[seq][a])] = torch.tensor(self.pages[seq][a])
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            logits_indices=torch.arange(len(ids), dtype=torch.int64),
+            max_query_len=max(len(t) for _, t in chunks),
+            max_seq_len=max(seq_lens),
+        )
+        state = self.state.for_batch([self.slot[seq] for seq, _ in chunks])
+        with torch.inference_mode():
+            hidden = self.model(batch, state)  # [T, d]
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [T, V]
+        return list(logits.split([len(t) for _, t in chunks]))
+
+
+_HF_CACHE: dict[Path, torch.nn.Module] = {}
+
+
+def hf_model(ckpt: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if ckpt not in _HF_CACHE:
+        _HF_CACHE[ckpt] = AutoModelForCausalLM.from_pretrained(
+            ckpt, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+        ).eval()
+    return _HF_CACHE[ckpt]
+
+
+def hf_logits(ckpt: Path, tokens: list[int]) -> Tensor:
+    """transformers' logits [L, V] of every position of one unpadded sequence (no cache)."""
+    with torch.inference_mode():
+        return hf_model(ckpt)(torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+def prompts(seed: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def assert_close(got: Tensor, want: Tensor, what: str) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    diff = (got - want).abs().max().item()
+    assert diff < ATOL, f"{what}: max abs diff {diff:.3g} >= {ATOL}"
+
+
+CASES = [pytest.param(p, fused, id=f"{p}-{'fused' if fused else 'per_expert'}") for p in PATTERNS
+         for fused in (False, True)]
+
+
+def test_spec_of_the_tiny_model(tiny_checkpoint: Callable[..., Path]) -> None:
+    spec = ModelSpec.from_pretrained(checkpoint(tiny_checkpoint, "LLLF", False))
+    assert spec.layer_types == (L, L, L, F) and spec.attention_layer_ids == (3,)
+    assert spec.norm_topk_prob and spec.attn_output_gate and spec.partial_rotary_factor == 0.25
+    assert spec.num_moe_layers == 4 and spec.shared_expert_intermediate_size == 48
+
+
+@pytest.mark.parametrize(("pattern", "fused"), CASES)
+def test_prefill_matches_transformers(tiny_checkpoint: Callable[..., Path], pattern: str, fused: bool) -> None:
+    ckpt = checkpoint(tiny_checkpoint, pattern, fused)
+    hm = HybridModel(ckpt)
+    assert len(hm.loaded) == hm.spec.num_moe_layers * hm.spec.num_experts
+    seqs = prompts(1, hm.spec.vocab_size)
+    # One prefill batch of prompts of different lengths: every position's logits.
+    for s, (tokens, out) in enumerate(zip(seqs, hm.step(list(enumerate(seqs))), strict=True)):
+        assert torch.isfinite(out).all()
+        assert_close(out, hf_logits(ckpt, tokens), f"{pattern} prefill seq {s}")
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_chunked_prefill_equals_one_prefill(tiny_checkpoint: Callable[..., Path], pattern: str) -> None:
+    ckpt = checkpoint(tiny_checkpoint, pattern, False)
+    a, b, c = prompts(2, 300)[:3]  # lengths 5, 17, 70
+    whole = HybridModel(ckpt, seed=1).step([(0, c), (1, b)])
+    chunked = HybridModel(ckpt, seed=2)
+    # The second chunks carry the state of the first; a fresh sequence rides along in the second step.
+    first = chunked.step([(0, c[:29]), (1, b[:6])])
+    second = chunked.step([(1, b[6:]), (2, a), (0, c[29:])])
+    assert_close(torch.cat([first[0], second[2]]), whole[0], f"{pattern} chunked seq 0")
+    assert_close(torch.cat([first[1], second[0]]), whole[1], f"{pattern} chunked seq 1")
+    assert_close(second[1], hf_logits(ckpt, a), f"{pattern} fresh seq beside chunks")
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_greedy_decode_matches_generate(tiny_checkpoint: Callable[..., Path], pattern: str) -> None:
+    ckpt = checkpoint(tiny_checkpoint, pattern, True)
+    hm = HybridModel(ckpt, seed=3)
+    seqs = prompts(4, hm.spec.vocab_size)[:3]
+    steps = 5
+    outs = hm.step(list(enumerate(seqs)))
+    ours: list[list[int]] = [[] for _ in seqs]
+    for _ in range(steps):  # all sequences decode together: one token each per pass
+        nxt = [int(out[-1].argmax()) for out in outs]
+        for s, t in enumerate(nxt):
+            ours[s].append(t)
+        outs = hm.step([(s, [t]) for s, t in enumerate(nxt)])
+    model = hf_model(ckpt)
+    for s, prompt in enumerate(seqs):
+        with torch.inference_mode():
+            gen = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        want = gen[0, len(prompt):].tolist()
+        assert ours[s] == want, f"{pattern} seq {s}: greedy tokens {ours[s]} != transformers' {want}"
+    assert len({t for toks in ours for t in toks}) > 3, ours  # the tiny weights decode informatively
+
+
+def test_multimodal_checkpoint_loads_text_model(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    # The `qwen3_5_moe` wrapper: text config under text_config, weights under model.language_model., plus a
+    # vision tower and an MTP head that the loader skips.
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    ckpt = checkpoint(tiny_checkpoint, "LLLF", True)
+    text = json.loads((ckpt / "config.json").read_text())
+    config = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+              "tie_word_embeddings": False, "text_config": text}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {name.replace("model.", "model.language_model.", 1): t
+               for name, t in load_file(ckpt / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.layers.0.self_attn.q_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    wrapped = HybridModel(tmp_path)
+    assert wrapped.spec.model_type == "qwen3_5_moe" and wrapped.spec.norm_topk_prob
+    seq = prompts(5, 300)[1]
+    assert_close(wrapped.step([(0, seq)])[0], hf_logits(ckpt, seq), "multimodal checkpoint")
+
+
+def test_the_engine_refuses_a_hybrid_model_by_name() -> None:
+    from rimuru.models.registry import model_class
+
+    with pytest.raises(ValueError, match="hybrid model .* cannot be served yet"):
+        model_class("qwen3_5_moe_text")
