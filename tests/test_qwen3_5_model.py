@@ -14,17 +14,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
-from rimuru.models import ForwardBatch, load_checkpoint, write_expert_to_pages
 from rimuru.models.linear_attention_state import LinearAttentionState
 from rimuru.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
-from rimuru.models.registry import build_model_of_class
+from rimuru.testing.paged_model import PagedModel
 
 pytest.importorskip("transformers")
 
 ARCH = "qwen3_5_moe_text"
-BLOCK = 16
 # The chunk form of the delta rule sums in another order than transformers' (and than the per-token form).
 ATOL = 1e-3
 PROMPT_LENS = (5, 17, 70, 1)  # inside one page, past one, past a 64-token delta-rule chunk, one token
@@ -42,70 +39,21 @@ def checkpoint(tiny_checkpoint: Callable[..., Path], pattern: str, fused: bool) 
     return tiny_checkpoint(ARCH, fused_experts=fused, num_hidden_layers=len(types), layer_types=types)
 
 
-class HybridModel:
-    """The Rimuru model plus the page and state-slot bookkeeping an engine would do, for hand-built batches."""
+class HybridModel(PagedModel):
+    """PagedModel plus the linear-attention state slots an engine would hand out."""
 
     def __init__(self, ckpt: Path, seed: int = 0, num_kv_pages: int = 64, num_slots: int = 8) -> None:
-        g = torch.Generator().manual_seed(seed)
-        spec = ModelSpec.from_pretrained(ckpt)
-        n_moe, E = spec.num_moe_layers, spec.num_experts
-        n_mid = 3 * n_moe * E + 7  # spare pages stay NaN
-        self.tables = torch.randperm(n_mid, generator=g)[: 3 * n_moe * E].view(n_moe, E, 3).int()
-        self.expert_view = torch.full((n_mid, spec.moe_intermediate_size * spec.hidden_size), float("nan"))
-        kv_shape = (num_kv_pages, 2, BLOCK, spec.num_key_value_heads, spec.head_dim)
-        self.kv_cache = torch.full(kv_shape, float("nan"))
-        provider = StaticExpertProvider(self.expert_view, self.tables)
-        self.model = build_model_of_class(Qwen3_5MoeForCausalLM, spec, torch.float32, "cpu", self.kv_cache, provider)
-        self.loaded: set[tuple[int, int]] = set()
-        load_checkpoint(self.model, spec, ckpt, self._sink)
-        self.spec = spec
-        self.state = LinearAttentionState.allocate(spec, num_slots, torch.float32, fill=float("nan"))
-        self.free_slots = torch.randperm(num_slots, generator=g).tolist()
-        self.free_pages = torch.randperm(num_kv_pages, generator=g).tolist()
+        super().__init__(ckpt, seed, num_kv_pages, model_cls=Qwen3_5MoeForCausalLM)
+        self.state = LinearAttentionState.allocate(self.spec, num_slots, torch.float32, fill=float("nan"))
+        self.free_slots = torch.randperm(num_slots, generator=self.generator).tolist()
         self.slot: dict[int, int] = {}  # seq -> its state slot
-        self.pages: dict[int, list[list[int]]] = {}  # seq -> per attention layer, its page ids
-        self.lens: dict[int, int] = {}
-
-    def _sink(self, moe_layer: int, expert: int, w1: Tensor, w3: Tensor, w2: Tensor) -> None:
-        self.loaded.add((moe_layer, expert))
-        write_expert_to_pages(self.expert_view, self.tables[moe_layer, expert], w1, w3, w2)
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[Tensor]:
         """One forward pass over (seq id, new tokens) pairs; the logits of every new token per seq."""
-        n_attn = len(self.spec.attention_layer_ids)
-        ids, positions, qsl, seq_lens, slots = [], [], [0], [], [[] for _ in range(n_attn)]
-        for seq, tokens in chunks:
-            start = self.lens.get(seq, 0)
-            end = start + len(tokens)
+        for seq, _ in chunks:
             if seq not in self.slot:
                 self.slot[seq] = self.free_slots.pop()
-            pages = self.pages.setdefault(seq, [[] for _ in range(n_attn)])
-            for layer_pages in pages:
-                while len(layer_pages) * BLOCK < end:
-                    layer_pages.append(self.free_pages.pop())
-            for a in range(n_attn):
-                slots[a] += [pages[a][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
-            ids += tokens
-            positions += range(start, end)
-            qsl.append(qsl[-1] + len(tokens))
-            seq_lens.append(end)
-            self.lens[seq] = end
-        max_blocks = max(len(self.pages[seq][0]) for seq, _ in chunks)
-        tables = torch.zeros(n_attn, len(chunks), max_blocks, dtype=torch.int32)
-        for b, (seq, _) in enumerate(chunks):
-            for a in range(n_attn):
-                tables[a, b, : len(self.pages[seq][a])] = torch.tensor(self.pages[seq][a])
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            logits_indices=torch.arange(len(ids), dtype=torch.int64),
-            max_query_len=max(len(t) for _, t in chunks),
-            max_seq_len=max(seq_lens),
-        )
+        batch = self.batch(chunks)
         state = self.state.for_batch([self.slot[seq] for seq, _ in chunks])
         with torch.inference_mode():
             hidden = self.model(batch, state)  # [T, d]

@@ -1,0 +1,100 @@
+"""A model over hand-built paged batches, for tests against transformers: the page bookkeeping an engine would do.
+
+Experts sit at shuffled pages of a NaN-filled expert view and every attention layer's KV at shuffled pages of a
+NaN-filled KV cache, so a wrong page id or an unwritten slot shows up as NaN or a mismatch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rimuru.experts.static_provider import StaticExpertProvider
+from rimuru.model_spec import ModelSpec
+from rimuru.models.causal_lm import MoECausalLM
+from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.loader import load_checkpoint, write_expert_to_pages
+from rimuru.models.registry import build_model, build_model_of_class
+
+BLOCK = 16
+
+
+class PagedModel:
+    """A Rimuru model (of `model_cls`, else the registry's class for the checkpoint) and its pages."""
+
+    def __init__(self, ckpt: Path, seed: int = 0, num_kv_pages: int = 64, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", model_cls: type[MoECausalLM] | None = None) -> None:
+        g = torch.Generator().manual_seed(seed)
+        spec = ModelSpec.from_pretrained(ckpt)
+        L, E = spec.num_moe_layers, spec.num_experts
+        n_mid = 3 * L * E + 7  # spare pages stay NaN
+        self.device = device
+        self.generator = g
+        tables = torch.randperm(n_mid, generator=g)[: 3 * L * E].view(L, E, 3).int()  # [L_moe, E, 3]
+        self.tables = tables.to(device)
+        expert_numel = spec.moe_intermediate_size * spec.hidden_size
+        self.expert_view = torch.full((n_mid, expert_numel), float("nan"), dtype=dtype, device=device)
+        kv_shape = (num_kv_pages, 2, BLOCK, spec.num_key_value_heads, spec.head_dim)
+        self.kv_cache = torch.full(kv_shape, float("nan"), dtype=dtype, device=device)
+        provider = StaticExpertProvider(self.expert_view, self.tables)
+        if model_cls is None:
+            self.model = build_model(spec, dtype, device, self.kv_cache, provider)
+        else:
+            self.model = build_model_of_class(model_cls, spec, dtype, device, self.kv_cache, provider)
+        self.loaded: set[tuple[int, int]] = set()
+        load_checkpoint(self.model, spec, ckpt, self._sink)
+        self.spec = spec
+        self.free_pages = torch.randperm(num_kv_pages, generator=g).tolist()
+        self.pages: dict[int, list[list[int]]] = {}  # seq -> per attention layer, its page ids
+        self.lens: dict[int, int] = {}
+
+    def _sink(self, moe_layer: int, expert: int, w1: Tensor, w3: Tensor, w2: Tensor) -> None:
+        self.loaded.add((moe_layer, expert))
+        write_expert_to_pages(self.expert_view, self.tables[moe_layer, expert], w1, w3, w2)
+
+    def batch(self, chunks: list[tuple[int, list[int]]]) -> ForwardBatch:
+        """The batch of one forward pass over (seq id, new tokens) pairs, every new token's logits sampled; the
+        sequences' pages grow to hold them."""
+        n_attn = len(self.spec.attention_layer_ids)
+        ids, positions, qsl, seq_lens, slots = [], [], [0], [], [[] for _ in range(n_attn)]
+        for seq, tokens in chunks:
+            start = self.lens.get(seq, 0)
+            end = start + len(tokens)
+            pages = self.pages.setdefault(seq, [[] for _ in range(n_attn)])
+            for layer_pages in pages:
+                while len(layer_pages) * BLOCK < end:
+                    layer_pages.append(self.free_pages.pop())
+            for a in range(n_attn):
+                slots[a] += [pages[a][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
+            ids += tokens
+            positions += range(start, end)
+            qsl.append(qsl[-1] + len(tokens))
+            seq_lens.append(end)
+            self.lens[seq] = end
+        max_blocks = max(len(self.pages[seq][0]) for seq, _ in chunks)
+        tables = torch.zeros(n_attn, len(chunks), max_blocks, dtype=torch.int32)
+        for b, (seq, _) in enumerate(chunks):
+            for a in range(n_attn):
+                tables[a, b, : len(self.pages[seq][a])] = torch.tensor(self.pages[seq][a])
+        T, dev = len(ids), self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            logits_indices=torch.arange(T, dtype=torch.int64, device=dev),
+            max_query_len=max(len(t) for _, t in chunks),
+            max_seq_len=max(seq_lens),
+        )
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[Tensor]:
+        """One forward pass over (seq id, new tokens) pairs; the logits of every new token per seq."""
+        batch = self.batch(chunks)
+        with torch.inference_mode():
+            hidden = self.model(batch)  # [T, d]
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [T, V]
+        return list(logits.cpu().split([len(t) for _, t in chunks]))
