@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from rimuru.testing import ARCHS
-from rimuru.testing.paged_model import BLOCK, PagedModel  # noqa: F401 (test_fused_small_kernels imports it here)
+from rimuru.testing.paged_model import PagedModel, random_prompts  # noqa: F401 (PagedModel: imported from here too)
+from rimuru.testing.paged_model import assert_close as check_close
 
 ATOL = 1e-4
 PROMPT_LENS = (5, 17, 33, 1)  # inside one page, just past one, just past two, a single token
@@ -36,14 +37,11 @@ def hf_logits(ckpt: Path, tokens: list[int]) -> Tensor:
 
 
 def prompts(seed: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(seed, vocab, PROMPT_LENS)
 
 
 def assert_close(got: Tensor, want: Tensor, what: str) -> None:
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = (got - want).abs().max().item()
-    assert diff < ATOL, f"{what}: max abs diff {diff:.3g} >= {ATOL}"
+    check_close(got, want, what, ATOL)
 
 
 CASES = [pytest.param(arch, fused, id=f"{arch}-{'fused' if fused else 'per_expert'}") for arch in ARCHS

@@ -17,7 +17,8 @@ from torch import Tensor
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from rimuru.models.linear_attention_state import LinearAttentionState
 from rimuru.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
-from rimuru.testing.paged_model import PagedModel
+from rimuru.testing.paged_model import PagedModel, random_prompts
+from rimuru.testing.paged_model import assert_close as check_close
 
 pytest.importorskip("transformers")
 
@@ -81,14 +82,11 @@ def hf_logits(ckpt: Path, tokens: list[int]) -> Tensor:
 
 
 def prompts(seed: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(seed, vocab, PROMPT_LENS)
 
 
 def assert_close(got: Tensor, want: Tensor, what: str) -> None:
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    diff = (got - want).abs().max().item()
-    assert diff < ATOL, f"{what}: max abs diff {diff:.3g} >= {ATOL}"
+    check_close(got, want, what, ATOL)
 
 
 CASES = [pytest.param(p, fused, id=f"{p}-{'fused' if fused else 'per_expert'}") for p in PATTERNS

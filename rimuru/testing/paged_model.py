@@ -98,3 +98,15 @@ class PagedModel:
             hidden = self.model(batch)  # [T, d]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [T, V]
         return list(logits.cpu().split([len(t) for _, t in chunks]))
+
+
+def random_prompts(seed: int, vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Token ids in [3, vocab) (clear of the tiny tokenizers' special ids), one prompt per length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_close(got: Tensor, want: Tensor, what: str, atol: float) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    diff = (got - want).abs().max().item()
+    assert diff < atol, f"{what}: max abs diff {diff:.3g} >= {atol}"
