@@ -32,6 +32,7 @@ class RecentTpot:
         self._values: deque[float] = deque(maxlen=window)
         self.min_samples = min_samples
         self.count = 0  # requests observed since the start (the adjuster updates once per batch of new ones)
+        self._p99: tuple[int, float | None] = (0, None)  # (count it was computed at, p99): the engine asks every step
 
     def observe(self, output: RequestOutput) -> None:
         """A finished request's TPOT, when it produced at least two tokens."""
@@ -45,5 +46,7 @@ class RecentTpot:
         self.count += 1
 
     def p99_s(self) -> float | None:
-        """None until `min_samples` requests have finished."""
-        return recent_p99(self._values, self._values.maxlen or WINDOW, self.min_samples)
+        """None until `min_samples` requests have finished. Recomputed only after a new observation."""
+        if self._p99[0] != self.count:
+            self._p99 = (self.count, recent_p99(self._values, self._values.maxlen or WINDOW, self.min_samples))
+        return self._p99[1]
