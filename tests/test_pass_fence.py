@@ -151,6 +151,10 @@ def test_a_grow_into_pages_a_running_pass_reads_waits_for_it() -> None:
         alloc.complete_forward()
         return seen
 
+    # CUDA loads a kernel lazily at its first launch, and a load may synchronise the context (CUDA's lazy-loading
+    # hazards): a first launch between the sleep and the grow (the read, a table fill) would hold the host until
+    # the pass ended and hide the race. One run first loads every kernel the race launches.
+    race(PassFence(dev))
     unfenced = race(PassFence(dev))  # nobody watches: it records no events, so nothing is waited for
     assert bool((unfenced == 2.0).any()), "the race was not reproduced: the test could not tell a missing fence"
     watched = PassFence(dev)
