@@ -36,16 +36,22 @@ def prompts(n: int, seed: int) -> list[dict]:
             for k in torch.randint(8, 40, (n,), generator=g)]
 
 
-def tight_budget(path: Path, kv_blocks: int, limit: int, **engine_args: str | bool) -> int:
-    """A budget that holds every expert, the load buffers and `kv_blocks` KV blocks (sizes from a probe engine
-    with `engine_args`: the workspace bound depends on the device)."""
+def tight_budget(path: Path, kv_blocks: int, limit: int, load_buffers: bool = True, **engine_args: str | bool) -> int:
+    """A budget that holds every expert, the load buffers (unless not `load_buffers`) and `kv_blocks` KV blocks
+    (sizes from a probe engine with `engine_args`). On a GPU the workspace is measured, and it depends on the graphs
+    the mode captures: the probe runs elastic with CUDA graphs as the engines under test do, at a budget where
+    everything fits."""
     args = {"device": "cpu", **engine_args}
-    probe = LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, **args)
+    mode = {"enforce_eager": True} if args["device"] == "cpu" else {"offload_mode": "elastic", "adjuster": "paper",
+                                                                   "expert_offload_limit": limit}
+    probe = LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, **mode, **args)
     split, geo = probe.engine.budget_split, probe.engine.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
-    buffers = 2 * 3 * limit * geo.size("expert")
-    return (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + buffers
-            + kv_blocks * per_block + geo.huge_size)
+    experts = 3 * probe.engine.runtime.cache.total_experts * geo.size("expert")
+    buffers = 2 * 3 * limit * geo.size("expert") if load_buffers else 0
+    budget = split["non_expert_weights"] + split["workspace"] + experts + buffers + kv_blocks * per_block
+    del probe
+    return budget + geo.huge_size
 
 
 def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
@@ -383,12 +389,8 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
     ckpt = tiny_checkpoint("qwen2_moe", num_hidden_layers=9)  # layer 1 is dense: 8 MoE layers
     limit = 2
     args = {"device": device, "dtype": "float32"} if device == "cuda" else {"device": device}
-    probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, **args)
-    split, geo = probe.engine.budget_split, probe.engine.geometry
-    per_block = probe.engine.kv.num_layers * geo.size("kv")
-    budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 10 * per_block
-              + geo.huge_size)  # every expert and ~10 KV blocks, no load buffers
-    del probe
+    # every expert and ~10 KV blocks, no load buffers
+    budget = tight_budget(ckpt, kv_blocks=10, limit=limit, load_buffers=False, **args)
     llm = LLM(str(ckpt), gpu_memory_budget=budget, offload_mode="elastic", adjuster="paper", expert_offload_limit=limit,
               max_num_batched_tokens=64, **args)
     engine = llm.engine
