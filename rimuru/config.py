@@ -19,6 +19,9 @@ _UNITS = {
 
 OFFLOAD_MODES = ("static", "fixed", "elastic")
 ADJUSTERS = ("paper", "cost")  # elastic mode: the paper's threshold rules | the cost-aware adjuster
+# fixed and elastic mode: routed offloaded experts computed on the host for their few tokens instead of copied
+# (experts/expert_tiers.py): auto (by measured costs, where a GPU computes the rest) | off | on (every one it can)
+CPU_EXPERT_COMPUTE = ("auto", "off", "on")
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -91,6 +94,11 @@ class EngineConfig:
     slo_tpot_p99_ms: float | None = None
     # the most top logprobs a request may ask for per token (vLLM's flag; -1: the whole vocabulary)
     max_logprobs: int = 20
+    # fixed and elastic mode: compute routed offloaded experts on the host for the few tokens routed to them, where
+    # that beats copying them (auto: by the costs measured at start-up, on a GPU; on: every routed offloaded
+    # expert neither resident nor prefetched; off: copy them all)
+    cpu_expert_compute: str = "auto"
+    cpu_expert_threads: int | None = None  # the host compute's threads (torch intra-op); None: torch's default
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu") and not self.device.startswith("cuda:"):
@@ -131,6 +139,14 @@ class EngineConfig:
             raise ValueError(f"expert_offload_limit must be >= 0, got {self.expert_offload_limit}")
         if self.adjuster not in ADJUSTERS:
             raise ValueError(f"adjuster must be one of {', '.join(ADJUSTERS)}, got {self.adjuster!r}")
+        if self.cpu_expert_compute not in CPU_EXPERT_COMPUTE:
+            raise ValueError(f"cpu_expert_compute must be one of {', '.join(CPU_EXPERT_COMPUTE)}, "
+                             f"got {self.cpu_expert_compute!r}")
+        if self.cpu_expert_compute == "on" and self.offload_mode == "static":
+            raise ValueError("cpu_expert_compute='on' computes offloaded experts on the host, and "
+                             "offload_mode='static' offloads none: use --offload-mode fixed or elastic")
+        if self.cpu_expert_threads is not None and self.cpu_expert_threads < 1:
+            raise ValueError(f"cpu_expert_threads must be at least 1, got {self.cpu_expert_threads}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or at least 0, got {self.max_logprobs}")
         for name in ("slo_ttft_p99_ms", "slo_tpot_p99_ms"):
@@ -187,6 +203,10 @@ _FLAG_HELP = {
                        "none: offload only what costs no throughput)",
     "max_logprobs": "the most top logprobs a request may ask for per generated token (-1: the whole vocabulary; "
                     "default 20)",
+    "cpu_expert_compute": "fixed/elastic mode: compute offloaded experts on the host (CPU) for the few tokens routed "
+                          "to them instead of copying them over PCIe: auto (where the costs measured at start-up "
+                          "say so; on a GPU; default) | off | on",
+    "cpu_expert_threads": "threads of the host expert compute (default: torch's, one per core)",
 }
 
 _FLAG_TYPES: dict[str, Any] = {
@@ -196,8 +216,10 @@ _FLAG_TYPES: dict[str, Any] = {
     "max_cudagraph_capture_size": int,
     "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int,
     "expert_ranking": str, "tensor_parallel_size": int, "dummy_routing": str, "adjuster": str,
-    "slo_ttft_p99_ms": float, "slo_tpot_p99_ms": float, "max_logprobs": int,
+    "slo_ttft_p99_ms": float, "slo_tpot_p99_ms": float, "max_logprobs": int, "cpu_expert_compute": str,
+    "cpu_expert_threads": int,
 }
+_FLAG_CHOICES: dict[str, tuple[str, ...]] = {"cpu_expert_compute": CPU_EXPERT_COMPUTE}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, with_model: bool = True) -> argparse.ArgumentParser:
@@ -216,7 +238,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, with_model: bool = True)
                                 help=_FLAG_HELP[f.name])
             continue
         default = None if f.default is MISSING else f.default
-        parser.add_argument(flag, type=_FLAG_TYPES[f.name], default=default, help=_FLAG_HELP.get(f.name))
+        parser.add_argument(flag, type=_FLAG_TYPES[f.name], default=default, help=_FLAG_HELP.get(f.name),
+                            choices=_FLAG_CHOICES.get(f.name))
     add_renamed_flags(parser)
     return parser
 

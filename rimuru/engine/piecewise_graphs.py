@@ -102,6 +102,9 @@ class ExpertTableBoundaries:
             self._begin_piece()
         return self.active[moe_layer]
 
+    def host_experts(self, moe_layer: int, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> None:
+        return None  # the replay asks the provider for tables with every routed expert in them (replay_table)
+
     # ---- capture -------------------------------------------------------------------------------------
     def install(self) -> None:
         self.model.attach_experts(self)

@@ -49,14 +49,17 @@ class ElasticRuntime(OffloadRuntime):
         self.async_steps = async_steps
         self.piecewise_overhead_s = 0.0
         self._grow_events: list[torch.cuda.Event] = []  # the last plan's grow copies (none on the CPU)
-        self._forward_start: tuple[float, int] | None = None  # (monotonic time, loader bytes) when tokens ran
+        # (monotonic time, loader bytes, host-tier seconds) when tokens ran
+        self._forward_start: tuple[float, int, float] | None = None
         self._tokens = 0  # batched tokens of the pass launched this step
         self._tokens_in_flight = 0  # async: the same for the pass launched one step earlier
         self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-        self._last_after_pass: tuple[float, int] | None = None
+        self._last_after_pass: tuple[float, int, float] | None = None
         self._copy_bytes: int | None = None  # bytes loaded for the pass in flight (async)
+        self._host_s: float = 0.0  # host-tier seconds spent queueing the pass in flight (async)
         self._piecewise_in_flight = False  # async: the pass launched one step earlier had an expert offloaded
-        self._loads_seen = (0, 0)  # loader (hits + misses, prefetched + on_demand) at the last observation
+        # loader (hits + misses, prefetched + on_demand) and host tier (experts, seconds) at the last observation
+        self._loads_seen: tuple[int, int, int, float] = (0, 0, 0, 0.0)
 
     def graph_plan(self) -> GraphPlan:
         # passes with every expert resident replay whole graphs over the live tables, unless the pool can never
@@ -99,7 +102,7 @@ class ElasticRuntime(OffloadRuntime):
             done = self.loader.copy_to_pages(layer, expert, pages)
             if done is not None:
                 self._grow_events.append(done)
-        self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded)
+        self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded, self.host_compute_s)
                                if demand.num_batched_tokens > 0 else None)
         return moves.adjust_plan
 
@@ -122,10 +125,11 @@ class ElasticRuntime(OffloadRuntime):
             return
         step_cost = self.core.step_cost
         if step_cost is not None and self._forward_start is not None:
-            t0, bytes0 = self._forward_start
+            t0, bytes0, host0 = self._forward_start
             copy_s = (self.loader.counters.bytes_loaded - bytes0) / self.pcie_bandwidth
             overhead = self.piecewise_overhead_s if self.core.launched_offloaded else 0.0
-            step_cost.observe_forward(max(0.0, time.monotonic() - t0 - overhead), copy_s, self._tokens)
+            step_cost.observe_forward(max(0.0, time.monotonic() - t0 - overhead), copy_s, self._tokens,
+                                      host_s=self.host_compute_s - host0)
         self._forward_start = None
         self.core.observe_routing(self.counter.snapshot_and_reset().numpy())
 
@@ -133,19 +137,20 @@ class ElasticRuntime(OffloadRuntime):
         # Between the previous call and this one the host waited for the pass launched before (pass n): that
         # interval is pass n's time. The bytes loaded in the interval were issued for the pass launched now
         # (n+1), so pass n's copies are the previous interval's bytes (`_copy_bytes`).
-        now, loaded = time.monotonic(), self.loader.counters.bytes_loaded
+        now, loaded, host = time.monotonic(), self.loader.counters.bytes_loaded, self.host_compute_s
         ran = self._forward_start is not None
         step_cost = self.core.step_cost
         if ran and self._last_after_pass is not None:
-            t0, bytes0 = self._last_after_pass
+            t0, bytes0, host0 = self._last_after_pass
             if step_cost is not None and self._copy_bytes is not None:
                 overhead = self.piecewise_overhead_s if self._piecewise_in_flight else 0.0
                 step_cost.observe_forward(max(0.0, now - t0 - overhead), self._copy_bytes / self.pcie_bandwidth,
-                                          self._tokens_in_flight)
+                                          self._tokens_in_flight, host_s=self._host_s)
             self._copy_bytes = loaded - bytes0
+            self._host_s = host - host0
         self._piecewise_in_flight = self.core.launched_offloaded and ran
         self._tokens_in_flight = self._tokens if ran else 0
-        self._last_after_pass = (now, loaded) if ran else None
+        self._last_after_pass = (now, loaded, host) if ran else None
         if not ran:
             self._copy_bytes = None
         self._forward_start = None
@@ -161,10 +166,11 @@ class ElasticRuntime(OffloadRuntime):
         if self.core.step_cost is None:
             return
         c = self.loader.counters
-        now = (c.hits + c.misses, c.prefetched + c.on_demand)
-        routed, copied = now[0] - self._loads_seen[0], now[1] - self._loads_seen[1]
+        now = (c.hits + c.misses, c.prefetched + c.on_demand, self.host_experts_computed, self.host_compute_s)
+        seen = self._loads_seen
         self._loads_seen = now
-        self.core.step_cost.observe_loads(routed, copied)
+        self.core.step_cost.observe_loads(now[0] - seen[0], now[1] - seen[1], host=now[2] - seen[2],
+                                          host_s=now[3] - seen[3])
 
     def memory_split(self) -> dict[str, int]:
         split = super().memory_split()

@@ -8,6 +8,9 @@ Per MoE layer l of a forward pass:
                          2. routed & not resident: in the buffer already = hit, else load now = miss
                          3. the kernel of l waits for the buffer's copies; returns its table [E, 3]
                          4. prefetch layer l+1's predicted non-resident experts into the other buffer
+    host_experts(l, ...) with a host tier (host_tier.py): the routed experts that step 2 left to the host (neither
+                         resident nor prefetched, chosen by expert_tiers.py) start on the host; the layer joins
+                         their outputs with its kernel's
 
 The prefetch copies are issued at step 4 rather than in before_layer because the host only learns the
 predicted ids at the one read of step 1 (a second sync per layer would stall the launch pipeline);
@@ -37,6 +40,7 @@ import torch
 from torch import Tensor
 
 from rimuru.experts.cache import ExpertCache
+from rimuru.experts.host_tier import HostExpertJob, HostExpertTier
 from rimuru.experts.loader import ExpertLoader, LoadBuffer, LoadCounters
 from rimuru.experts.predictor import ExpertPredictor
 from rimuru.experts.routing_counter import RoutingCounter
@@ -47,7 +51,8 @@ STREAM_MAX_UNUSED = 0.5
 
 class OffloadExpertProvider:
     def __init__(self, cache: ExpertCache, loader: ExpertLoader, predictor: ExpertPredictor | None,
-                 top_k: int, popularity: Callable[[], np.ndarray], counter: RoutingCounter | None = None) -> None:
+                 top_k: int, popularity: Callable[[], np.ndarray], counter: RoutingCounter | None = None,
+                 host_tier: HostExpertTier | None = None) -> None:
         self.cache = cache
         self.loader = loader
         self.expert_view = cache.expert_view  # [n_mid, f*d]
@@ -65,6 +70,9 @@ class OffloadExpertProvider:
         self.routing_reads = 0  # device->host routing reads (one per non-streaming layer with offloaded experts)
         self.streamed_layers = 0  # layers served without a routing read
         self.table_wait_s = 0.0  # host seconds inside table(): routing reads and on-demand copies
+        self.host_tier = host_tier  # routed offloaded experts computed on the host instead of copied (None: never)
+        self._host_plan: tuple[int, list[int]] | None = None  # (MoE layer, its experts the host computes)
+        self._host_allowed = True  # False while a CUDA-graph replay asks: its pieces hold no host join
 
     def plan_streaming(self, num_tokens: int) -> tuple[list[bool], list[bool]]:
         """(streaming, offloaded) per MoE layer for a pass of `num_tokens` real tokens, from the tables as they
@@ -143,10 +151,21 @@ class OffloadExpertProvider:
         whether the host read the routing (False: the layer streamed)."""
         self._prediction = prediction
         reads = self.routing_reads
+        self._host_allowed = False  # the captured pieces add no host part: every routed expert goes to the GPU
         try:
             return self.table(moe_layer, topk_ids), self.routing_reads > reads
         finally:
             self._prediction = None
+            self._host_allowed = True
+
+    def host_experts(self, moe_layer: int, hidden: Tensor, topk_weights: Tensor,
+                     topk_ids: Tensor) -> HostExpertJob | None:
+        """Starts the host work that table(moe_layer) left to the host tier (None: every routed expert is in the
+        table). Called by the MoE layer right after table(), before its kernel is queued."""
+        plan, self._host_plan = self._host_plan, None
+        if plan is None or plan[0] != moe_layer or self.host_tier is None:
+            return None
+        return self.host_tier.start(moe_layer, hidden, topk_weights, topk_ids, plan[1])
 
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
         """The expert table layer `moe_layer`'s kernel reads: the resident one, or a load buffer's holding the routed
@@ -165,6 +184,7 @@ class OffloadExpertProvider:
     def _table(self, moe_layer: int, topk_ids: Tensor) -> tuple[Tensor, LoadBuffer | None]:
         """(table, the load buffer handed to the kernel or None) for `table`."""
         loader, E = self.loader, self.cache.num_experts
+        self._host_plan = None
         if not 0 <= moe_layer < self.cache.num_layers:
             raise IndexError(f"MoE layer {moe_layer} is outside [0, {self.cache.num_layers})")
         if self.counter is not None:
@@ -198,6 +218,14 @@ class OffloadExpertProvider:
         needed = torch.nonzero((host[:E] > 0) & absent).flatten().tolist()
 
         buf = loader.claim(moe_layer)
+        if self.host_tier is not None and self._host_allowed:
+            # the third tier: of the routed experts a copy would bring, those the host computes for their tokens
+            # (prefetched ones are on the GPU already); their table rows stay -1
+            on_host = self.host_tier.choose([e for e in needed if e not in buf.slot_of], host[:E])
+            if on_host:
+                self._host_plan = (moe_layer, on_host)
+                skip = set(on_host)
+                needed = [e for e in needed if e not in skip]
         hits = sum(1 for e in needed if e in buf.slot_of)
         loader.counters.hits += hits
         loader.counters.misses += len(needed) - hits
@@ -214,6 +242,12 @@ class OffloadExpertProvider:
             cand = torch.nonzero((scores > 0) & self.cache.host_tables[moe_layer + 1, :, 0].lt(0)).flatten()
             order = torch.argsort(scores[cand], descending=True, stable=True)
             picked = cand[order][: loader.slots].tolist()
+            if picked and self.host_tier is not None:
+                # no copy ahead for an expert the host tier would compute for its tokens: a token's top-k
+                # probabilities sum to at most 1, so score x top_k estimates the tokens that pick the expert
+                guess = {e: max(1, round(float(scores[e]) * self.top_k)) for e in picked}
+                on_host = set(self.host_tier.choose(picked, guess))
+                picked = [e for e in picked if e not in on_host]
             if picked:
                 nxt = loader.claim(moe_layer + 1)
                 loader.load(nxt, picked, keep=set(), prefetch=True)

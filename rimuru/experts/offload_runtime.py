@@ -9,6 +9,7 @@ import torch
 
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.host_store import HostExpertStore
+from rimuru.experts.host_tier import no_tier_stats
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.routing_counter import RoutingCounter
@@ -62,5 +63,18 @@ class OffloadRuntime(FixedResidency):
 
     def stats(self) -> dict[str, float]:
         c = self.loader.counters
+        tier = self.provider.host_tier
         return {"expert_bytes_loaded": c.bytes_loaded, "prefetch_hits": c.hits, "prefetch_misses": c.misses,
-                "expert_evictions": 0, "expert_grows": 0, "expert_reranks": 0}
+                "expert_evictions": 0, "expert_grows": 0, "expert_reranks": 0,
+                **(tier.stats() if tier is not None else no_tier_stats())}
+
+    @property
+    def host_compute_s(self) -> float:
+        """Host seconds the host tier has spent so far (0 without one)."""
+        tier = self.provider.host_tier
+        return 0.0 if tier is None else tier.counters.compute_s
+
+    @property
+    def host_experts_computed(self) -> int:
+        tier = self.provider.host_tier
+        return 0 if tier is None else tier.counters.experts

@@ -8,6 +8,9 @@
 
     pool = L_moe x K x 3 expert pages (resident) + 2 x limit x 3 (load buffers, fixed and elastic) + KV cache
 
+fixed and elastic mode get a host tier where `--cpu-expert-compute` resolves on (expert_tiers.py): routed offloaded
+experts the host computes instead of copying (host_tier.py), its costs measured here at start-up and logged.
+
 Each builder makes the experts addressable (the residency, its device tables) before anything slow (pinning the
 host store) and attaches its provider to the model; the weights come in afterwards through the runtime's
 `write_expert` / `fill_random_experts`.
@@ -16,6 +19,7 @@ host store) and attaches its provider to the model; the weights come in afterwar
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +35,11 @@ from rimuru.experts.elastic_core import (
     start_buffer_slots,
 )
 from rimuru.experts.elastic_runtime import ElasticRuntime
+from rimuru.experts.expert_tiers import TierCosts, resolve_cpu_expert_compute
+from rimuru.experts.host_compute import HostExpertCompute
+from rimuru.experts.host_profile import available_host_bytes, profile_host
 from rimuru.experts.host_store import HostExpertStore
+from rimuru.experts.host_tier import HostExpertTier, measure_layer_fixed_s
 from rimuru.experts.loader import ExpertLoader, measure_copy_bandwidth
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.offload_runtime import OffloadRuntime
@@ -60,6 +68,8 @@ class RuntimeSettings:
     slo_ttft_p99_ms: float | None = None  # elastic with the cost adjuster (EngineConfig)
     slo_tpot_p99_ms: float | None = None
     async_scheduling: bool = False  # elastic: how passes are timed
+    cpu_expert_compute: str = "off"  # fixed, elastic: auto | off | on, the host tier (expert_tiers.py)
+    cpu_expert_threads: int | None = None  # the host tier's intra-op threads (None: torch's setting as it is)
 
 
 def slo_config(slo_ttft_p99_ms: float | None, slo_tpot_p99_ms: float | None, **fields: float) -> CostAdjusterConfig:
@@ -77,9 +87,10 @@ def build_adjuster(kind: str, expert_bytes: int, top_k: int, cost: CostAdjusterC
     if kind != "cost":
         raise ValueError(f"adjuster must be paper or cost, got {kind!r}")
     costs = StepCostTracker(copy_overlap=cost.copy_overlap, initial_overlap=cost.initial_copy_overlap)
+    # offload_cost_factor: copy_excess, and with a host tier the host-computed share at its measured host time
     adjuster = CostAdjuster(cost, expert_bytes=expert_bytes, top_k=top_k, compute_time=costs,
                             copy_slowdown=costs.copy_slowdown, copy_overlap=costs.copy_overlap_share,
-                            copy_excess=costs.copy_excess)
+                            copy_excess=costs.offload_cost_factor)
     return adjuster, costs
 
 
@@ -93,9 +104,22 @@ def needs_host_store(settings: RuntimeSettings, spec: ModelSpec) -> bool:
     return resolve_offload_limit(settings.expert_offload_limit, spec.num_experts, resident) > 0
 
 
+# host memory a start-up leaves free beside the host store (the process, the checkpoint reader's buffers, the OS)
+HOST_MEMORY_HEADROOM = 2 * 2**30
+
+
 def build_host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> HostExpertStore:
     """The home copy of every routed expert, pinned for a GPU. The engine makes it before the pool is sized: its
-    device-side mappings are memory the workspace profile has to see."""
+    device-side mappings are memory the workspace profile has to see. Refused, before anything is pinned, where
+    the host's available memory cannot hold it and HOST_MEMORY_HEADROOM."""
+    need = spec.num_moe_layers * spec.num_experts * 3 * spec.moe_intermediate_size * spec.hidden_size \
+        * torch.empty((), dtype=dtype).element_size()
+    have = available_host_bytes()
+    if need + HOST_MEMORY_HEADROOM > have:
+        raise ValueError(f"the host expert store needs {format_bytes(need)} of host memory (every routed expert, "
+                         f"{'pinned' if device.type == 'cuda' else 'in host memory'}) plus "
+                         f"{format_bytes(HOST_MEMORY_HEADROOM)} of headroom, but only {format_bytes(have)} is "
+                         "available; free host memory or use offload_mode='static' with a larger budget")
     return HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size, spec.hidden_size,
                            dtype, pin=device.type == "cuda")
 
@@ -149,8 +173,9 @@ def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, pool:
     pages = pool.allocator.allocate_mid(EXPERT, load_buffer_pages(limit), owner=BUFFER_OWNER)
     assert pages is not None  # _check_fits counted them
     loader = ExpertLoader(cache, store, pages, fence)
+    tier = _host_tier(settings, store, pool.device, lambda: _copy_bandwidth(store, pool.device))
     provider = OffloadExpertProvider(cache, loader, _predictor(model, spec), spec.num_experts_per_tok,
-                                     popularity=lambda: popularity.probabilities)
+                                     popularity=lambda: popularity.probabilities, host_tier=tier)
     return OffloadRuntime(cache, store, loader, provider)
 
 
@@ -172,9 +197,33 @@ def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, poo
     fence.watch()  # grows and the load buffers write pages that passes in flight may still read
     loader = ExpertLoader(cache, store, core.place_start(resident), fence)
     counter = RoutingCounter(spec.num_moe_layers, E, pool.device)
+    tier = _host_tier(settings, store, pool.device, lambda: pcie)
+    if tier is not None and tier.profile is not None and costs is not None:
+        costs.use_host_tier(tier.profile, tier.costs.copy_s if tier.costs.copy_s > 0 else expert_bytes / pcie)
     provider = OffloadExpertProvider(cache, loader, _predictor(model, spec), spec.num_experts_per_tok,
-                                     popularity=online.probabilities, counter=counter)
+                                     popularity=online.probabilities, counter=counter, host_tier=tier)
     return ElasticRuntime(core, cache, store, loader, provider, counter, pcie, settings.async_scheduling)
+
+
+def _host_tier(settings: RuntimeSettings, store: HostExpertStore, device: torch.device,
+               pcie_bandwidth: Callable[[], float]) -> HostExpertTier | None:
+    """The host tier `--cpu-expert-compute` asks for (None: off), with this machine's costs measured now and
+    logged: the host's read bandwidth and one expert's host time by tokens (host_profile.py), one expert's copy
+    time at the measured PCIe bandwidth, and a layer's activation round trip."""
+    if not resolve_cpu_expert_compute(settings.cpu_expert_compute, device.type):
+        return None
+    if settings.cpu_expert_threads is not None:
+        torch.set_num_threads(settings.cpu_expert_threads)
+    profile = profile_host(store.f, store.d, store.dtype)
+    logger.info("cpu expert compute (%s): %s", settings.cpu_expert_compute, profile.describe())
+    copy_s = store.expert_bytes / pcie_bandwidth() if device.type == "cuda" else 0.0
+    fixed_s = measure_layer_fixed_s(device, store.d, store.dtype)
+    if device.type == "cuda":
+        logger.info("cpu expert compute: one expert's copy %.3f ms, a layer's activation round trip %.3f ms",
+                    1e3 * copy_s, 1e3 * fixed_s)
+    costs = TierCosts(copy_s=copy_s, host_s=profile.expert_times, layer_fixed_s=fixed_s)
+    mode = "on" if settings.cpu_expert_compute == "on" else "auto"
+    return HostExpertTier(HostExpertCompute(store), costs, mode, profile)
 
 
 def _predictor(model: MoECausalLM, spec: ModelSpec) -> ExpertPredictor:

@@ -23,3 +23,6 @@ class StaticExpertProvider:
         if self.counter is not None:
             self.counter.record(moe_layer, topk_ids)
         return self.tables[moe_layer]  # [E, 3]
+
+    def host_experts(self, moe_layer: int, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> None:
+        return None  # every routed expert is in the table

@@ -35,11 +35,23 @@ of experts the predictor guessed and the routing then did not pick. `observe_loa
 scales the modelled copies. With a working predictor it stays near 1 (~1.2 on the H200); a predictor blind to a
 skewed router's bias copies the cold experts every step (67 copied against 4 routed per decode step on the H200),
 and without this factor the model would offload experts to save copies it believes are few.
+
+Host tier. Where the host computes some routed offloaded experts instead of copying them (host_tier.py), the
+start-up measurement (host_profile.py) and the PCIe probe are handed here (`use_host_tier`), and `observe_loads`
+also counts the experts the host computed and the host seconds they took. Passes are timed without their host
+seconds (`observe_forward(host_s=...)`: counted as exposed, so the compute estimate reads low, the safe side), and
+`offload_cost_factor` gives what a routed offloaded expert costs in expert copies: the copied share at
+`copy_excess`, the host share at its measured host time over one expert's copy time. The cost adjuster multiplies
+its modelled copies by it (runtime_builders.build_adjuster); without host computations it is `copy_excess`.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rimuru.experts.host_profile import HostProfile
 
 
 class StepCostTracker:
@@ -73,6 +85,10 @@ class StepCostTracker:
         self.max_excess = max_excess
         self._routed: float | None = None  # EMA: routed offloaded experts per observation
         self._copied: float | None = None  # EMA: experts copied for passes (prefetched or on demand)
+        self.host_profile: HostProfile | None = None  # what start-up measured of the host (use_host_tier)
+        self.expert_copy_s: float | None = None  # one expert's copy time at the measured PCIe bandwidth
+        self._host: float | None = None  # EMA: routed offloaded experts the host computed, per observation
+        self._host_s: float | None = None  # EMA: host seconds they took, per observation
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -104,11 +120,21 @@ class StepCostTracker:
         self.compute_s = self._clean_estimate(b)
         self.steps += 1
 
-    def observe_forward(self, forward_s: float, copy_s: float = 0.0, tokens: int = 0) -> None:
+    def use_host_tier(self, profile: HostProfile, expert_copy_s: float) -> None:
+        """The host tier computes experts too: its measured costs and one expert's measured copy time."""
+        if expert_copy_s <= 0:
+            raise ValueError(f"an expert's copy time must be positive, got {expert_copy_s}")
+        self.host_profile = profile
+        self.expert_copy_s = expert_copy_s
+
+    def observe_forward(self, forward_s: float, copy_s: float = 0.0, tokens: int = 0, host_s: float = 0.0) -> None:
         """A pass of `tokens` batched tokens took `forward_s` (piecewise overhead already taken out) while
-        `copy_s` of expert copies (bytes / nominal bandwidth) were issued for it."""
-        if forward_s < 0 or copy_s < 0:
-            raise ValueError(f"need forward_s >= 0 and copy_s >= 0, got {forward_s}, {copy_s}")
+        `copy_s` of expert copies (bytes / nominal bandwidth) were issued for it and the host tier spent `host_s`
+        computing experts (taken out of the pass: what the host tier costs reaches the model through
+        offload_cost_factor)."""
+        if forward_s < 0 or copy_s < 0 or host_s < 0:
+            raise ValueError(f"need forward_s >= 0, copy_s >= 0 and host_s >= 0, got {forward_s}, {copy_s}, {host_s}")
+        forward_s = max(0.0, forward_s - host_s)
         if copy_s == 0:
             self.observe_compute(forward_s, tokens)
             return
@@ -134,15 +160,20 @@ class StepCostTracker:
         self.overlap = self._ema(self.overlap, min(self.copy_overlap, overlap))
         self.slowdown = self._ema(self.slowdown, min(self.max_slowdown, max(1.0, slowdown)))
 
-    def observe_loads(self, routed: int, copied: int) -> None:
-        """Since the last observation: `routed` offloaded experts that passes routed to (loader hits + misses),
-        `copied` experts copied for passes (prefetched + on demand; grows excluded)."""
-        if routed < 0 or copied < 0:
-            raise ValueError(f"need routed >= 0 and copied >= 0, got {routed}, {copied}")
-        if routed == 0 and copied == 0:
+    def observe_loads(self, routed: int, copied: int, host: int = 0, host_s: float = 0.0) -> None:
+        """Since the last observation: `routed` offloaded experts that passes routed to and took from the load
+        buffers (loader hits + misses), `copied` experts copied for passes (prefetched + on demand; grows
+        excluded), `host` routed offloaded experts the host tier computed instead, in `host_s` host seconds."""
+        if routed < 0 or copied < 0 or host < 0 or host_s < 0:
+            raise ValueError(f"need routed >= 0, copied >= 0, host >= 0 and host_s >= 0, got {routed}, {copied}, "
+                             f"{host}, {host_s}")
+        if routed == 0 and copied == 0 and host == 0:
             return
         self._routed = self._ema(self._routed, float(routed))
         self._copied = self._ema(self._copied, float(copied))
+        if host > 0 or self._host is not None:
+            self._host = self._ema(self._host, float(host))
+            self._host_s = self._ema(self._host_s, host_s)
 
     def copy_excess(self) -> float:
         """Experts copied per routed offloaded expert, (copied + 1) / (routed + 1) over the EMAs (>= 1,
@@ -151,6 +182,21 @@ class StepCostTracker:
         if self._copied is None or self._routed is None:
             return 1.0
         return min(self.max_excess, max(1.0, (self._copied + 1.0) / (self._routed + 1.0)))
+
+    def host_share(self) -> float:
+        """Share of the routed offloaded experts the host tier computed (EMAs; 0 without it)."""
+        if not self._host or self._routed is None:
+            return 0.0
+        return self._host / (self._host + self._routed)
+
+    def offload_cost_factor(self) -> float:
+        """Expert copies' worth of time per routed offloaded expert: the copied share at copy_excess, the host share
+        at (host seconds per host-computed expert) / expert_copy_s. copy_excess without host computations."""
+        share = self.host_share()
+        if share == 0.0 or self.expert_copy_s is None or self._host_s is None or not self._host:
+            return self.copy_excess()
+        host_per_expert = self._host_s / self._host
+        return (1.0 - share) * self.copy_excess() + share * host_per_expert / self.expert_copy_s
 
     def copy_slowdown(self) -> float:
         return self.slowdown

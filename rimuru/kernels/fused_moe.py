@@ -36,11 +36,14 @@ def _check_args(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, intermed
 
 def fused_moe_reference(
     hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert_view: Tensor, expert_table: Tensor,
-    intermediate_size: int,
+    intermediate_size: int, skip_absent: bool = False,
 ) -> Tensor:  # fmt: skip
     """Plain-torch paged MoE: loops over experts that received tokens, accumulates in fp32 (fp64 for fp64).
 
     out[t] = sum_j topk_weights[t, j] * W2_e(SiLU(W1_e h_t) * W3_e h_t),  e = topk_ids[t, j].
+
+    A routed expert without pages (a -1 in its table row) is an error, unless `skip_absent`: then it contributes
+    zeros, as in the Triton kernel (the host computes such experts: experts/host_tier.py).
     """
     _check_args(hidden, topk_weights, topk_ids, intermediate_size)
     T, d = hidden.shape
@@ -59,6 +62,8 @@ def fused_moe_reference(
             raise ValueError(f"routed expert {e} is outside the expert table (E = {table.shape[0]})")
         p1, p3, p2 = (int(p) for p in table[e])
         if min(p1, p3, p2) < 0:
+            if skip_absent:
+                continue
             raise ValueError(f"expert {e} is routed to but not resident: pages {(p1, p3, p2)}")
         w1 = expert_view[p1].view(f, d).to(acc)  # [f, d]
         w3 = expert_view[p3].view(f, d).to(acc)  # [f, d]
@@ -73,12 +78,15 @@ def fused_moe_reference(
 
 def fused_moe(
     hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert_view: Tensor, expert_table: Tensor,
-    intermediate_size: int,
+    intermediate_size: int, skip_absent: bool = False,
 ) -> Tensor:  # fmt: skip
-    """Paged fused MoE: the Triton kernel on CUDA tensors, the torch reference on the CPU."""
+    """Paged fused MoE: the Triton kernel on CUDA tensors, the torch reference on the CPU. `skip_absent`: routed
+    experts without pages contribute zeros (what the Triton kernel always does; the reference refuses them
+    otherwise)."""
     if hidden.is_cuda:
         return fused_moe_triton(hidden, topk_weights, topk_ids, expert_view, expert_table, intermediate_size)
-    return fused_moe_reference(hidden, topk_weights, topk_ids, expert_view, expert_table, intermediate_size)
+    return fused_moe_reference(hidden, topk_weights, topk_ids, expert_view, expert_table, intermediate_size,
+                               skip_absent=skip_absent)
 
 
 def fused_moe_triton(

@@ -9,6 +9,10 @@ buffer it fills now) and returns the layer's expert table:
 
 W1/W3 pages hold [f, d] row-major, W2 pages hold [d, f] (docs/architecture.md). The implementations live in
 experts/ (static_provider.py, offload_provider.py); the model only knows this protocol.
+
+An offloading provider may leave some routed experts out of the table (rows -1) for the host to compute
+(experts/host_tier.py): right after `table`, `host_experts` starts that work and returns a `HostPart`, the layer
+queues its kernel (whose -1 rows contribute zeros) and then joins the host part with the kernel's output.
 """
 
 from __future__ import annotations
@@ -16,6 +20,12 @@ from __future__ import annotations
 from typing import Protocol
 
 from torch import Tensor
+
+
+class HostPart(Protocol):
+    def join(self, out: Tensor) -> Tensor:
+        """The kernel's output [T, d] plus the host-computed experts' weighted outputs."""
+        ...
 
 
 class ExpertProvider(Protocol):
@@ -29,4 +39,9 @@ class ExpertProvider(Protocol):
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         """Called with the input hidden states [T, d] of the decoder layer that holds MoE layer
         `moe_layer`, before its attention runs: a chance to start prefetching."""
+        ...
+
+    def host_experts(self, moe_layer: int, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> HostPart | None:
+        """After `table(moe_layer, topk_ids)`: the host work for the routed experts that table left out (None: it
+        left none out). `hidden` [T, d] is the MoE layer's input, `topk_weights` / `topk_ids` [T, k] its routing."""
         ...

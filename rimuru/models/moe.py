@@ -32,6 +32,9 @@ class _NoExperts:
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
         raise RuntimeError("this model has no routed experts attached (MoECausalLM.attach_experts)")
 
+    def host_experts(self, moe_layer: int, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> None:
+        return None
+
 
 NO_EXPERTS: ExpertProvider = _NoExperts()
 
@@ -85,7 +88,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
         weights, ids = self.route(x)  # [T, k]
         table = self.provider.table(self.moe_idx, ids)  # [E, 3] int32
-        return fused_moe(x, weights, ids, self.provider.expert_view, table, self.intermediate_size)  # [T, d]
+        host = self.provider.host_experts(self.moe_idx, x, weights, ids)  # experts left out of the table, started
+        out = fused_moe(x, weights, ids, self.provider.expert_view, table, self.intermediate_size,
+                        skip_absent=host is not None)  # [T, d]
+        # the host computes its experts while the device runs the kernel queued above, then adds them
+        return out if host is None else host.join(out)
 
 
 class SharedExpertMoE(SparseMoE):

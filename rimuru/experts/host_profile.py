@@ -1,0 +1,161 @@
+"""What this machine's host can do for the CPU expert tier, measured once at start-up and printed.
+
+    bandwidth      bytes/s of a STREAM-like read (a sum over a buffer far larger than the caches): decode on the
+                   host is bound by it, since an expert's weights are read once per step for a few tokens
+    expert times   seconds one expert of the model's shapes and dtype takes on the host at 1, 2, 4, 8, 16 tokens
+                   (host_compute.py, the engine's thread count, over a scratch store of random experts, up to
+                   8 and 512 MiB, so that the weights come from memory where they are larger than the caches;
+                   the real store may still be empty at start-up), dispatch and combine included
+    matrix ISA     torch's CPU capability and the bf16 matrix extensions (AVX-512 BF16, AMX): without them a
+                   bf16 GEMV is upcast and slower
+    NUMA nodes     host memory controllers; the store is not yet placed per node
+
+The tier's cost model (host_tier.py, step_cost.py) reads the expert times; nothing here is a constant of some
+other machine. A measurement takes well under a second on a 2-core host for the tiny test models; for
+Qwen3-30B-A3B shapes, about 0.1 s per token count.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rimuru.experts.host_compute import HostAssignments, HostExpertCompute
+from rimuru.experts.host_store import HostExpertStore
+
+MEASURED_TOKENS = (1, 2, 4, 8, 16)
+BANDWIDTH_PROBE_BYTES = 256 * 2**20  # far beyond any L3: a read from memory
+SCRATCH_EXPERT_BYTES = 512 * 2**20  # the most the expert-time probe allocates
+
+
+@dataclass(frozen=True)
+class HostExpertTimes:
+    """One expert's host time by routed tokens: measured points, linear between them and past the last two."""
+
+    tokens: tuple[int, ...]  # ascending
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.seconds) or not self.tokens:
+            raise ValueError(f"need as many times as token counts (at least one), got {self.tokens}, {self.seconds}")
+        if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
+            raise ValueError(f"token counts must be ascending and >= 1, got {self.tokens}")
+        if min(self.seconds) < 0:
+            raise ValueError(f"times must be >= 0, got {self.seconds}")
+
+    def __call__(self, tokens: float) -> float:
+        ts, ss = self.tokens, self.seconds
+        if tokens <= ts[0] or len(ts) == 1:
+            return ss[0] if tokens <= ts[0] else ss[0] * tokens / ts[0]
+        for i in range(1, len(ts)):
+            if tokens <= ts[i] or i == len(ts) - 1:
+                slope = max(0.0, (ss[i] - ss[i - 1]) / (ts[i] - ts[i - 1]))
+                return ss[i - 1] + slope * (tokens - ts[i - 1])
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    bandwidth: float  # bytes/s
+    expert_times: HostExpertTimes
+    expert_bytes: int
+    threads: int
+    matrix_isa: str
+    numa_nodes: int
+
+    def describe(self) -> str:
+        times = ", ".join(f"{t} tok {1e3 * s:.3f} ms" for t, s in zip(self.expert_times.tokens,
+                                                                      self.expert_times.seconds, strict=True))
+        one = self.expert_times.seconds[0]
+        return (f"host: {self.bandwidth / 1e9:.1f} GB/s read, {self.threads} threads, {self.matrix_isa}, "
+                f"{self.numa_nodes} NUMA node(s); one expert ({self.expert_bytes / 1e6:.2f} MB): {times} "
+                f"({self.expert_bytes / max(one, 1e-12) / 1e9:.1f} GB/s at 1 token)")
+
+
+def measure_host_bandwidth(nbytes: int = BANDWIDTH_PROBE_BYTES, reps: int = 3) -> float:
+    """Bytes/s of a read of `nbytes` (capped at an eighth of the available memory), best of `reps`."""
+    nbytes = max(2**20, min(nbytes, available_host_bytes() // 8))
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()  # warm-up: the pages are touched, the threads are up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / max(best, 1e-9)
+
+
+def measure_expert_times(compute: HostExpertCompute, tokens: tuple[int, ...] = MEASURED_TOKENS, experts: int = 8,
+                         reps: int = 3, layer: int = 0) -> HostExpertTimes:
+    """Per expert, seconds of one host compute call over `experts` experts of `layer` with n tokens each (the
+    per-expert dispatch and the combine included), best of `reps`, for every n in `tokens`."""
+    store = compute.store
+    m = min(experts, store.num_experts)
+    gen = torch.Generator().manual_seed(0)
+    seconds = []
+    for n in tokens:
+        hidden = (0.1 * torch.randn(n, store.d, generator=gen)).to(store.dtype)  # [n, d]
+        rows = torch.arange(n).repeat(m)  # [m*n]: every token to every expert
+        ids = torch.arange(m).repeat_interleave(n)
+        work = HostAssignments(rows=rows, experts=ids, weights=torch.full((m * n,), 1.0 / m))
+        compute.compute(layer, hidden, work)  # warm-up
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            compute.compute(layer, hidden, work)
+            best = min(best, time.perf_counter() - t0)
+        seconds.append(best / m)
+    return HostExpertTimes(tokens=tuple(tokens), seconds=tuple(seconds))
+
+
+def cpu_matrix_isa() -> str:
+    """torch's CPU capability and the bf16 matrix extensions the CPU reports (Linux /proc/cpuinfo)."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    extras = [name for flag, name in (("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX-BF16")) if flag in flags]
+    return f"{torch.backends.cpu.get_cpu_capability()}" + (f" + {' + '.join(extras)}" if extras else
+                                                          " (no bf16 matrix extensions: bf16 is upcast)")
+
+
+def numa_nodes() -> int:
+    nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return max(1, len(nodes))
+
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo, else the physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def scratch_compute(intermediate_size: int, hidden_size: int, dtype: torch.dtype,
+                    experts: int = 8) -> HostExpertCompute:
+    """A host compute over one layer of random experts of the model's shapes (at most SCRATCH_EXPERT_BYTES)."""
+    expert_bytes = 3 * intermediate_size * hidden_size * torch.empty((), dtype=dtype).element_size()
+    n = max(1, min(experts, SCRATCH_EXPERT_BYTES // expert_bytes))
+    store = HostExpertStore(1, n, intermediate_size, hidden_size, dtype, pin=False, progress=False)
+    store.fill_random(seed=0)
+    return HostExpertCompute(store)
+
+
+def profile_host(intermediate_size: int, hidden_size: int, dtype: torch.dtype) -> HostProfile:
+    """Every measurement above for experts of these shapes, with the intra-op threads as they are set now."""
+    compute = scratch_compute(intermediate_size, hidden_size, dtype)
+    return HostProfile(bandwidth=measure_host_bandwidth(), expert_times=measure_expert_times(compute),
+                       expert_bytes=compute.store.expert_bytes, threads=torch.get_num_threads(),
+                       matrix_isa=cpu_matrix_isa(), numa_nodes=numa_nodes())
