@@ -313,10 +313,24 @@ def test_fixed_mode_host_tier_on_equals_off_and_transformers(arch: str, parity_c
     assert run_greedy(one, prompts(), STEPS, one_by_one=True) == ref
 
 
-def test_auto_is_off_on_the_cpu_device(parity_checkpoints) -> None:
-    llm = LLM(str(parity_checkpoints["qwen2_moe"]), device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed",
-              resident_experts=2)
+def test_auto_is_off_on_the_cpu_device_and_counters_reach_metrics(parity_checkpoints) -> None:
+    from rimuru.server.metrics import ServerMetrics
+
+    path = str(parity_checkpoints["qwen2_moe"])
+    llm = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=2)
     assert llm.engine.runtime.provider.host_tier is None and llm.stats()["cpu_experts_computed"] == 0
+    assert LLM(path, device="cpu", gpu_memory_budget=BUDGET).stats()["cpu_expert_tokens"] == 0  # static: zeros
+    on = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=1,
+             cpu_expert_compute="on")
+    run_greedy(on, prompts()[:1], 4)
+    stats = on.stats()
+    assert stats["cpu_expert_tokens"] > 0
+    text = ServerMetrics(lambda: stats, "m", 64).render().decode()
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
+    for name in ("cpu_expert_tokens", "cpu_experts_computed", "cpu_expert_bytes_not_copied",
+                 "cpu_expert_compute_seconds"):
+        assert "counter" in (types.get("rimuru:" + name), types.get(f"rimuru:{name}_total")), (name, types)
+    assert f'rimuru:cpu_expert_tokens_total{{model_name="m"}} {float(stats["cpu_expert_tokens"])}' in text
 
 
 @pytest.mark.parametrize("arch", ARCHS)

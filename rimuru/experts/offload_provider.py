@@ -242,7 +242,7 @@ class OffloadExpertProvider:
             cand = torch.nonzero((scores > 0) & self.cache.host_tables[moe_layer + 1, :, 0].lt(0)).flatten()
             order = torch.argsort(scores[cand], descending=True, stable=True)
             picked = cand[order][: loader.slots].tolist()
-            if picked and self.host_tier is not None:
+            if picked and self.host_tier is not None and self._host_allowed:
                 # no copy ahead for an expert the host tier would compute for its tokens: a token's top-k
                 # probabilities sum to at most 1, so score x top_k estimates the tokens that pick the expert
                 guess = {e: max(1, round(float(scores[e]) * self.top_k)) for e in picked}

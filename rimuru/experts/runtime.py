@@ -25,6 +25,7 @@ import torch
 
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.cache import ExpertCache
+from rimuru.experts.host_tier import no_tier_stats
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.experts.static_provider import StaticExpertProvider
@@ -193,4 +194,4 @@ class StaticRuntime(FixedResidency):
 
     def stats(self) -> dict[str, float]:
         return {"expert_bytes_loaded": 0, "prefetch_hits": 0, "prefetch_misses": 0, "expert_evictions": 0,
-                "expert_grows": 0, "expert_reranks": 0}
+                "expert_grows": 0, "expert_reranks": 0, **no_tier_stats()}

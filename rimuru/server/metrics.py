@@ -61,6 +61,11 @@ COUNTERS = {
     "expert_reranks": ("expert_reranks", "Times the resident expert set was re-ranked."),
     "prefetch_hits": ("prefetch_hits", "Routed experts that the predictor had prefetched."),
     "prefetch_misses": ("prefetch_misses", "Routed experts loaded on demand."),
+    "cpu_expert_tokens": ("cpu_expert_tokens", "Expert-token computations the host ran instead of the GPU."),
+    "cpu_experts_computed": ("cpu_experts_computed", "Routed offloaded experts computed on the host, not copied."),
+    "cpu_expert_bytes_not_copied": ("cpu_expert_bytes_not_copied",
+                                    "Expert bytes kept off PCIe by computing them on the host."),
+    "cpu_expert_compute_s": ("cpu_expert_compute_seconds", "Host seconds spent computing experts (with transfers)."),
 }
 # the server's token counters in the snapshot (AsyncEngine): exposed under vLLM's names only
 SERVER_TOKEN_COUNTS = ("server_prompt_tokens", "server_prompt_tokens_cached", "server_generation_tokens")
