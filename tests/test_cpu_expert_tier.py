@@ -333,6 +333,36 @@ def test_auto_is_off_on_the_cpu_device_and_counters_reach_metrics(parity_checkpo
     assert f'rimuru:cpu_expert_tokens_total{{model_name="m"}} {float(stats["cpu_expert_tokens"])}' in text
 
 
+def test_auto_copies_busy_experts_and_computes_few_token_ones_on_the_host(parity_checkpoints, references) -> None:
+    """`auto` with given costs in the engine (on the CPU device `auto` resolves off, so the tier is set by hand): an
+    expert costs 1 to copy and 0.45 per token on the host, so experts of 1-2 tokens go to the host and busier ones
+    (in the prompts' prefill chunks) are copied. Every choice is recorded; tokens stay transformers'."""
+    from rimuru.experts.host_tier import HostExpertTier
+
+    llm = LLM(str(parity_checkpoints["qwen3_moe"]), device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed",
+              resident_experts=1, max_num_batched_tokens=8)  # prefill chunks of 8 read routing (16 would stream)
+    runtime = llm.engine.runtime
+    tier = HostExpertTier(HostExpertCompute(runtime.store), TierCosts(copy_s=1.0, host_s=lambda n: 0.45 * n),
+                          mode="auto")
+    runtime.provider.host_tier = tier
+    seen: list[tuple[list[tuple[int, int]], list[int]]] = []
+    choose = tier.choose
+
+    def recording(candidates, routed_tokens):
+        chosen = choose(candidates, routed_tokens)
+        if not isinstance(routed_tokens, dict):  # the real routing (not the prefetch's guess)
+            seen.append(([(e, int(routed_tokens[e])) for e in candidates], chosen))
+        return chosen
+
+    tier.choose = recording  # type: ignore[method-assign]
+    assert run_greedy(llm, prompts(), STEPS) == references["qwen3_moe"]
+    on_host = [n for cands, chosen in seen for e, n in cands if e in chosen]
+    copied = [n for cands, chosen in seen for e, n in cands if e not in chosen]
+    assert on_host and max(on_host) <= 2  # few-token experts computed on the host
+    assert copied and min(copied) >= 3  # busy experts copied: the tier loses there and is not chosen
+    assert llm.stats()["cpu_experts_computed"] == len(on_host)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_elastic_mode_host_tier_on_equals_off_and_transformers(arch: str, parity_checkpoints) -> None:
     """A budget that holds every expert but few KV blocks: evictions come under load, the host computes the

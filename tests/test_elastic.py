@@ -248,7 +248,7 @@ def _tiny_runtime(adjuster, step_cost, async_steps: bool = False, limit: int = 2
                        step_cost)
     core.place_start(4)
     loader = SimpleNamespace(counters=LoadCounters(), attach=lambda pages: None, detach=lambda: [])
-    provider = SimpleNamespace(begin_pass=lambda n: None, counter=None)
+    provider = SimpleNamespace(begin_pass=lambda n: None, counter=None, host_tier=None)
     return ElasticRuntime(core, cache, SimpleNamespace(), loader, provider, RoutingCounter(2, 4), 52e9, async_steps)
 
 
