@@ -11,8 +11,8 @@
     NUMA nodes     host memory controllers; the store is not yet placed per node
 
 The tier's cost model (host_tier.py, step_cost.py) reads the expert times; nothing here is a constant of some
-other machine. A measurement takes well under a second on a 2-core host for the tiny test models; for
-Qwen3-30B-A3B shapes, about 0.1 s per token count.
+other machine. A measurement takes about 0.2 s for the tiny test models (each token count is timed for at
+least 30 ms) and under a second for Qwen3-30B-A3B shapes.
 """
 
 from __future__ import annotations
@@ -90,9 +90,12 @@ def measure_host_bandwidth(nbytes: int = BANDWIDTH_PROBE_BYTES, reps: int = 3) -
 
 
 def measure_expert_times(compute: HostExpertCompute, tokens: tuple[int, ...] = MEASURED_TOKENS, experts: int = 8,
-                         reps: int = 3, layer: int = 0) -> HostExpertTimes:
+                         reps: int = 5, layer: int = 0, min_time_s: float = 0.03) -> HostExpertTimes:
     """Per expert, seconds of one host compute call over `experts` experts of `layer` with n tokens each (the
-    per-expert dispatch and the combine included), best of `reps`, for every n in `tokens`."""
+    per-expert dispatch and the combine included), for every n in `tokens`: the best of at least `reps` calls and
+    of as many as `min_time_s` holds. A stall of the host (a shared machine's CPU quota stops a process for tens
+    of ms after a burst) lasts longer than a few sub-millisecond calls, so a fixed few repetitions can all fall in
+    one; calls spread over `min_time_s` cannot."""
     store = compute.store
     m = min(experts, store.num_experts)
     gen = torch.Generator().manual_seed(0)
@@ -103,11 +106,12 @@ def measure_expert_times(compute: HostExpertCompute, tokens: tuple[int, ...] = M
         ids = torch.arange(m).repeat_interleave(n)
         work = HostAssignments(rows=rows, experts=ids, weights=torch.full((m * n,), 1.0 / m))
         compute.compute(layer, hidden, work)  # warm-up
-        best = float("inf")
-        for _ in range(reps):
+        best, done, start = float("inf"), 0, time.perf_counter()
+        while done < reps or time.perf_counter() - start < min_time_s:
             t0 = time.perf_counter()
             compute.compute(layer, hidden, work)
             best = min(best, time.perf_counter() - t0)
+            done += 1
         seconds.append(best / m)
     return HostExpertTimes(tokens=tuple(tokens), seconds=tuple(seconds))
 
@@ -156,6 +160,6 @@ def scratch_compute(intermediate_size: int, hidden_size: int, dtype: torch.dtype
 def profile_host(intermediate_size: int, hidden_size: int, dtype: torch.dtype) -> HostProfile:
     """Every measurement above for experts of these shapes, with the intra-op threads as they are set now."""
     compute = scratch_compute(intermediate_size, hidden_size, dtype)
-    return HostProfile(bandwidth=measure_host_bandwidth(), expert_times=measure_expert_times(compute),
-                       expert_bytes=compute.store.expert_bytes, threads=torch.get_num_threads(),
-                       matrix_isa=cpu_matrix_isa(), numa_nodes=numa_nodes())
+    times = measure_expert_times(compute)  # before the bandwidth probe's burst of all threads
+    return HostProfile(bandwidth=measure_host_bandwidth(), expert_times=times, expert_bytes=compute.store.expert_bytes,
+                       threads=torch.get_num_threads(), matrix_isa=cpu_matrix_isa(), numa_nodes=numa_nodes())
