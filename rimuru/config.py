@@ -19,6 +19,8 @@ _UNITS = {
 
 OFFLOAD_MODES = ("static", "fixed", "elastic")
 ADJUSTERS = ("paper", "cost")  # elastic mode: the paper's threshold rules | the cost-aware adjuster
+# how a pass reaches an offloaded expert: read by the MoE kernel from pinned host memory over PCIe | copied first
+OFFLOAD_ACCESS = ("direct", "copy")
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -78,6 +80,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     resident_experts: float | None = None  # fixed mode: experts per layer (>= 1) or a fraction (< 1)
     expert_offload_limit: int | None = None  # the most experts one layer may have offloaded
+    # fixed and elastic mode: how a pass reaches an offloaded expert. direct: the MoE kernel reads it from the pinned
+    # host store over PCIe (no copy, no host decision, whole CUDA graphs); copy: copied into a load buffer first,
+    # for the layers the routing picks (piecewise graphs)
+    offload_access: str = "direct"
     expert_ranking: str | None = None  # JSON file from `rimuru profile`
     tensor_parallel_size: int = 1
     # load_format="dummy" only: "uniform" (random routers) or "zipf:S" — a seeded power-law expert popularity
@@ -129,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"resident_experts must be positive, got {self.resident_experts}")
         if self.expert_offload_limit is not None and self.expert_offload_limit < 0:
             raise ValueError(f"expert_offload_limit must be >= 0, got {self.expert_offload_limit}")
+        if self.offload_access not in OFFLOAD_ACCESS:
+            raise ValueError(f"offload_access must be one of {', '.join(OFFLOAD_ACCESS)}, got {self.offload_access!r}")
         if self.adjuster not in ADJUSTERS:
             raise ValueError(f"adjuster must be one of {', '.join(ADJUSTERS)}, got {self.adjuster!r}")
         if self.max_logprobs < -1:
@@ -173,6 +181,8 @@ _FLAG_HELP = {
     "resident_experts": "fixed mode: resident experts per layer (>= 1) or a fraction (< 1)",
     "expert_offload_limit": "the most experts one layer may have offloaded (fixed: E - resident; elastic: E/6, raised "
                             "until the pool can start)",
+    "offload_access": "fixed and elastic mode: direct (the MoE kernel reads offloaded experts from pinned host memory; "
+                      "default) | copy (copied to load buffers first)",
     "expert_ranking": "expert popularity JSON written by `rimuru profile`",
     "enforce_eager": "never capture CUDA graphs",
     "max_cudagraph_capture_size": "the largest step (tokens) replayed from a CUDA graph; larger steps run eagerly "
@@ -194,7 +204,7 @@ _FLAG_TYPES: dict[str, Any] = {
     "offload_mode": str,
     "max_num_seqs": int, "max_model_len": int, "max_num_batched_tokens": int, "block_size": int,
     "max_cudagraph_capture_size": int,
-    "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int,
+    "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int, "offload_access": str,
     "expert_ranking": str, "tensor_parallel_size": int, "dummy_routing": str, "adjuster": str,
     "slo_ttft_p99_ms": float, "slo_tpot_p99_ms": float, "max_logprobs": int,
 }

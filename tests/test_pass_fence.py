@@ -23,7 +23,8 @@ def _tight_elastic(ckpt, limit: int = 2) -> LLM:
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 10 * per_block
               + geo.huge_size)
-    return LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
+    return LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+               adjuster="paper",
                expert_offload_limit=limit, max_num_batched_tokens=64, async_scheduling=True)
 
 

@@ -146,7 +146,7 @@ class LLMEngine:
         return RuntimeSettings(mode=mode, resident_experts=config.resident_experts,
                                expert_offload_limit=config.expert_offload_limit, adjuster=config.adjuster,
                                slo_ttft_p99_ms=config.slo_ttft_p99_ms, slo_tpot_p99_ms=config.slo_tpot_p99_ms,
-                               async_scheduling=self.async_scheduling)
+                               async_scheduling=self.async_scheduling, offload_access=config.offload_access)
 
     def _make_host_store(self, mode: str, dtype: torch.dtype) -> None:
         """Pins the host expert store of an offloading mode before the graph profile: its device-side mappings

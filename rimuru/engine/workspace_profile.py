@@ -201,15 +201,20 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
 
 def _capture_like_the_engine(model: MoECausalLM, scratch: _ScratchPool, mode: str, device: torch.device,
                              num_attn: int, config: EngineConfig, max_model_len: int) -> StepGraphs:
-    """The graph ladders the engine will capture in `mode` (static: whole graphs; fixed: piecewise; elastic:
-    piecewise and whole), over the scratch pool."""
+    """The graph ladders the engine will capture in `mode` (static, and fixed or elastic with direct access: whole
+    graphs; fixed with copies: piecewise; elastic with copies: piecewise and whole), over the scratch pool."""
     provider = scratch.provider
     boundaries = None
-    if mode != "static":
+    copies = mode != "static" and config.offload_access == "copy"
+    if copies:
         boundaries = ExpertTableBoundaries(None, model, provider.expert_view, provider.tables)
+    elif mode != "static":  # the kernels' host-row variant, over the scratch pages (no host memory is read)
+        provider = StaticExpertProvider(provider.expert_view, provider.tables,
+                                        host_rows=[provider.expert_view] * provider.tables.shape[0])
+        model.attach_experts(provider)
     graphs = StepGraphs(model, device, num_attn, config.max_num_seqs, max_model_len, config.block_size,
                         config.max_num_batched_tokens, boundaries=boundaries,
-                        resident_provider=provider if mode == "elastic" else None,
+                        resident_provider=provider if copies and mode == "elastic" else None,
                         max_capture_size=config.max_cudagraph_capture_size)
     graphs.capture()
     return graphs

@@ -29,6 +29,9 @@ class _NoExperts:
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         return None
 
+    def host_rows(self, moe_layer: int) -> Tensor | None:
+        return None
+
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
         raise RuntimeError("this model has no routed experts attached (MoECausalLM.attach_experts)")
 
@@ -84,8 +87,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
         weights, ids = self.route(x)  # [T, k]
-        table = self.provider.table(self.moe_idx, ids)  # [E, 3] int32
-        return fused_moe(x, weights, ids, self.provider.expert_view, table, self.intermediate_size)  # [T, d]
+        provider = self.provider
+        table = provider.table(self.moe_idx, ids)  # [E, 3] int32
+        return fused_moe(x, weights, ids, provider.expert_view, table, self.intermediate_size,
+                         provider.host_rows(self.moe_idx))  # [T, d]
 
 
 class SharedExpertMoE(SparseMoE):
