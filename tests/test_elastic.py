@@ -39,12 +39,14 @@ def prompts(n: int, seed: int) -> list[dict]:
 def tight_budget(path: Path, kv_blocks: int, limit: int, load_buffers: bool = True, **engine_args: str | bool) -> int:
     """A budget that holds every expert, the load buffers (unless not `load_buffers`) and `kv_blocks` KV blocks
     (sizes from a probe engine with `engine_args`). On a GPU the workspace is measured, and it depends on the graphs
-    the mode captures: the probe runs elastic with CUDA graphs as the engines under test do, at a budget where
-    everything fits."""
+    the mode captures and on which kernels are loaded already: the probe runs elastic with CUDA graphs as the engines
+    under test do, at a budget where everything fits, after a first engine has loaded the kernels."""
     args = {"device": "cpu", **engine_args}
     access = args.pop("offload_access", "copy")
     mode = {"enforce_eager": True} if args["device"] == "cpu" else {
         "offload_mode": "elastic", "offload_access": access, "adjuster": "paper", "expert_offload_limit": limit}
+    if args["device"] != "cpu":  # the first engine of a process also loads the kernels: the probe measures the second
+        LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, **mode, **args).shutdown()
     probe = LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, **mode, **args)
     split, geo = probe.engine.budget_split, probe.engine.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
