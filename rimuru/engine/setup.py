@@ -232,7 +232,8 @@ def load_weights(model: MoECausalLM, spec: ModelSpec, config: EngineConfig, load
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec, kv_tokens: int, pool_bytes: int) -> int:
     if kv_tokens < config.block_size:
-        raise ValueError(f"after the experts, the pool ({format_bytes(pool_bytes)}) has no room for KV cache; "
+        state = " and one request's state pages" if spec.is_hybrid else ""
+        raise ValueError(f"after the experts{state}, the pool ({format_bytes(pool_bytes)}) has no room for KV cache; "
                          "raise gpu_memory_budget or use an offload mode")
     if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
         # as vLLM: positions past the trained range are not something the engine can promise to serve
