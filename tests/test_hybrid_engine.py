@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from rimuru import LLM, SamplingParams
 from rimuru.engine.llm_engine import LLMEngine
@@ -172,3 +173,27 @@ def test_a_pool_without_room_for_one_requests_state_is_refused(ckpt: Path) -> No
     assert e.state is not None
     room = (e.max_kv_pages() - e.state.kv_pages) // e.kv.num_layers * e.config.block_size
     assert e.max_model_len == min(room, e.spec.max_position_embeddings) > 0
+
+
+def test_the_workspace_profiles_largest_step_runs_a_hybrid_model(ckpt: Path) -> None:
+    # What a GPU start-up runs before the pool exists, on the CPU: every sequence's state on page 0 of a one-huge-page
+    # scratch pool (the measured step's numbers do not matter, only that it runs and its outputs are finite).
+    from rimuru.engine.workspace_profile import _largest_step, _ScratchPool
+    from rimuru.memory.geometry import PageGeometry
+    from rimuru.model_spec import ModelSpec
+    from rimuru.models.loader import init_dummy_weights
+    from rimuru.models.registry import build_model
+
+    spec = ModelSpec.from_pretrained(ckpt)
+    geo = PageGeometry.for_model(spec, dtype=torch.float32)
+    scratch = _ScratchPool(spec, geo, torch.float32, torch.device("cpu"), spec.num_key_value_heads, 16)
+    assert scratch.state is not None
+    model = build_model(spec, torch.float32, "cpu", scratch.kv_view, scratch.provider)
+    init_dummy_weights(model, seed=0)
+    scratch.pool.buffer.zero_()
+    model.bind_state_cache(scratch.state)
+    batch = _largest_step(len(spec.attention_layer_ids), 48, 3, 16, spec.vocab_size, torch.device("cpu"),
+                          len(spec.linear_layer_ids))
+    with torch.inference_mode():
+        hidden = model(batch)
+    assert hidden.shape == (48, spec.hidden_size) and bool(torch.isfinite(hidden).all())
