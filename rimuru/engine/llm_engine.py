@@ -130,7 +130,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    reclaimable=self.runtime.reclaimable_kv_pages,
                                    admission_reserve=self.runtime.admission_reserve_kv_pages, state=self.state)
-        self.runner = ModelRunner(model, device, num_attn, config.block_size, Sampler(device, config.seed))
+        self.runner = ModelRunner(model, device, num_attn, config.block_size, Sampler(device, config.seed),
+                                  num_linear_layers=len(spec.linear_layer_ids))
         self.piecewise_overhead_s: float | None = None  # measured after capture where whole graphs exist too
         if device.type == "cuda" and not config.enforce_eager:
             if spec.is_hybrid:  # the graphs' batches carry no state page ids yet

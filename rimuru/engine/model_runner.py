@@ -164,11 +164,11 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: MoECausalLM, device: torch.device, num_attention_layers: int,
-                 block_size: int, sampler: Sampler) -> None:
+                 block_size: int, sampler: Sampler, num_linear_layers: int = 0) -> None:
         self.model = model
         self.device = device
         self.num_layers = num_attention_layers
-        self.num_linear_layers = len(model.spec.linear_layer_ids)  # hybrid models: layers with state pages
+        self.num_linear_layers = num_linear_layers  # hybrid models: linear-attention layers, each with state pages
         self.block_size = block_size
         self.sampler = sampler
         self.graphs: StepGraphs | None = None  # set by use_cuda_graphs()
