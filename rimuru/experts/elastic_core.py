@@ -51,6 +51,7 @@ from rimuru.experts.residency import (
 )
 from rimuru.experts.runtime import StepDemand
 from rimuru.experts.step_cost import StepCostTracker
+from rimuru.memory.geometry import CONV, SSM
 
 
 def default_elastic_limit(num_layers: int, num_experts: int, free_mid_pages: int, load_buffers: bool = True) -> int:
@@ -261,11 +262,19 @@ class ElasticCore:
             num_waiting=demand.num_waiting, num_stalled=demand.num_stalled, max_num_seqs=demand.max_num_seqs,
             oldest_wait_s=demand.oldest_wait_s, tpot_p99_s=demand.tpot_p99_s, tpot_observed=demand.tpot_observed,
             # held by requests: the prefix cache's unreferenced pages are free room (in free_mid_pages when whole)
-            kv_mid_pages=(allocator.num_used("kv") - allocator.num_reclaimable("kv")) / self.smalls_per_mid,
+            kv_mid_pages=(allocator.num_used("kv") - allocator.num_reclaimable("kv")) / self.smalls_per_mid
+            + self._state_mid_pages(),
             # held for good, or none at all: no cost
             buffer_slot_pages=load_buffer_pages(1) if self.lazy_buffers and self.load_buffers else 0,
             buffer_slots=self.buffer_slots,
         )
+
+    def _state_mid_pages(self) -> float:
+        """Hybrid models' per-request state pages (ssm and conv kinds) in use, in expert mid pages: part of each
+        running request's footprint, as its KV is (0 for other models)."""
+        a, g = self.allocator, self.allocator.geometry
+        kinds = [k for k in (SSM, CONV) if k in g.mid_kinds or k in g.small_kinds]
+        return sum(a.num_used(k) * g.size(k) for k in kinds) / g.size(EXPERT)
 
     def after_pass(self) -> PassEnd:
         """The pass planned last has been launched (and, for a page that becomes free, finished by the time

@@ -122,6 +122,12 @@ class CostModel:
         self.kv_bytes_per_token = spec.kv_bytes_per_token(dtype)
         self.attn_width = spec.num_attention_heads * spec.head_dim
         self.num_attn_layers = len(spec.attention_layer_ids)
+        # hybrid models: every scheduled sequence reads and writes its whole state once per step, and each token
+        # updates and reads every linear layer's [Hv, dk, dv] state (about 6 flops per element: decay, S^T k,
+        # the rank-1 update, S^T q)
+        self.state_bytes_per_request = spec.state_bytes_per_request(dtype)
+        self.state_flops_per_token = 6.0 * len(spec.linear_layer_ids) * (
+            spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim)
         self.top_k = spec.num_experts_per_tok
         self.q = np.minimum(1.0, self.top_k * np.asarray(probabilities, dtype=np.float64))  # [L, E]
         self._log_miss = np.log1p(-np.minimum(self.q, 1.0 - 1e-12))  # log(1 - q), finite
@@ -141,9 +147,10 @@ class CostModel:
         offloaded = float(act[~resident].sum())
         flops = 2.0 * T * (self.dense_params + self.spec.num_moe_layers * self.top_k * self.expert_params)
         flops += 2.0 * num_sampled * self.lm_head_params
-        flops += 4.0 * self.attn_width * pairs * self.num_attn_layers
+        flops += 4.0 * self.attn_width * pairs * self.num_attn_layers + T * self.state_flops_per_token
         hbm = (self.non_expert_bytes + (activated - offloaded) * self.expert_bytes
-               + context * self.kv_bytes_per_token + T * self.kv_bytes_per_token)
+               + context * self.kv_bytes_per_token + T * self.kv_bytes_per_token
+               + 2 * len(chunks) * self.state_bytes_per_request)
         pcie = (offloaded + grown) * self.expert_bytes
         hw = self.hw
         flop_s = flops / (hw.peak_flops * hw.flops_efficiency)
