@@ -18,6 +18,7 @@ import torch
 
 from rimuru import LLM, SamplingParams
 from rimuru.engine.llm_engine import LLMEngine
+from rimuru.experts.direct_runtime import DirectRuntime
 from rimuru.experts.residency import EXPERT
 from rimuru.memory.geometry import CONV, SSM
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION
@@ -104,13 +105,14 @@ def test_static_preempts_and_recomputes_the_state(ckpt: Path) -> None:
     assert_nothing_held(llm.engine)
 
 
-def test_elastic_evicts_experts_for_state_pages(ckpt: Path) -> None:
-    # Every expert fits beside the load buffers and about one request: the next requests' state pages are the
-    # shortfall the adjuster evicts experts for, and the tokens stay transformers'.
+@pytest.mark.parametrize("access", ["direct", "copy"])
+def test_elastic_evicts_experts_for_state_pages(ckpt: Path, access: str) -> None:
+    # Every expert fits beside the load buffers (copy access) and about one request: the next requests' state pages
+    # are the shortfall the adjuster evicts experts for, and the tokens stay transformers'.
     limit = 5
-    budget = tight_budget(ckpt, requests=1, load_buffer_experts=limit)
+    budget = tight_budget(ckpt, requests=1, load_buffer_experts=limit if access == "copy" else 0)
     llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
-              expert_offload_limit=limit, max_num_batched_tokens=CHUNK)
+              expert_offload_limit=limit, max_num_batched_tokens=CHUNK, offload_access=access)
     engine = llm.engine
     start_resident = engine.runtime.cache.num_resident
     assert start_resident == engine.runtime.cache.total_experts
@@ -124,14 +126,20 @@ def test_elastic_evicts_experts_for_state_pages(ckpt: Path) -> None:
     assert greedy(static, prompts) == got  # offloading never changes tokens
 
 
-def test_fixed_mode_with_state_in_a_tight_pool(ckpt: Path) -> None:
-    budget = tight_budget(ckpt, requests=2, load_buffer_experts=4, offload_mode="fixed", resident_experts=4)
+@pytest.mark.parametrize("access", ["direct", "copy"])
+def test_fixed_mode_with_state_in_a_tight_pool(ckpt: Path, access: str) -> None:
+    buffers = 4 if access == "copy" else 0
+    budget = tight_budget(ckpt, requests=2, load_buffer_experts=buffers, offload_mode="fixed", resident_experts=4,
+                          offload_access=access)
     llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="fixed", resident_experts=4,
-              max_num_batched_tokens=CHUNK)
+              max_num_batched_tokens=CHUNK, offload_access=access)
     assert llm.engine.runtime.cache.num_resident == 4 * llm.engine.spec.num_moe_layers
     prompts = random_prompts((19, 6, 28), seed=24)
     got = greedy(llm, prompts)
-    assert llm.stats()["expert_bytes_loaded"] > 0
+    if access == "copy":
+        assert llm.stats()["expert_bytes_loaded"] > 0
+    else:  # the kernel read the offloaded experts in the host store: nothing was copied, no buffer was taken
+        assert isinstance(llm.engine.runtime, DirectRuntime) and llm.engine.budget_split["load_buffers"] == 0
     assert_greedy_matches(ckpt, prompts, got, STEPS)
     assert_nothing_held(llm.engine)
 
