@@ -8,6 +8,11 @@
     step    = step_overhead + compute + max(0, copies - copy_overlap * compute) + piecewise
     piecewise = piecewise_overhead_per_layer * MoE layers when any expert is offloaded (the engine then replays
                 piecewise CUDA graphs, cut at every MoE layer, instead of whole ones), else 0
+  direct access (offload_access="direct": the MoE kernel reads activated offloaded experts in host memory):
+    reads   = activated offloaded experts' bytes / pcie_bandwidth, inside the kernel: not hidden behind compute
+              (benchmarks/bench_direct_host_moe.py: each routed host-read expert adds its full read time)
+    step    = step_overhead + compute + reads + max(0, grow copies - copy_overlap * compute); whole graphs, so no
+              piecewise overhead
 
 FLOPs: 2 per weight per token for every non-embedding weight a token passes through (attention, shared
 expert, router, its top-k routed experts; lm_head only for rows that are sampled) plus attention scores
@@ -102,6 +107,7 @@ class StepCost:
     activated_experts: float  # expected, all layers
     offloaded_activated: float  # expected, all layers
     piecewise_s: float = 0.0  # the piecewise-graph overhead in time_s (experts offloaded)
+    read_s: float = 0.0  # direct access: the kernel's reads of offloaded experts over PCIe, in time_s
 
 
 class CostModel:
@@ -137,8 +143,9 @@ class CostModel:
         return -np.expm1(num_tokens * self._log_miss)
 
     def step(self, chunks: Sequence[tuple[int, int]], num_sampled: int, resident: np.ndarray,
-             grown: int = 0) -> StepCost:
-        """`chunks`: (tokens computed before, new tokens) per scheduled sequence; `resident`: [L, E] bool."""
+             grown: int = 0, direct: bool = False) -> StepCost:
+        """`chunks`: (tokens computed before, new tokens) per scheduled sequence; `resident`: [L, E] bool;
+        `direct`: offloaded experts are read by the kernel in host memory, not copied first."""
         T = sum(n for _, n in chunks)
         pairs = sum(n * (start + (n + 1) / 2) for start, n in chunks)  # causal (query, key) pairs
         context = sum(start + n for start, n in chunks)
@@ -157,11 +164,13 @@ class CostModel:
         byte_s = hbm / (hw.hbm_bandwidth * hw.bandwidth_efficiency)
         compute = ((flop_s + byte_s) if hw.compute_plus_memory else max(flop_s, byte_s)) \
             + hw.layer_overhead_s * self.spec.num_hidden_layers
-        copy = pcie / hw.pcie_bandwidth
-        piecewise = self.piecewise_overhead_s if not resident.all() else 0.0
-        time = hw.step_overhead_s + compute + max(0.0, copy - hw.copy_overlap * compute) + piecewise
+        read = offloaded * self.expert_bytes / hw.pcie_bandwidth if direct else 0.0
+        copy = (grown * self.expert_bytes if direct else pcie) / hw.pcie_bandwidth
+        piecewise = self.piecewise_overhead_s if not (direct or resident.all()) else 0.0
+        time = hw.step_overhead_s + compute + read + max(0.0, copy - hw.copy_overlap * compute) + piecewise
         return StepCost(time_s=time, compute_s=compute, copy_s=copy, flops=flops, hbm_bytes=hbm, pcie_bytes=pcie,
-                        activated_experts=activated, offloaded_activated=offloaded, piecewise_s=piecewise)
+                        activated_experts=activated, offloaded_activated=offloaded, piecewise_s=piecewise,
+                        read_s=read)
 
     @property
     def piecewise_overhead_s(self) -> float:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rimuru.config import EngineConfig, format_bytes
+from rimuru.config import OFFLOAD_ACCESS, EngineConfig, format_bytes
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
 from rimuru.engine.recent_tpot import recent_p99
 from rimuru.engine.request import Request, RequestStatus
@@ -87,10 +87,14 @@ class SimConfig:
     max_num_batched_tokens: int = 4096
     block_size: int = 16
     dtype: str = "bfloat16"
+    offload_access: str = "direct"  # fixed, elastic: direct (the kernel reads the host store) | copy (load buffers)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.offload_access not in OFFLOAD_ACCESS:
+            raise ValueError(f"offload_access must be one of {', '.join(OFFLOAD_ACCESS)}, got "
+                             f"{self.offload_access!r}")
         if self.adjuster_kind not in ADJUSTERS:
             raise ValueError(f"adjuster_kind must be one of {', '.join(ADJUSTERS)}, got {self.adjuster_kind!r}")
         if self.dtype not in _TORCH_DTYPES:
@@ -178,13 +182,14 @@ class Simulation:
         self.residency = ExpertResidency(self.allocator, spec.num_moe_layers, spec.num_experts,
                                          ranking=popularity.rankings.tolist())
         self.cost = CostModel(spec, popularity.probabilities, cfg.hardware, cfg.dtype)
+        self.direct = cfg.offload_access == "direct"  # no load buffers, no piecewise graphs (experts/direct_runtime)
         self.smalls_per_mid = g.smalls_per_mid(KV, EXPERT)
         self.core: ElasticCore | None = None
         self.fixed_buffer_pages: list[int] = []  # fixed mode's load buffers, held for good
         if cfg.mode == "elastic":
             self.core = self._elastic_core(adjuster)
         self._place_experts()
-        if self.core is not None and adjuster is None:
+        if self.core is not None and adjuster is None and not self.direct:
             # the engine measures the piecewise overhead after capture where it also captured whole graphs, i.e.
             # where every expert could be resident at once (ElasticRuntime.graph_plan); elsewhere every pass is
             # piecewise and nothing is charged
@@ -218,9 +223,9 @@ class Simulation:
             adjuster, costs = build_adjuster(cfg.adjuster_kind, int(self.cost.expert_bytes), spec.num_experts_per_tok,
                                              cost, cfg.adjuster)
         limit = resolve_elastic_limit(cfg.expert_offload_limit, spec.num_moe_layers, spec.num_experts,
-                                      self.allocator.mid_capacity(EXPERT))
+                                      self.allocator.mid_capacity(EXPERT), load_buffers=not self.direct)
         return ElasticCore(self.residency, adjuster, OnlinePopularity(self.popularity), limit, self.smalls_per_mid,
-                           costs)
+                           costs, load_buffers=not self.direct)
 
     def _place_experts(self) -> None:
         """The engine's start-up per mode (experts/runtime_builders.py): the same resolvers, rule and checks."""
@@ -233,8 +238,11 @@ class Simulation:
             slots = resolve_offload_limit(self.cfg.expert_offload_limit, E, k)  # 0 with nothing offloaded
         else:
             limit = self.core.offload_limit if self.core is not None else 0
-            k = elastic_start_resident(L, E, self.allocator.mid_capacity(EXPERT), limit)
+            k = elastic_start_resident(L, E, self.allocator.mid_capacity(EXPERT), limit,
+                                       load_buffers=not self.direct)
             slots = start_buffer_slots(L, E - k, limit)
+        if self.direct:
+            slots = 0  # the kernel reads offloaded experts in host memory: no load buffers
         buffers = load_buffer_pages(slots)
         if PAGES_PER_EXPERT * L * k + buffers > self.allocator.mid_capacity(EXPERT):
             self._too_small(mode, k, buffers)
@@ -301,13 +309,16 @@ class Simulation:
             idle_steps = 0
             chunks = [(s.start, s.num_new_tokens) for s in out.scheduled]
             sampled = sum(s.samples for s in out.scheduled)
-            cost = self.cost.step(chunks, sampled, self.residency.in_tables, grown)
+            cost = self.cost.step(chunks, sampled, self.residency.in_tables, grown, direct=self.direct)
             clock += cost.time_s
             if core is not None and core.step_cost is not None:
-                # as the engine measures it: the pass's time without the piecewise overhead, the copies issued, and
-                # the offloaded experts routed and copied (the simulated loader copies exactly the routed ones)
-                core.step_cost.observe_forward(cost.time_s - cost.piecewise_s, cost.copy_s, out.num_tokens)
-                core.step_cost.observe_loads(round(cost.offloaded_activated), round(cost.offloaded_activated))
+                # as the engine measures it: the pass's time without the piecewise overhead, the bytes it moved over
+                # PCIe (copies, and direct access's reads), and the offloaded experts routed and copied (the
+                # simulated loader copies exactly the routed ones; direct access copies none)
+                core.step_cost.observe_forward(cost.time_s - cost.piecewise_s, cost.copy_s + cost.read_s,
+                                               out.num_tokens)
+                loaded = 0 if self.direct else round(cost.offloaded_activated)
+                core.step_cost.observe_loads(loaded, loaded)
             result.forward_steps += 1
             result.pcie_bytes += cost.pcie_bytes
             for s in out.scheduled:
