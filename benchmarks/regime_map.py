@@ -112,6 +112,7 @@ def sim_config_of(flags: list[str], budget_bytes: int) -> Any:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--offload-mode", default="static")
     ap.add_argument("--adjuster", default=EngineConfig.adjuster)
+    ap.add_argument("--offload-access", default=EngineConfig.offload_access)
     ap.add_argument("--expert-offload-limit", type=int)
     ap.add_argument("--resident-experts", type=float)
     ap.add_argument("--slo-ttft-p99-ms", type=float)
@@ -123,7 +124,7 @@ def sim_config_of(flags: list[str], budget_bytes: int) -> Any:
                      cost=slo_config(known.slo_ttft_p99_ms, known.slo_tpot_p99_ms),
                      resident_experts=known.resident_experts,
                      expert_offload_limit=known.expert_offload_limit, max_num_seqs=known.max_num_seqs,
-                     max_num_batched_tokens=known.max_num_batched_tokens)
+                     max_num_batched_tokens=known.max_num_batched_tokens, offload_access=known.offload_access)
 
 
 def simulate(model: str, routing: str, flags: list[str], budget_bytes: int, rate: float, num_prompts: int,

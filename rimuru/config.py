@@ -19,9 +19,18 @@ _UNITS = {
 
 OFFLOAD_MODES = ("static", "fixed", "elastic")
 ADJUSTERS = ("paper", "cost")  # elastic mode: the paper's threshold rules | the cost-aware adjuster
-# fixed and elastic mode: routed offloaded experts computed on the host for their few tokens instead of copied
-# (experts/expert_tiers.py): auto (by measured costs, where a GPU computes the rest) | off | on (every one it can)
+# how a pass reaches an offloaded expert: read by the MoE kernel from pinned host memory over PCIe | copied first
+OFFLOAD_ACCESS = ("direct", "copy")
+# fixed and elastic mode with copy access: routed offloaded experts computed on the host for their few tokens
+# instead of copied (experts/expert_tiers.py): auto (by measured costs, where a GPU computes the rest; off under
+# direct access) | off | on (every one it can; copy access only)
 CPU_EXPERT_COMPUTE = ("auto", "off", "on")
+# why cpu_expert_compute='on' and direct access do not go together
+CPU_EXPERT_DIRECT_REFUSAL = (
+    "cpu_expert_compute='on' computes offloaded experts on the host instead of copying them, and "
+    "offload_access='direct' copies none (the MoE kernel reads them from the pinned host store): use "
+    "--offload-access copy with --cpu-expert-compute on, or leave --cpu-expert-compute at auto (off under direct "
+    "access)")
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -81,6 +90,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     resident_experts: float | None = None  # fixed mode: experts per layer (>= 1) or a fraction (< 1)
     expert_offload_limit: int | None = None  # the most experts one layer may have offloaded
+    # fixed and elastic mode: how a pass reaches an offloaded expert. direct: the MoE kernel reads it from the pinned
+    # host store over PCIe (no copy, no host decision, whole CUDA graphs); copy: copied into a load buffer first,
+    # for the layers the routing picks (piecewise graphs)
+    offload_access: str = "direct"
     expert_ranking: str | None = None  # JSON file from `rimuru profile`
     tensor_parallel_size: int = 1
     # load_format="dummy" only: "uniform" (random routers) or "zipf:S" — a seeded power-law expert popularity
@@ -94,9 +107,10 @@ class EngineConfig:
     slo_tpot_p99_ms: float | None = None
     # the most top logprobs a request may ask for per token (vLLM's flag; -1: the whole vocabulary)
     max_logprobs: int = 20
-    # fixed and elastic mode: compute routed offloaded experts on the host for the few tokens routed to them, where
-    # that beats copying them (auto: by the costs measured at start-up, on a GPU; on: every routed offloaded
-    # expert neither resident nor prefetched; off: copy them all)
+    # fixed and elastic mode with offload_access="copy": compute routed offloaded experts on the host for the few
+    # tokens routed to them, where that beats copying them (auto: by the costs measured at start-up, on a GPU; on:
+    # every routed offloaded expert neither resident nor prefetched; off: copy them all). Under direct access the
+    # kernel reads offloaded experts itself and nothing is copied: auto resolves off, on is refused.
     cpu_expert_compute: str = "auto"
     cpu_expert_threads: int | None = None  # the host compute's threads (torch intra-op); None: torch's default
 
@@ -137,6 +151,8 @@ class EngineConfig:
             raise ValueError(f"resident_experts must be positive, got {self.resident_experts}")
         if self.expert_offload_limit is not None and self.expert_offload_limit < 0:
             raise ValueError(f"expert_offload_limit must be >= 0, got {self.expert_offload_limit}")
+        if self.offload_access not in OFFLOAD_ACCESS:
+            raise ValueError(f"offload_access must be one of {', '.join(OFFLOAD_ACCESS)}, got {self.offload_access!r}")
         if self.adjuster not in ADJUSTERS:
             raise ValueError(f"adjuster must be one of {', '.join(ADJUSTERS)}, got {self.adjuster!r}")
         if self.cpu_expert_compute not in CPU_EXPERT_COMPUTE:
@@ -145,6 +161,8 @@ class EngineConfig:
         if self.cpu_expert_compute == "on" and self.offload_mode == "static":
             raise ValueError("cpu_expert_compute='on' computes offloaded experts on the host, and "
                              "offload_mode='static' offloads none: use --offload-mode fixed or elastic")
+        if self.cpu_expert_compute == "on" and self.offload_access == "direct":
+            raise ValueError(CPU_EXPERT_DIRECT_REFUSAL)
         if self.cpu_expert_threads is not None and self.cpu_expert_threads < 1:
             raise ValueError(f"cpu_expert_threads must be at least 1, got {self.cpu_expert_threads}")
         if self.max_logprobs < -1:
@@ -189,6 +207,8 @@ _FLAG_HELP = {
     "resident_experts": "fixed mode: resident experts per layer (>= 1) or a fraction (< 1)",
     "expert_offload_limit": "the most experts one layer may have offloaded (fixed: E - resident; elastic: E/6, raised "
                             "until the pool can start)",
+    "offload_access": "fixed and elastic mode: direct (the MoE kernel reads offloaded experts from pinned host memory; "
+                      "default) | copy (copied to load buffers first)",
     "expert_ranking": "expert popularity JSON written by `rimuru profile`",
     "enforce_eager": "never capture CUDA graphs",
     "max_cudagraph_capture_size": "the largest step (tokens) replayed from a CUDA graph; larger steps run eagerly "
@@ -203,9 +223,10 @@ _FLAG_HELP = {
                        "none: offload only what costs no throughput)",
     "max_logprobs": "the most top logprobs a request may ask for per generated token (-1: the whole vocabulary; "
                     "default 20)",
-    "cpu_expert_compute": "fixed/elastic mode: compute offloaded experts on the host (CPU) for the few tokens routed "
-                          "to them instead of copying them over PCIe: auto (where the costs measured at start-up "
-                          "say so; on a GPU; default) | off | on",
+    "cpu_expert_compute": "fixed/elastic mode with --offload-access copy: compute offloaded experts on the host (CPU) "
+                          "for the few tokens routed to them instead of copying them over PCIe: auto (where the "
+                          "costs measured at start-up say so; on a GPU; off under direct access; default) | off | "
+                          "on (copy access only)",
     "cpu_expert_threads": "threads of the host expert compute (default: torch's, one per core)",
 }
 
@@ -214,7 +235,7 @@ _FLAG_TYPES: dict[str, Any] = {
     "offload_mode": str,
     "max_num_seqs": int, "max_model_len": int, "max_num_batched_tokens": int, "block_size": int,
     "max_cudagraph_capture_size": int,
-    "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int,
+    "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int, "offload_access": str,
     "expert_ranking": str, "tensor_parallel_size": int, "dummy_routing": str, "adjuster": str,
     "slo_ttft_p99_ms": float, "slo_tpot_p99_ms": float, "max_logprobs": int, "cpu_expert_compute": str,
     "cpu_expert_threads": int,

@@ -297,6 +297,13 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype: Any = "bfloat16") -> int:
         return len(self.attention_layer_ids) * 2 * self.num_key_value_heads * self.head_dim * dtype_bytes(dtype)
 
+    def state_bytes_per_request(self, dtype: Any = "bfloat16") -> int:
+        """A hybrid model's per-request state over all linear-attention layers, unpadded: the recurrent state
+        [Hv, dk, dv] in fp32 and the conv state [conv_dim, kernel - 1] in `dtype` (0 for other models)."""
+        rec = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        conv = self.linear_conv_dim * max(0, self.linear_conv_kernel_dim - 1) * dtype_bytes(dtype)
+        return len(self.linear_layer_ids) * (rec + conv)
+
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers or len(self.moe_layers) != self.num_hidden_layers:
             raise ModelSpecError("layer_types and moe_layers must have one entry per layer")

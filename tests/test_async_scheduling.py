@@ -112,10 +112,12 @@ def test_async_offload_modes_match_sync(parity_checkpoints) -> None:
     budget = tight_budget(path, kv_blocks=10, limit=5)
     outs = {}
     for async_scheduling in (False, True):
-        fixed = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", resident_experts=1,
+        fixed = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", offload_access="copy",
+                    resident_experts=1,
                     async_scheduling=async_scheduling)
         got_fixed = [o.outputs[0].token_ids for o in fixed.generate(heavy, params)]
-        elastic = LLM(str(path), device="cpu", gpu_memory_budget=budget, offload_mode="elastic", adjuster="paper",
+        elastic = LLM(str(path), device="cpu", gpu_memory_budget=budget, offload_mode="elastic", offload_access="copy",
+                      adjuster="paper",
                       expert_offload_limit=5, max_num_batched_tokens=64, async_scheduling=async_scheduling)
         assert elastic.engine.async_scheduling is async_scheduling
         assert elastic.engine.runtime.async_steps is async_scheduling

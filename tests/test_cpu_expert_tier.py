@@ -23,7 +23,7 @@ from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.residency import EXPERT
 from rimuru.experts.step_cost import StepCostTracker
-from rimuru.kernels.fused_moe import fused_moe_reference
+from rimuru.kernels.fused_moe import fused_moe, fused_moe_reference, host_row_code
 from rimuru.testing.reference import hf_greedy, random_prompts, run_greedy
 from rimuru.testing.tiny_models import ARCHS
 
@@ -89,6 +89,18 @@ def test_host_compute_equals_the_paged_reference_and_completes_its_kernel() -> N
         fused_moe_reference(hidden, weights, ids, view, absent, store.f)
     device_part = fused_moe_reference(hidden, weights, ids, view, absent, store.f, skip_absent=True)
     torch.testing.assert_close(device_part + compute.compute(layer, hidden, part), want, rtol=1e-5, atol=1e-6)
+
+    # one table with all three kinds of rows: pages, host rows read in place (direct access, entries <= -2) and the
+    # host tier's -1 rows (skipped); the -1 rows are still an error without skip_absent
+    mixed = absent.clone()
+    mixed[2] = torch.tensor([host_row_code(2, j) for j in range(3)], dtype=torch.int32)
+    host_rows = store.layers[layer].view(3 * E, -1)  # [3E, f*d]
+    with pytest.raises(ValueError, match="routed to but not resident"):
+        fused_moe_reference(hidden, weights, ids, view, mixed, store.f, host_rows)
+    device_part = fused_moe_reference(hidden, weights, ids, view, mixed, store.f, host_rows, skip_absent=True)
+    torch.testing.assert_close(device_part + compute.compute(layer, hidden, part), want, rtol=1e-5, atol=1e-6)
+    via_dispatch = fused_moe(hidden, weights, ids, view, mixed, store.f, host_rows=host_rows, skip_absent=True)
+    torch.testing.assert_close(via_dispatch, device_part)
 
     # the test has teeth: another layer's weights, swapped gate/up, shifted rows or dropped weights all differ
     assert not torch.allclose(compute.compute(0, hidden, every), want, atol=1e-4)
@@ -206,10 +218,15 @@ def test_choice_bad_input_and_the_setting() -> None:
         choose_host_experts([(4, 1)], costs, mode="always")
     with pytest.raises(ValueError, match="copy_s >= 0"):
         TierCosts(copy_s=-1.0, host_s=lambda n: 0.1)
-    assert resolve_cpu_expert_compute("auto", "cuda") and not resolve_cpu_expert_compute("auto", "cpu")
-    assert resolve_cpu_expert_compute("on", "cpu") and not resolve_cpu_expert_compute("off", "cuda")
+    assert resolve_cpu_expert_compute("auto", "cuda", "copy") and not resolve_cpu_expert_compute("auto", "cpu", "copy")
+    assert resolve_cpu_expert_compute("on", "cpu", "copy") and not resolve_cpu_expert_compute("off", "cuda", "copy")
     with pytest.raises(ValueError, match="must be one of"):
-        resolve_cpu_expert_compute("yes", "cpu")
+        resolve_cpu_expert_compute("yes", "cpu", "copy")
+    # direct access: the kernel reads offloaded experts itself, nothing is copied; auto is off, on is refused
+    assert not resolve_cpu_expert_compute("auto", "cuda", "direct")
+    assert not resolve_cpu_expert_compute("off", "cuda", "direct")
+    with pytest.raises(ValueError, match="--offload-access copy"):
+        resolve_cpu_expert_compute("on", "cuda", "direct")
 
 
 def test_step_cost_counts_host_experts_in_copy_equivalents() -> None:
@@ -236,16 +253,22 @@ def test_step_cost_counts_host_experts_in_copy_equivalents() -> None:
 
 def test_flag_parses_and_bad_settings_are_refused() -> None:
     parser = add_engine_args(argparse.ArgumentParser())
-    args = parser.parse_args(["m", "--cpu-expert-compute", "on", "--cpu-expert-threads", "4"])
+    args = parser.parse_args(["m", "--cpu-expert-compute", "on", "--cpu-expert-threads", "4", "--offload-access",
+                              "copy"])
     cfg = EngineConfig.from_cli_args(args)
-    assert (cfg.cpu_expert_compute, cfg.cpu_expert_threads) == ("on", 4)
+    assert (cfg.cpu_expert_compute, cfg.cpu_expert_threads, cfg.offload_access) == ("on", 4, "copy")
     assert EngineConfig.from_cli_args(parser.parse_args(["m"])).cpu_expert_compute == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--cpu-expert-compute", "sometimes"])
     with pytest.raises(ValueError, match="cpu_expert_compute must be one of auto, off, on"):
         EngineConfig(model="m", cpu_expert_compute="yes")
     with pytest.raises(ValueError, match="offload_mode='static' offloads none"):
-        EngineConfig(model="m", cpu_expert_compute="on", offload_mode="static")
+        EngineConfig(model="m", cpu_expert_compute="on", offload_mode="static", offload_access="copy")
+    # on with direct access (the default): refused, naming the copy path
+    with pytest.raises(ValueError, match="offload_access='direct' copies none.*--offload-access copy"):
+        EngineConfig(model="m", cpu_expert_compute="on", offload_mode="fixed")
+    with pytest.raises(SystemExit, match="--offload-access copy"):
+        EngineConfig.from_cli_args(parser.parse_args(["m", "--cpu-expert-compute", "on"]))
     with pytest.raises(ValueError, match="cpu_expert_threads must be at least 1"):
         EngineConfig(model="m", cpu_expert_threads=0)
 
@@ -287,7 +310,7 @@ def references(parity_checkpoints: dict[str, Path]) -> dict[str, list[list[int]]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fixed_mode_host_tier_on_equals_off_and_transformers(arch: str, parity_checkpoints, references) -> None:
     path = str(parity_checkpoints[arch])
-    common = dict(device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed")
+    common = dict(device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", offload_access="copy")
     ref = references[arch]
     for resident in (4, 1):
         off = LLM(path, resident_experts=resident, cpu_expert_compute="off", **common)
@@ -317,11 +340,12 @@ def test_auto_is_off_on_the_cpu_device_and_counters_reach_metrics(parity_checkpo
     from rimuru.server.metrics import ServerMetrics
 
     path = str(parity_checkpoints["qwen2_moe"])
-    llm = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=2)
+    llm = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", offload_access="copy",
+              resident_experts=2)
     assert llm.engine.runtime.provider.host_tier is None and llm.stats()["cpu_experts_computed"] == 0
     assert LLM(path, device="cpu", gpu_memory_budget=BUDGET).stats()["cpu_expert_tokens"] == 0  # static: zeros
-    on = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=1,
-             cpu_expert_compute="on")
+    on = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", offload_access="copy",
+             resident_experts=1, cpu_expert_compute="on")
     run_greedy(on, prompts()[:1], 4)
     stats = on.stats()
     assert stats["cpu_expert_tokens"] > 0
@@ -333,14 +357,40 @@ def test_auto_is_off_on_the_cpu_device_and_counters_reach_metrics(parity_checkpo
     assert f'rimuru:cpu_expert_tokens_total{{model_name="m"}} {float(stats["cpu_expert_tokens"])}' in text
 
 
+def test_direct_access_has_no_host_tier(parity_checkpoints, references) -> None:
+    """Direct access (the default): the kernel reads offloaded experts from the host store, nothing is copied, so
+    the tier does not act (auto is off, the runtimes have no tier, its counters are 0) and `on` is refused."""
+    from rimuru.experts.direct_runtime import DirectElasticRuntime, DirectRuntime
+    from tests.test_elastic import tight_budget
+
+    path = parity_checkpoints["qwen3_moe"]
+    fixed = LLM(str(path), device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=1,
+                cpu_expert_compute="auto")
+    assert isinstance(fixed.engine.runtime, DirectRuntime)
+    assert run_greedy(fixed, prompts(), STEPS) == references["qwen3_moe"]
+    assert fixed.stats()["cpu_experts_computed"] == 0 and fixed.stats()["cpu_expert_tokens"] == 0
+    budget = tight_budget(path, kv_blocks=10, limit=5, load_buffers=False, offload_access="direct")
+    elastic = LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=5,
+                  max_num_batched_tokens=64, cpu_expert_compute="auto")
+    runtime = elastic.engine.runtime
+    assert isinstance(runtime, DirectElasticRuntime) and runtime.host_tier is None
+    assert run_greedy(elastic, prompts(), STEPS) == references["qwen3_moe"]
+    st = elastic.stats()
+    assert st["cpu_experts_computed"] == 0 and st["cpu_expert_compute_s"] == 0.0 and st["kv_pages_used"] == 0
+    with pytest.raises(ValueError, match="--offload-access copy"):
+        LLM(str(path), device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=1,
+            cpu_expert_compute="on")
+
+
 def test_auto_copies_busy_experts_and_computes_few_token_ones_on_the_host(parity_checkpoints, references) -> None:
     """`auto` with given costs in the engine (on the CPU device `auto` resolves off, so the tier is set by hand): an
     expert costs 1 to copy and 0.45 per token on the host, so experts of 1-2 tokens go to the host and busier ones
     (in the prompts' prefill chunks) are copied. Every choice is recorded; tokens stay transformers'."""
     from rimuru.experts.host_tier import HostExpertTier
 
+    # prefill chunks of 8 read routing (16 would stream)
     llm = LLM(str(parity_checkpoints["qwen3_moe"]), device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed",
-              resident_experts=1, max_num_batched_tokens=8)  # prefill chunks of 8 read routing (16 would stream)
+              offload_access="copy", resident_experts=1, max_num_batched_tokens=8)
     runtime = llm.engine.runtime
     tier = HostExpertTier(HostExpertCompute(runtime.store), TierCosts(copy_s=1.0, host_s=lambda n: 0.45 * n),
                           mode="auto")
@@ -377,8 +427,8 @@ def test_elastic_mode_host_tier_on_equals_off_and_transformers(arch: str, parity
     heavy = elastic_prompts(6, seed=1)
     got = {}
     for setting in ("off", "on"):
-        llm = LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
-                  expert_offload_limit=limit, max_num_batched_tokens=64, cpu_expert_compute=setting)
+        llm = LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+                  adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64, cpu_expert_compute=setting)
         got[setting] = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]
         st = llm.stats()
         assert st["expert_evictions"] > 0 and st["kv_pages_used"] == 0 and st["running"] == 0
@@ -403,8 +453,8 @@ def test_elastic_cost_adjuster_sees_the_host_tier(parity_checkpoints) -> None:
 
     path = parity_checkpoints["qwen3_moe"]
     budget = tight_budget(path, kv_blocks=10, limit=5)
-    llm = LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=5,
-              max_num_batched_tokens=64, cpu_expert_compute="on")
+    llm = LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+              expert_offload_limit=5, max_num_batched_tokens=64, cpu_expert_compute="on")
     costs = llm.engine.runtime.core.step_cost
     assert costs is not None and costs.host_profile is not None and costs.expert_copy_s > 0
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
@@ -424,7 +474,8 @@ def test_cuda_eager_host_tier_float32_equals_copy_path(arch: str, parity_checkpo
     """On the GPU, eager, float32: the host tier forced on gives the copy path's greedy tokens, and the host
     computed experts (the side-stream-free overlap: D2H of the routed rows, kernel, host matmuls, H2D, add)."""
     path = str(parity_checkpoints[arch])
-    common = dict(device="cuda", dtype="float32", gpu_memory_budget="1GiB", enforce_eager=True, offload_mode="fixed")
+    common = dict(device="cuda", dtype="float32", gpu_memory_budget="1GiB", enforce_eager=True, offload_mode="fixed",
+                  offload_access="copy")
     for resident in (4, 1):
         off = run_greedy(LLM(path, resident_experts=resident, cpu_expert_compute="off", **common), prompts(), STEPS)
         llm = LLM(path, resident_experts=resident, cpu_expert_compute="on", **common)
@@ -442,7 +493,7 @@ def test_cuda_bf16_host_tier_logits_close_to_copy_path(arch: str, parity_checkpo
     agree except at near-ties (counted, at most one prompt differing)."""
     path = str(parity_checkpoints[arch])
     common = dict(device="cuda", dtype="bfloat16", gpu_memory_budget="1GiB", enforce_eager=True,
-                  offload_mode="fixed", resident_experts=2)
+                  offload_mode="fixed", offload_access="copy", resident_experts=2)
     off = run_greedy(LLM(path, cpu_expert_compute="off", **common), prompts(), STEPS)
     llm = LLM(path, cpu_expert_compute="on", **common)
     on = run_greedy(llm, prompts(), STEPS)
@@ -476,7 +527,8 @@ def test_cuda_elastic_host_tier_auto_measures_and_serves(parity_checkpoints) -> 
     got = {}
     for setting in ("off", "auto"):
         llm = LLM(str(path), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
-                  expert_offload_limit=5, max_num_batched_tokens=64, enforce_eager=True, cpu_expert_compute=setting)
+                  offload_access="copy", expert_offload_limit=5, max_num_batched_tokens=64, enforce_eager=True,
+                  cpu_expert_compute=setting)
         got[setting] = [o.outputs[0].token_ids for o in llm.generate(elastic_prompts(6, seed=1), params)]
         tier = llm.engine.runtime.provider.host_tier
         if setting == "auto":

@@ -39,11 +39,14 @@ def prompts(n: int, seed: int) -> list[dict]:
 def tight_budget(path: Path, kv_blocks: int, limit: int, load_buffers: bool = True, **engine_args: str | bool) -> int:
     """A budget that holds every expert, the load buffers (unless not `load_buffers`) and `kv_blocks` KV blocks
     (sizes from a probe engine with `engine_args`). On a GPU the workspace is measured, and it depends on the graphs
-    the mode captures: the probe runs elastic with CUDA graphs as the engines under test do, at a budget where
-    everything fits."""
+    the mode captures and on which kernels are loaded already: the probe runs elastic with CUDA graphs as the engines
+    under test do, at a budget where everything fits, after a first engine has loaded the kernels."""
     args = {"device": "cpu", **engine_args}
-    mode = {"enforce_eager": True} if args["device"] == "cpu" else {"offload_mode": "elastic", "adjuster": "paper",
-                                                                   "expert_offload_limit": limit}
+    access = args.pop("offload_access", "copy")
+    mode = {"enforce_eager": True} if args["device"] == "cpu" else {
+        "offload_mode": "elastic", "offload_access": access, "adjuster": "paper", "expert_offload_limit": limit}
+    if args["device"] != "cpu":  # the first engine of a process also loads the kernels: the probe measures the second
+        LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, **mode, **args).shutdown()
     probe = LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, **mode, **args)
     split, geo = probe.engine.budget_split, probe.engine.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
@@ -57,7 +60,8 @@ def tight_budget(path: Path, kv_blocks: int, limit: int, load_buffers: bool = Tr
 def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
     limit = 5
     budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+              adjuster="paper",
               expert_offload_limit=limit, max_num_batched_tokens=64)
     engine = llm.engine
     experts = engine.runtime.cache
@@ -103,7 +107,8 @@ def test_cost_adjuster_preempts_rather_than_offload_beyond_its_model(ckpt: Path)
     # sitting out for evictions that would cost copies every step. Tokens still equal static mode.
     limit = 5
     budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=limit,
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+              expert_offload_limit=limit,
               max_num_batched_tokens=64, adjuster="cost", slo_tpot_p99_ms=1e-6)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     heavy = prompts(6, seed=1)
@@ -173,7 +178,7 @@ def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
     limit = 5
     budget = tight_budget(ckpt, kv_blocks=10, limit=limit, device="cuda", dtype="float32")
     llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
-              adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64)
+              offload_access="copy", adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.graphs is not None and runner.graphs.boundaries is not None
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
@@ -206,7 +211,7 @@ def test_fully_resident_elastic_replays_whole_graphs(ckpt: Path) -> None:
     resident tables (no piecewise replay, no host wait), routing is still counted, and tokens equal static mode.
     The start-up timing replays (piecewise against whole) leave no trace in these counts."""
     llm = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", offload_mode="elastic",
-              adjuster="cost", max_num_batched_tokens=64)
+              offload_access="copy", adjuster="cost", max_num_batched_tokens=64)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.graphs is not None and runner.graphs.whole_graphs and runner.graphs.whole_mixed_graphs
     # the start-up measurement of what piecewise passes cost beyond whole ones reached the cost adjuster
@@ -391,7 +396,8 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
     args = {"device": device, "dtype": "float32"} if device == "cuda" else {"device": device}
     # every expert and ~10 KV blocks, no load buffers
     budget = tight_budget(ckpt, kv_blocks=10, limit=limit, load_buffers=False, **args)
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, offload_mode="elastic", adjuster="paper", expert_offload_limit=limit,
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, offload_mode="elastic", offload_access="copy",
+              adjuster="paper", expert_offload_limit=limit,
               max_num_batched_tokens=64, **args)
     engine = llm.engine
     experts, loader, alloc = engine.runtime.cache, engine.runtime.loader, engine.pool.allocator
@@ -439,7 +445,8 @@ def test_the_longest_request_accepted_runs_although_offloading_attaches_the_buff
     probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, device="cpu")
     split, geo = probe.engine.budget_split, probe.engine.geometry
     budget = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 40 * geo.size("expert")
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+              adjuster="paper",
               expert_offload_limit=limit, max_num_batched_tokens=64)
     engine = llm.engine
     assert engine.runtime.core.lazy_buffers and engine.runtime.loader.buffer_pages == []

@@ -62,6 +62,26 @@ def contiguous_weights(view: Tensor, table: Tensor, f: int, d: int) -> tuple[Ten
     return w13, w2
 
 
+def move_to_host_rows(view: Tensor, table: Tensor, experts: list[int],
+                      pin: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The layer's host rows [3E, f*d] (row 3e + j: matrix j of expert e, from its pages) and a table in which
+    `experts` are named by their host rows instead of their pages; their pages are then poisoned with NaN, so a
+    kernel that still read them would show it."""
+    from rimuru.kernels.fused_moe import host_row_code
+
+    E = table.shape[0]
+    host = torch.zeros(3 * E, view.shape[1], dtype=view.dtype, pin_memory=pin)
+    moved = table.clone()
+    for e in experts:
+        for j in range(3):
+            host[3 * e + j].copy_(view[int(table[e, j])])
+            moved[e, j] = host_row_code(e, j)
+    poisoned = view.clone()
+    for e in experts:
+        poisoned[table[e].long()] = float("nan")
+    return host, moved, poisoned
+
+
 def rel_err(a: Tensor, b: Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -114,6 +134,19 @@ def test_align_above_the_kernel_limit_warns_once(caplog: pytest.LogCaptureFixtur
     assert torch.equal(got[-1].sorted_ids, moe_align_torch(ids, 8, 16).sorted_ids)
 
 
+def test_reference_reads_experts_named_by_host_rows() -> None:
+    hidden, w, ids, view, table = make_case(9, 48, 24, 6, 2, 1, torch.float64, "cpu", seed=3)
+    routed = sorted(set(ids.flatten().tolist()))
+    host, moved, poisoned = move_to_host_rows(view, table, routed[:2])
+    out = fused_moe_reference(hidden, w, ids, poisoned, moved, 24, host)
+    assert torch.equal(out, fused_moe_reference(hidden, w, ids, view, table, 24))
+    assert rel_err(out, dense_float64(hidden, w, ids, view, table, 24)) < 1e-12
+    with pytest.raises(ValueError, match="not resident"):  # host codes mean nothing without the host rows
+        fused_moe_reference(hidden, w, ids, poisoned, moved, 24)
+    with pytest.raises(ValueError, match="host_rows"):
+        fused_moe_reference(hidden, w, ids, poisoned, moved, 24, host[:, :-1])
+
+
 # Triton's interpreter reads TRITON_INTERPRET when triton is imported: run it in a fresh process.
 _INTERPRET_SCRIPT = textwrap.dedent(
     """
@@ -145,6 +178,13 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     ref = fused_moe_reference(hidden, w, ids, view, table, 24)
     out = fused_moe_triton(wide[:, 16:64], w.double(), ids.int(), view, table.long(), 24)
     assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
+    # Experts read from the layer's host rows give the same numbers as from their pages (the same arithmetic).
+    from test_fused_moe import move_to_host_rows
+    hidden, w, ids, view, table = make_case(20, 32, 16, 12, 8, 2, torch.float32, "cpu", seed=7)
+    routed = sorted(set(ids.flatten().tolist()))
+    host, moved, poisoned = move_to_host_rows(view, table, routed[::2])
+    out = fused_moe_triton(hidden, w, ids, poisoned, moved, 16, host)
+    assert torch.equal(out, fused_moe_triton(hidden, w, ids, view, table, 16))
     print("ok")
     """
 )
@@ -180,6 +220,33 @@ def test_cuda_paged_matches_reference(shape: tuple[int, int, int, int], T: int) 
     assert rel_err(out, ref) < 1e-2
     w13, w2 = contiguous_weights(view, table, f, d)
     assert torch.equal(fused_moe_contiguous(hidden, w, ids, w13, w2), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 16, 300, 2048])
+def test_cuda_experts_read_from_pinned_host_rows(T: int) -> None:
+    """Experts named by host rows are read by the kernel from pinned host memory over PCIe (no copy), with the
+    same result as from their pages, also inside a CUDA graph whose tables then change in place."""
+    d, f, E, k = 2048, 768, 128, 8
+    hidden, w, ids, view, table = make_case(T, d, f, E, k, 0, torch.bfloat16, "cuda", seed=T + 5)
+    expect = fused_moe(hidden, w, ids, view, table, f)
+    routed = sorted(set(ids.flatten().tolist()))
+    host, moved, poisoned = move_to_host_rows(view.cpu(), table.cpu(), routed[::3], pin=True)
+    poisoned, moved = poisoned.cuda(), moved.cuda()
+    assert torch.equal(fused_moe(hidden, w, ids, poisoned, moved, f, host), expect)
+    with pytest.raises(ValueError, match="pinned"):
+        fused_moe(hidden, w, ids, poisoned, moved, f, host.clone())  # pageable: a kernel cannot read it
+    graph, live = torch.cuda.CUDAGraph(), moved.clone()
+    with torch.cuda.graph(graph):
+        out = fused_moe(hidden, w, ids, view, live, f, host)
+    live.copy_(table)  # every expert back in its pages: the graph reads them there
+    graph.replay()
+    assert torch.equal(out, expect)
+    live.copy_(moved)
+    view.copy_(poisoned)  # their pages poisoned: the graph must read the host rows
+    graph.replay()
+    assert torch.equal(out, expect)
 
 
 @pytest.mark.gpu

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -107,3 +109,40 @@ def test_non_hybrid_has_no_ssm_or_conv():
         g.size("ssm")
     with pytest.raises(KeyError):
         g.size("conv")
+
+
+def test_every_hybrid_preset_nests_and_reports_its_padding():
+    from rimuru.model_spec import preset_names
+
+    hybrids = [n for n in preset_names() if load_model_spec(n).is_hybrid]
+    assert {"qwen3.5-35b-a3b", "qwen3.5-122b-a10b"} <= set(hybrids)
+    for name in hybrids:
+        g = geo(name)
+        assert g.huge_size % g.size("ssm") == 0 and g.huge_size % g.size("expert") == 0
+        for small in ("kv", "conv"):
+            assert all(ms % g.size(small) == 0 for _, ms in g.mid), (name, small)
+        assert g.padding("ssm") == 0 and g.padding("conv") > 0  # both presets: only the conv state is padded
+        assert f"conv {g.size('conv'):,} B (pad {g.padding('conv'):,})" in g.describe()
+
+
+def test_an_ssm_page_that_would_blow_up_the_huge_page_is_padded():
+    from rimuru.memory.geometry import MAX_HUGE_FACTOR, padded_ssm_size
+    from rimuru.model_spec import ModelSpec
+
+    # expert 40 x 96 x 4 = 15,360 B; state 4 x 16 x 20 x 4 = 5,120 B: lcm 15,360 = the expert page, no padding
+    base = {"model_type": "qwen3_5_moe_text", "hidden_size": 96, "num_hidden_layers": 4, "vocab_size": 64,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 8,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 20, "linear_conv_kernel_dim": 4}
+    g = PageGeometry.for_model(ModelSpec.from_hf_config(base), dtype=torch.float32)
+    assert g.size("ssm") == 5120 and g.padding("ssm") == 0 and g.huge_size == 15360
+    # dv 21: 5,376 B, lcm(15,360, 5,376) = 107,520 = 7 x 15,360 <= 8 x; its gcd 768 cannot hold the conv state
+    # (2 x 32 + 84) x 3 x 4 = 1,776 B, so the ssm page is padded up: to 7,680 (a divisor of the expert page)
+    odd = PageGeometry.for_model(ModelSpec.from_hf_config({**base, "linear_value_head_dim": 21}), dtype=torch.float32)
+    assert odd.unpadded_size("ssm") == 5376 and odd.size("ssm") == 7680 and odd.padding("ssm") == 7680 - 5376
+    assert odd.huge_size == 15360 and "ssm 7,680 B (pad 2,304)" in odd.describe()
+    assert odd.ssm_shape == (4, 16, 21)
+    # far apart: a huge page beyond MAX_HUGE_FACTOR x the larger mid is padded to a multiple of the expert page
+    assert padded_ssm_size(3 * 1024, 8 * 1024 + 4, ()) == 9 * 1024
+    assert math.lcm(3 * 1024, 8 * 1024 + 4) > MAX_HUGE_FACTOR * (8 * 1024 + 4)

@@ -51,9 +51,11 @@ def test_paged_attention_loads_kv_in_16_byte_vectors(case: str) -> None:
     assert widths[16] >= 2 * plan.block_n * 128 * 2 // 16 // (32 * plan.num_warps), dict(widths)
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["pages", "host-rows"])
 @pytest.mark.parametrize("kernel", ["gate_up", "down"])
-def test_fused_moe_loads_weights_in_16_byte_vectors(kernel: str) -> None:
-    sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "table_ptr": "*i32", "sorted_ptr": "*i32", "block_end_ptr": "*i32"}
+def test_fused_moe_loads_weights_in_16_byte_vectors(kernel: str, host: bool) -> None:
+    sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "table_ptr": "*i32", "sorted_ptr": "*i32",
+           "block_end_ptr": "*i32"}
     if kernel == "gate_up":
         sig |= {"out_ptr": "*bf16", "n": "i32", "top_k": "i32", "num_experts": "i32", "num_pid_m": "i32",
                 "stride_a": "i32"}
@@ -62,7 +64,7 @@ def test_fused_moe_loads_weights_in_16_byte_vectors(kernel: str) -> None:
         sig |= {"weight_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "num_experts": "i32", "num_pid_m": "i32"}
         fn, block_n = fused_moe._down_kernel, 32
     cfg = fused_moe._tile_config(1.0)  # decode: few rows per expert, weights streamed
-    consts = dict(F=1408, D=2048, PAGED=True, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+    consts = dict(F=1408, D=2048, PAGED=True, HOST=host, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
                   BLOCK_E=64, GROUP_M=cfg.group_m)
     divisible = {n for n in sig if n.endswith("_ptr") or n == "stride_a"}
     widths = global_load_bytes(compile_ptx(fn, sig, consts, divisible, cfg.num_warps, cfg.num_stages))

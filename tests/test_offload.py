@@ -71,7 +71,8 @@ def run(llm: LLM, ps: list[list[int]], steps: int = STEPS, one_by_one: bool = Fa
 
 def fixed(path: Path, resident: float, **kwargs: object) -> LLM:
     kwargs.setdefault("gpu_memory_budget", BUDGET)
-    return LLM(str(path), device="cpu", offload_mode="fixed", resident_experts=resident, **kwargs)
+    return LLM(str(path), device="cpu", offload_mode="fixed", offload_access="copy",
+               resident_experts=resident, **kwargs)
 
 
 # ---------------------------------------------------------------- units
@@ -277,7 +278,8 @@ def test_fixed_mode_bad_settings(checkpoints) -> None:
     with pytest.raises(ValueError, match="expert_offload_limit=2 is below the 6 experts"):
         fixed(path, 2, expert_offload_limit=2)
     with pytest.raises(ValueError, match=r"expert_offload_limit must be in \[1, 8\] in elastic mode"):
-        LLM(str(path), gpu_memory_budget=BUDGET, device="cpu", offload_mode="elastic", adjuster="paper",
+        LLM(str(path), gpu_memory_budget=BUDGET, device="cpu", offload_mode="elastic", offload_access="copy",
+            adjuster="paper",
             expert_offload_limit=9)
     # a pool with room for fewer expert pages than 2 layers x 4 resident + 2 buffers x 4 experts (48 pages)
     probe = fixed(path, 1)
@@ -301,7 +303,7 @@ def test_cuda_bf16_fixed_equals_static(arch: str, checkpoints) -> None:
     common = dict(device="cuda", dtype="bfloat16", gpu_memory_budget="1GiB", enforce_eager=True)  # offload only
     static = run(LLM(path, **common), prompts())
     for resident in (4, 1):
-        llm = LLM(path, offload_mode="fixed", resident_experts=resident, **common)
+        llm = LLM(path, offload_mode="fixed", offload_access="copy", resident_experts=resident, **common)
         eng = llm.engine
         assert eng.runtime.store.pinned and eng.runtime.loader.copy_stream is not None
         spy = RoutingSpy(eng.runtime.provider)
@@ -322,7 +324,7 @@ def test_cuda_piecewise_graphs_fixed_equals_static(arch: str, checkpoints) -> No
     common = dict(device="cuda", dtype="float32", gpu_memory_budget="1GiB")
     static = run(LLM(path, enforce_eager=True, **common), prompts())
     for resident in (4, 1):
-        llm = LLM(path, offload_mode="fixed", resident_experts=resident, **common)
+        llm = LLM(path, offload_mode="fixed", offload_access="copy", resident_experts=resident, **common)
         runner, eng = llm.engine.runner, llm.engine
         assert runner.graphs is not None and runner.graphs.boundaries is not None
         assert run(llm, prompts()) == static, f"K={resident}"

@@ -23,12 +23,16 @@ def _tight_elastic(ckpt, limit: int = 2) -> LLM:
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 10 * per_block
               + geo.huge_size)
-    return LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
+    return LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+               adjuster="paper",
                expert_offload_limit=limit, max_num_batched_tokens=64, async_scheduling=True)
 
 
-def test_copy_stream_writes_wait_for_every_pass_that_could_read_their_pages(tiny_checkpoint) -> None:
-    llm = _tight_elastic(tiny_checkpoint("qwen2_moe", num_hidden_layers=9))  # 8 MoE layers: lazy load buffers
+# 8 or more MoE layers: lazy load buffers. The hybrid's requests also free ssm and conv pages (finished, preempted),
+# which grows and load buffers may then write: stamped and checked like every other freed page.
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_5_moe_text"])
+def test_copy_stream_writes_wait_for_every_pass_that_could_read_their_pages(tiny_checkpoint, arch: str) -> None:
+    llm = _tight_elastic(tiny_checkpoint(arch, num_hidden_layers=9))
     engine = llm.engine
     fence, alloc, geo = engine.fence, engine.pool.allocator, engine.geometry
     loader = engine.runtime.loader
@@ -96,6 +100,8 @@ def test_copy_stream_writes_wait_for_every_pass_that_could_read_their_pages(tiny
     assert st["expert_evictions"] > 0 and st["expert_grows"] > 0, st
     assert checked["grow"] == st["expert_grows"] and checked["attach"] >= 1, checked
     assert fence.passes_launched == engine.forward_steps
+    if engine.state is not None:  # state pages went back while passes ran, and the copy stream reused bytes
+        assert engine.state.num_holders == 0 and alloc.num_used("ssm") == 0
 
 
 @pytest.mark.gpu

@@ -28,7 +28,8 @@ class FakePiece:
 
 def test_boundaries_ask_the_provider_only_for_layers_with_offloaded_experts(tmp_path: Path) -> None:
     path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=1)
-    llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", resident_experts=4)
+    llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", offload_access="copy",
+              resident_experts=4)
     eng = llm.engine
     provider, cache = eng.runtime.provider, eng.runtime.cache
     L, E = cache.num_layers, cache.num_experts
@@ -71,7 +72,8 @@ def test_boundaries_ask_the_provider_only_for_layers_with_offloaded_experts(tmp_
 def test_predictor_ignores_padding_rows(tmp_path: Path) -> None:
     """Captured predictions must not prefetch experts that only padding rows of a padded batch would use."""
     path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=1)
-    llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", resident_experts=4)
+    llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", offload_access="copy",
+              resident_experts=4)
     predictor = llm.engine.runtime.provider.predictor
     g = torch.Generator().manual_seed(0)
     d = llm.engine.spec.hidden_size

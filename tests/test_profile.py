@@ -120,7 +120,8 @@ def test_static_and_fixed_providers_count_the_same(tiny_checkpoint, arch: str) -
     path = str(tiny_checkpoint(arch, seed=3))
     reqs = requests()
     static = LLM(path, device="cpu", gpu_memory_budget=BUDGET)
-    fixed = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=2)
+    fixed = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", offload_access="copy",
+                resident_experts=2)
     assert isinstance(fixed.engine.runtime.provider, OffloadExpertProvider)
     got = {}
     for name, llm in (("static", static), ("fixed", fixed)):

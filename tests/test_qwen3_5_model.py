@@ -1,8 +1,9 @@
 """The Qwen3.5-MoE hybrid model against transformers' Qwen3_5MoeForCausalLM, on the CPU in float32.
 
 As in test_models_parity: experts at shuffled pages of a NaN-filled expert view, KV at shuffled pages of a
-NaN-filled KV cache. The linear-attention state lives at shuffled slots of a NaN-filled
-LinearAttentionState, so a request that starts fresh must select its zero state, never read the slot.
+NaN-filled KV cache. The linear-attention state lives at shuffled pages of NaN-filled ssm and conv views, read
+and written through the batch's state page ids, so a request that starts fresh must select its zero state,
+never read its pages.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import torch
 from torch import Tensor
 
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
-from rimuru.models.linear_attention_state import LinearAttentionState
-from rimuru.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from rimuru.testing.paged_model import PagedModel, random_prompts
 from rimuru.testing.paged_model import assert_close as check_close
 
@@ -40,26 +39,11 @@ def checkpoint(tiny_checkpoint: Callable[..., Path], pattern: str, fused: bool) 
     return tiny_checkpoint(ARCH, fused_experts=fused, num_hidden_layers=len(types), layer_types=types)
 
 
-class HybridModel(PagedModel):
-    """PagedModel plus the linear-attention state slots an engine would hand out."""
-
-    def __init__(self, ckpt: Path, seed: int = 0, num_kv_pages: int = 64, num_slots: int = 8) -> None:
-        super().__init__(ckpt, seed, num_kv_pages, model_cls=Qwen3_5MoeForCausalLM)
-        self.state = LinearAttentionState.allocate(self.spec, num_slots, torch.float32, fill=float("nan"))
-        self.free_slots = torch.randperm(num_slots, generator=self.generator).tolist()
-        self.slot: dict[int, int] = {}  # seq -> its state slot
-
-    def step(self, chunks: list[tuple[int, list[int]]]) -> list[Tensor]:
-        """One forward pass over (seq id, new tokens) pairs; the logits of every new token per seq."""
-        for seq, _ in chunks:
-            if seq not in self.slot:
-                self.slot[seq] = self.free_slots.pop()
-        batch = self.batch(chunks)
-        state = self.state.for_batch([self.slot[seq] for seq, _ in chunks])
-        with torch.inference_mode():
-            hidden = self.model(batch, state)  # [T, d]
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [T, V]
-        return list(logits.split([len(t) for _, t in chunks]))
+def HybridModel(ckpt: Path, seed: int = 0) -> PagedModel:  # noqa: N802 (reads as the class it builds)
+    """The paged harness over a hybrid checkpoint: state pages come from NaN-filled ssm and conv views."""
+    model = PagedModel(ckpt, seed)
+    assert model.spec.is_hybrid and model.model.state_cache is not None
+    return model
 
 
 _HF_CACHE: dict[Path, torch.nn.Module] = {}
@@ -172,8 +156,8 @@ def test_multimodal_checkpoint_loads_text_model(tiny_checkpoint: Callable[..., P
     assert_close(wrapped.step([(0, seq)])[0], hf_logits(ckpt, seq), "multimodal checkpoint")
 
 
-def test_the_engine_refuses_a_hybrid_model_by_name() -> None:
+def test_both_model_types_are_registered() -> None:
+    from rimuru.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
     from rimuru.models.registry import model_class
 
-    with pytest.raises(ValueError, match="hybrid model .* cannot be served yet"):
-        model_class("qwen3_5_moe_text")
+    assert model_class("qwen3_5_moe_text") is model_class("qwen3_5_moe") is Qwen3_5MoeForCausalLM

@@ -50,8 +50,8 @@ def _tight_elastic(path, kv_blocks: int, limit: int, **kw) -> LLM:
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     budget = (split["non_expert_weights"] + split["workspace"] + split["experts_resident"]
               + 2 * 3 * limit * geo.size("expert") + kv_blocks * per_block + geo.huge_size)
-    return LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
-               expert_offload_limit=limit, **kw)
+    return LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+               adjuster="paper", expert_offload_limit=limit, **kw)
 
 
 @pytest.mark.parametrize("max_batched", [64, 7])

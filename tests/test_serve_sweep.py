@@ -113,6 +113,8 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
         sys.executable, str(REPO / "benchmarks" / "serve_sweep.py"), "--model", str(ckpt), "--device", "cpu",
         "--load-format", "auto", "--gpu-memory-budget", "64MiB", "--configs", "broken,fixed",
         "--define", "broken=rimuru:--dtype nonsense", "--rates", "20,40", "--num-prompts", "3",
+        # copies: their host waits and prefetches are what the rows must carry
+        "--define", "fixed=rimuru:--offload-mode fixed --resident-experts 0.85 --offload-access copy",
         "--dataset-path", str(data), "--client-args", "--max-prompt-len 60 --max-total-len 80 --max-output-len 5",
         "--poll-interval-s", "0.1", "--server-timeout-s", "60", "--point-timeout-s", "60",
         "--label", "cpu-test", "--output-json", str(out),

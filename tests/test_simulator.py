@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rimuru.experts.popularity import ExpertPopularity
+from rimuru.experts.runtime import StepDemand
 from rimuru.model_spec import ModelSpec
 from rimuru.sim.cost_model import CostModel, HardwareConfig
 from rimuru.sim.simulator import SimConfig, SimRequest, Simulation, SimulationError, plan_memory
@@ -25,6 +26,7 @@ SLOW_STEPS = HardwareConfig(step_overhead_s=0.01)
 
 def config(mode: str, pool_pages: int, **kw) -> SimConfig:
     kw.setdefault("adjuster_kind", "paper")  # the mechanism tests run the paper's rules, which move experts readily
+    kw.setdefault("offload_access", "copy")  # and the copy path's load buffers, unless a test asks for direct
     probe = SimConfig(mode=mode, budget_bytes=1 << 40, max_num_seqs=64, max_num_batched_tokens=512)
     mem = plan_memory(TINY, probe)
     return SimConfig(mode=mode, budget_bytes=mem.non_expert_weights + mem.workspace + pool_pages * PAGE,
@@ -40,10 +42,11 @@ def trace(n: int = 120, seed: int = 0) -> list[SimRequest]:
 POP = ExpertPopularity.zipf("tiny", 2, 8, exponent=1.0, seed=0)
 
 
+@pytest.mark.parametrize("access", ["copy", "direct"])
 @pytest.mark.parametrize("mode", ["static", "fixed", "elastic"])
-def test_conservation(mode: str) -> None:
+def test_conservation(mode: str, access: str) -> None:
     reqs = trace()
-    sim = Simulation(TINY, POP, config(mode, pool_pages=48 + 24, expert_offload_limit=4,
+    sim = Simulation(TINY, POP, config(mode, pool_pages=48 + 24, expert_offload_limit=4, offload_access=access,
                                        resident_experts=4 if mode == "fixed" else None))
     res = sim.run(reqs)
     assert res.output_tokens == sum(r.output_len for r in reqs)
@@ -51,7 +54,8 @@ def test_conservation(mode: str) -> None:
     assert not sim.scheduler.has_unfinished()  # ... and finished
     pages = res.final_pages
     assert pages["kv_pages"] == pages["kv_pages_tracked"] == 0
-    buffers = 0 if mode == "static" else 2 * 3 * 4  # two load buffers of `limit` experts (held for good: 2 layers)
+    # two load buffers of `limit` experts (held for good: 2 layers); none with direct access
+    buffers = 0 if mode == "static" or access == "direct" else 2 * 3 * 4
     assert pages["expert_pages"] == pages["expert_pages_tracked"] == 3 * int(sim.residency.in_tables.sum()) + buffers
     assert pages["pending_deferred"] == 0
     assert pages["free_bytes"] + pages["used_bytes"] == pages["pool_bytes"] == 72 * PAGE
@@ -157,7 +161,7 @@ def test_elastic_with_lazy_load_buffers_pays_for_them_and_gives_them_back() -> N
     pool = 8 * 8 * 3 + 60  # every expert and 60 pages of KV room
     budget = mem.non_expert_weights + mem.workspace + pool * PAGE
     cfg = SimConfig(mode="elastic", adjuster_kind="paper", budget_bytes=budget, max_num_seqs=64,
-                    max_num_batched_tokens=512, hardware=SLOW_STEPS, expert_offload_limit=3)
+                    max_num_batched_tokens=512, hardware=SLOW_STEPS, expert_offload_limit=3, offload_access="copy")
     sim = Simulation(spec, pop, cfg)
     assert sim.core.lazy_buffers and sim.core.buffer_pages == [] and sim.residency.in_tables.all()
     held = []
@@ -213,3 +217,69 @@ def test_the_h200_profile_is_the_committed_fit() -> None:
     assert h200.compute_plus_memory and fit["compute_plus_memory"]
     assert (h200.flops_efficiency, h200.bandwidth_efficiency, h200.layer_overhead_s) == pytest.approx(
         (fit["flops_efficiency"], fit["bandwidth_efficiency"], fit["layer_overhead_s"]), rel=1e-3)
+
+
+# a hybrid: three gated DeltaNet layers (state 4 x 16 x 16 fp32 = 4 KiB + conv 128 x 3 x 2 B padded to 1 KiB each)
+# and one attention layer; expert page 8 KiB as TINY's
+TINY_HYBRID = ModelSpec.from_hf_config({
+    "model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "max_position_embeddings": 4096,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4})
+
+
+@pytest.mark.parametrize("mode", ["static", "elastic"])
+def test_hybrid_state_pages_are_counted_and_returned(mode: str) -> None:
+    pop = ExpertPopularity.zipf("tiny", 4, 8, exponent=1.0, seed=0)
+    probe = SimConfig(mode=mode, budget_bytes=1 << 40, max_num_seqs=64, max_num_batched_tokens=512)
+    mem = plan_memory(TINY_HYBRID, probe)
+    pool_pages = 3 * 4 * 8 + (2 * 3 * 4 if mode == "elastic" else 0) + 24  # experts, buffers, 24 pages of room
+    cfg = SimConfig(mode=mode, budget_bytes=mem.non_expert_weights + mem.workspace + pool_pages * PAGE,
+                    max_num_seqs=64, max_num_batched_tokens=512, hardware=SLOW_STEPS, adjuster_kind="paper",
+                    expert_offload_limit=4)
+    sim = Simulation(TINY_HYBRID, pop, cfg)
+    assert sim.state is not None and sim.memory["state_bytes_per_request"] == 3 * (4096 + 1024)
+    seen: list[float] = []
+    sim_core = sim.core
+
+    def watch(s: Simulation) -> None:
+        if sim_core is not None:
+            seen.append(sim_core.state(StepDemand()).kv_mid_pages)
+
+    reqs = trace(60)
+    res = sim.run(reqs, after_step=watch)
+    assert res.output_tokens == sum(r.output_len for r in reqs) and not sim.scheduler.has_unfinished()
+    peak_state = max(res.timeline["state_bytes"])
+    assert peak_state >= 2 * sim.state.request_bytes  # several requests held state at once
+    # per step: every byte of the pool in exactly one column
+    for kv, ex, st, free in zip(res.timeline["kv_bytes"], res.timeline["expert_bytes"], res.timeline["state_bytes"],
+                                res.timeline["free_bytes"], strict=True):
+        assert kv + ex + st + free == sim.mem.pool and free >= 0
+    pages = res.final_pages
+    assert pages["state_pages"] == pages["state_pages_tracked"] == 0 and pages["kv_pages"] == 0
+    assert pages["free_bytes"] + pages["used_bytes"] == pages["pool_bytes"]
+    if mode == "elastic":
+        assert res.evictions > 0  # the requests' state made room short: experts left for it
+        # the adjuster's view of what requests hold counts their state pages (mid-page units, by bytes)
+        assert max(seen) >= 2 * sim.state.request_bytes / PAGE
+
+
+def test_direct_access_steps_read_offloaded_experts_without_piecewise_overhead() -> None:
+    """The cost model of direct access: the activated offloaded experts' bytes are read in the pass (not hidden behind
+    compute), no piecewise overhead; with copies the same bytes may hide behind compute but piecewise graphs cost."""
+    from rimuru.sim.cost_model import CostModel
+
+    hw = HardwareConfig(copy_overlap=1.0, piecewise_overhead_per_layer_s=1e-4)
+    model = CostModel(TINY, POP.probabilities, hw)
+    resident = np.ones((TINY.num_moe_layers, TINY.num_experts), dtype=bool)
+    resident[:, -2:] = False
+    chunks = [(0, 4)] * 8
+    direct = model.step(chunks, 8, resident, direct=True)
+    copy = model.step(chunks, 8, resident)
+    assert direct.pcie_bytes == copy.pcie_bytes > 0
+    assert direct.piecewise_s == 0 and copy.piecewise_s == pytest.approx(1e-4 * TINY.num_moe_layers)
+    assert direct.read_s == pytest.approx(direct.pcie_bytes / hw.pcie_bandwidth) and direct.copy_s == 0
+    assert direct.time_s == pytest.approx(hw.step_overhead_s + direct.compute_s + direct.read_s)
+    all_in = model.step(chunks, 8, np.ones_like(resident), direct=True)
+    assert all_in.read_s == 0 and all_in.time_s == pytest.approx(hw.step_overhead_s + all_in.compute_s)

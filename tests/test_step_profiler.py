@@ -87,7 +87,8 @@ def test_expert_wait_is_measured_for_offloading_providers(tiny_checkpoint) -> No
     ps = _prompts(4, seed=1)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in LLM(path, device="cpu", gpu_memory_budget=BUDGET).generate(ps, params)]
-    llm = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=4)
+    llm = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", offload_access="copy",
+              resident_experts=4)
     provider = llm.engine.runtime.provider
     prof = llm.engine.enable_step_profiler(3)
     got = [o.outputs[0].token_ids for o in llm.generate(ps, params)]

@@ -22,7 +22,8 @@ PROMPT_LENS = (5, 17, 33, 9, 21, 40)
 
 
 def _fixed(path: Path, resident: float) -> LLM:
-    return LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", resident_experts=resident)
+    return LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", offload_access="copy",
+               resident_experts=resident)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
@@ -77,7 +78,8 @@ def test_elastic_with_streaming_evicts_grows_and_keeps_tokens(parity_checkpoints
     path = parity_checkpoints["qwen2_moe"]
     limit = 5
     llm = LLM(str(path), gpu_memory_budget=tight_budget(path, kv_blocks=10, limit=limit), device="cpu",
-              offload_mode="elastic", adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64)
+              offload_mode="elastic", offload_access="copy", adjuster="paper", expert_offload_limit=limit,
+              max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     heavy, light = prompts(6, seed=1), prompts(2, seed=2)
     got = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]
@@ -103,7 +105,7 @@ def test_cuda_piecewise_graphs_stream_without_host_waits(parity_checkpoints, mon
     common = dict(device="cuda", dtype="float32", gpu_memory_budget="1GiB")
     static = run_greedy(LLM(path, enforce_eager=True, **common), ps, STEPS)
     monkeypatch.setattr(offload_provider, "STREAM_MAX_UNUSED", float("inf"))
-    llm = LLM(path, offload_mode="fixed", resident_experts=1, **common)
+    llm = LLM(path, offload_mode="fixed", offload_access="copy", resident_experts=1, **common)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.boundaries is not None
     assert run_greedy(llm, ps, STEPS) == static
     provider = llm.engine.runtime.provider

@@ -52,6 +52,7 @@ from rimuru.engine.setup import (
     resolve_max_model_len,
     workspace_bytes,
 )
+from rimuru.engine.state_cache_manager import StateCacheManager
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import NULL_TRACE, StepProfiler, StepTrace
 from rimuru.engine.workspace_profile import DeviceMemoryMark, WorkspaceProfile, profile_workspace
@@ -67,6 +68,7 @@ from rimuru.model_spec import load_model_spec
 from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.moe import NO_EXPERTS
 from rimuru.models.registry import build_model
+from rimuru.models.state_cache import LinearStateCache
 
 logger = logging.getLogger("rimuru")
 
@@ -96,6 +98,8 @@ class LLMEngine:
         num_attn = len(spec.attention_layer_ids)
         model.bind_kv_cache(self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size),
                                               spec.head_dim, dtype, config.block_size))
+        if spec.is_hybrid:  # gated DeltaNet layers' per-request state: ssm and conv pages of the same pool
+            model.bind_state_cache(LinearStateCache(self.pool.ssm_view(), self.pool.conv_view()))
         self.fence = PassFence(device)  # pages freed while a pass may read them: memory/pass_fence.py
         self.runtime = build_runtime(self._runtime_settings(memory.mode), spec, dtype, self.pool, model,
                                      load_popularity(config, spec), self.fence, self._host_store)
@@ -104,10 +108,20 @@ class LLMEngine:
         if device.type == "cuda":  # start-up transients (the copy-bandwidth probe, weight staging) go back
             torch.cuda.empty_cache()
         self.model = model
+        prefix_caching = config.enable_prefix_caching
+        if spec.is_hybrid and prefix_caching:
+            logger.info("prefix caching is off for %s: a cached prefix would need every linear-attention layer's "
+                        "recurrent state at its end, which is not kept", spec.model_type)
+            prefix_caching = False
         self.kv = KVCacheManager(self.pool.allocator, num_attn, config.block_size,
-                                 enable_prefix_caching=config.enable_prefix_caching)
+                                 enable_prefix_caching=prefix_caching)
+        self.state: StateCacheManager | None = None  # hybrid models: requests' ssm and conv pages
+        if spec.is_hybrid:
+            self.state = StateCacheManager(self.pool.allocator, len(spec.linear_layer_ids), geometry.size(KV))
         self._max_kv_pages = self.kv.capacity_pages() + self.runtime.evictable_kv_pages()
-        kv_tokens = self._max_kv_pages // max(1, num_attn) * config.block_size
+        # the longest context one request can hold: a hybrid model's request also holds its state pages
+        one_request = self._max_kv_pages - (self.state.kv_pages if self.state is not None else 0)
+        kv_tokens = max(0, one_request) // max(1, num_attn) * config.block_size
         self.max_model_len = resolve_max_model_len(config, spec, kv_tokens, self.pool.pool_bytes)
         self.budget_split = {"budget": memory.budget, "non_expert_weights": memory.non_expert_weights,
                              "workspace": memory.workspace, "pool": self.pool.pool_bytes,
@@ -115,11 +129,16 @@ class LLMEngine:
         self._log_budget(kv_tokens)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    reclaimable=self.runtime.reclaimable_kv_pages,
-                                   admission_reserve=self.runtime.admission_reserve_kv_pages)
-        self.runner = ModelRunner(model, device, num_attn, config.block_size, Sampler(device, config.seed))
+                                   admission_reserve=self.runtime.admission_reserve_kv_pages, state=self.state)
+        self.runner = ModelRunner(model, device, num_attn, config.block_size, Sampler(device, config.seed),
+                                  num_linear_layers=len(spec.linear_layer_ids))
         self.piecewise_overhead_s: float | None = None  # measured after capture where whole graphs exist too
         if device.type == "cuda" and not config.enforce_eager:
-            self._capture_graphs()
+            if spec.is_hybrid:  # the graphs' batches carry no state page ids yet
+                logger.info("CUDA graphs are not captured for hybrid models (%s): every step runs eager",
+                            spec.model_type)
+            else:
+                self._capture_graphs()
         if start_memory is not None:
             self._check_workspace(start_memory)
         self._requests: dict[str, Request] = {}
@@ -146,7 +165,8 @@ class LLMEngine:
         return RuntimeSettings(mode=mode, resident_experts=config.resident_experts,
                                expert_offload_limit=config.expert_offload_limit, adjuster=config.adjuster,
                                slo_ttft_p99_ms=config.slo_ttft_p99_ms, slo_tpot_p99_ms=config.slo_tpot_p99_ms,
-                               async_scheduling=self.async_scheduling, cpu_expert_compute=config.cpu_expert_compute,
+                               async_scheduling=self.async_scheduling, offload_access=config.offload_access,
+                               cpu_expert_compute=config.cpu_expert_compute,
                                cpu_expert_threads=config.cpu_expert_threads)
 
     def _make_host_store(self, mode: str, dtype: torch.dtype) -> None:
@@ -253,10 +273,12 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         self._check_logprobs(params)
         need = self.kv.blocks_for(len(ids) + max_tokens) * self.kv.num_layers
+        state = self.state.kv_pages if self.state is not None else 0  # a hybrid model's state, in KV pages
         most = self.max_kv_pages()
-        if need > most:
+        if need + state > most:
+            what = f" and its state {state}" if state else ""
             raise ValueError(f"this request needs {need} KV pages ({len(ids)} prompt + {max_tokens} output tokens)"
-                             f" but the pool can never hold more than {most}; lower max_tokens or the prompt")
+                             f"{what} but the pool can never hold more than {most}; lower max_tokens or the prompt")
         with self._lock:
             if request_id in self._requests or any(r.request_id == request_id for r in self._inbox):
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -377,13 +399,15 @@ class LLMEngine:
         expert_bytes = self.pool.allocator.num_used(EXPERT) * self._expert_page_bytes
         kv_pages = self.kv.pages_in_use
         kv_bytes = kv_pages * self._kv_page_bytes
+        state_bytes = self.state.bytes_in_use if self.state is not None else 0
         now = time.monotonic()
         self.step_metrics.append(StepMetrics(
             t=now - self.start_time, step_time_s=now - t0, num_tokens=num_tokens, cuda_graph=graph,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             kv_pages_used=kv_pages, resident_experts=self.runtime.cache.num_resident,
             evictions=len(plan.evict), grows=len(plan.grow), bytes_loaded=self.runtime.bytes_loaded - loaded0,
-            expert_bytes=expert_bytes, kv_bytes=kv_bytes, free_bytes=self.pool.pool_bytes - expert_bytes - kv_bytes))
+            expert_bytes=expert_bytes, kv_bytes=kv_bytes, state_bytes=state_bytes,
+            free_bytes=self.pool.pool_bytes - expert_bytes - kv_bytes - state_bytes))
         return now
 
     # ---- observing -----------------------------------------------------------------------------------
@@ -439,9 +463,12 @@ class LLMEngine:
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "pool_bytes": st.pool_bytes,
             "free_bytes": st.total_free_bytes,
-            # the pool's split: pool_bytes == kv_bytes_used + expert_bytes_used + free_bytes
+            # the pool's split: pool_bytes == kv_bytes_used + expert_bytes_used + state_bytes_used + free_bytes
             "kv_bytes_used": st.used_bytes.get(KV, 0),  # cached pages included
             "expert_bytes_used": st.used_bytes.get(EXPERT, 0),  # resident experts and the load buffers
+            # hybrid models: requests' ssm + conv pages (0 for the others); in pool_bytes' split beside kv and experts
+            "state_pages_used": self.state.pages_in_use if self.state is not None else 0,
+            "state_bytes_used": self.state.bytes_in_use if self.state is not None else 0,
             "trapped_bytes": st.trapped_bytes,
             "resident_experts": cache.num_resident,
             "total_experts": cache.total_experts,

@@ -7,6 +7,8 @@ Batch layout (all scheduled requests flattened, prefill chunks and decodes mixed
     tokens     | r0: start0 .. start0+n0-1 | r1: ... | ...        T = sum(n_i) rows
     block_tables[l, b, j] = page of block j of request b in attention layer l (0-padded)
     slot_mapping[l, t]   = page * block_size + position % block_size for token row t in layer l
+    ssm_pages[k, b], conv_pages[k, b] = state pages of request b in linear-attention layer k (hybrid models;
+                           -1 for padding rows)
 
 Host work per step is kept flat: one Python pass over the scheduled requests collects their numbers,
 everything else is a few whole-batch numpy operations. Each request's pages are kept as an int32
@@ -27,7 +29,7 @@ from rimuru.engine.cuda_graphs import StepGraphs
 from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs, logprob_rows, unpack_logprobs
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler, min_tokens_bans
-from rimuru.engine.scheduler import SchedulerOutput
+from rimuru.engine.scheduler import ScheduledRequest, SchedulerOutput
 from rimuru.engine.step_profiler import StepTrace
 from rimuru.kernels.paged_attention import q_tile_starts, tile_map_block_q
 from rimuru.models.causal_lm import MoECausalLM
@@ -53,11 +55,20 @@ class HostBatch:
     # holds 0 there), and the seq_id of each row's request; the runner fills them on the device
     pending_rows: list[int] | None = None
     pending_seq_ids: list[int] | None = None
+    # hybrid models: [L_lin, B] int64 state page ids (models/state_cache.py), None for the others
+    ssm_pages: np.ndarray | None = None
+    conv_pages: np.ndarray | None = None
 
     def fields(self) -> list[np.ndarray]:
+        """The arrays the device gets, in order: the seven of every batch, q_tile_start (mixed graphs), then the
+        state page ids (hybrid models)."""
         out = [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.block_tables,
                self.slot_mapping, self.logits_indices]
-        return out if self.q_tile_start is None else [*out, self.q_tile_start]
+        if self.q_tile_start is not None:
+            out.append(self.q_tile_start)
+        if self.ssm_pages is not None and self.conv_pages is not None:
+            out += [self.ssm_pages, self.conv_pages]
+        return out
 
 
 class InputStager:
@@ -153,10 +164,11 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: MoECausalLM, device: torch.device, num_attention_layers: int,
-                 block_size: int, sampler: Sampler) -> None:
+                 block_size: int, sampler: Sampler, num_linear_layers: int = 0) -> None:
         self.model = model
         self.device = device
         self.num_layers = num_attention_layers
+        self.num_linear_layers = num_linear_layers  # hybrid models: linear-attention layers, each with state pages
         self.block_size = block_size
         self.sampler = sampler
         self.graphs: StepGraphs | None = None  # set by use_cuda_graphs()
@@ -289,11 +301,26 @@ class ModelRunner:
             query_start_loc = np.concatenate([query_start_loc, np.full(S - B, T, dtype=np.int32)])
             logits_indices = np.concatenate([logits_indices, np.zeros(S - num_sampled, dtype=np.int64)])
             q_tile_start = q_tile_starts(ns, self.q_block, S)
+        ssm_pages = conv_pages = None
+        if self.num_linear_layers:
+            ssm_pages, conv_pages = self._state_pages(scheduled, pad_seqs if mixed and pad_seqs is not None else Bp)
         return HostBatch(input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
                          seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
                          logits_indices=logits_indices, max_query_len=max(ns_l), num_sampled=num_sampled,
                          q_tile_start=q_tile_start, pending_rows=pending_rows,
-                         pending_seq_ids=pending_seq_ids if pending_rows is not None else None)
+                         pending_seq_ids=pending_seq_ids if pending_rows is not None else None,
+                         ssm_pages=ssm_pages, conv_pages=conv_pages)
+
+    def _state_pages(self, scheduled: list[ScheduledRequest], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """[L_lin, num_rows] int64 ssm and conv page ids of the scheduled requests; -1 in padding rows."""
+        ssm = np.full((self.num_linear_layers, num_rows), -1, dtype=np.int64)
+        conv = np.full((self.num_linear_layers, num_rows), -1, dtype=np.int64)
+        for b, s in enumerate(scheduled):
+            req = s.request
+            assert len(req.ssm_pages) == self.num_linear_layers, (req.request_id, "scheduled without state pages")
+            ssm[:, b] = req.ssm_pages
+            conv[:, b] = req.conv_pages
+        return ssm, conv
 
     def to_device(self, h: HostBatch) -> list[torch.Tensor]:
         """The HostBatch fields (in `HostBatch.fields()` order) as device tensors: zero-copy views on the CPU,
@@ -304,11 +331,12 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
         h = self.host_arrays(sched)
-        ids, pos, qsl, seq_lens, bt, slots, li = self.to_device(h)
+        ids, pos, qsl, seq_lens, bt, slots, li, *state = self.to_device(h)
         self._fill_pending(ids, h)
+        ssm_pages, conv_pages = state if state else (None, None)
         return ForwardBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
                             slot_mapping=slots, logits_indices=li, max_query_len=h.max_query_len,
-                            max_seq_len=int(h.seq_lens.max()))
+                            max_seq_len=int(h.seq_lens.max()), ssm_pages=ssm_pages, conv_pages=conv_pages)
 
     # ---- the step --------------------------------------------------------------------------------------
     def _fill_pending(self, input_ids: torch.Tensor, h: HostBatch) -> None:

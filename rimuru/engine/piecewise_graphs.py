@@ -94,6 +94,9 @@ class ExpertTableBoundaries:
         else:
             self._pending = None
 
+    def host_rows(self, moe_layer: int) -> Tensor | None:
+        return None  # offloaded experts reach the kernel through the load buffers' pages
+
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
         pred, self._pending = self._pending, None
         if self._capture is not None:

@@ -1,8 +1,9 @@
 """The state of one request (one sequence) as it moves through the engine.
 
 Lifecycle: WAITING -> RUNNING -> FINISHED_* ; a preempted request goes back to WAITING with its KV
-pages freed and `num_computed_tokens = 0` (recompute), keeping the tokens it already produced (with prefix
-caching its full blocks stay cached, so it recomputes only what was reclaimed meanwhile).
+pages (and a hybrid model's state pages) freed and `num_computed_tokens = 0` (recompute), keeping the tokens it
+already produced (with prefix caching its full blocks stay cached, so it recomputes only what was reclaimed
+meanwhile).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Request:
     num_pending_tokens: int = 0
     # kv_pages[i][l] = page id (kind "kv") of block i in attention layer l
     kv_pages: list[list[int]] = field(default_factory=list)
+    # hybrid models (engine/state_cache_manager.py): per linear-attention layer l, the page id of its recurrent
+    # state (kind "ssm") and of its conv state (kind "conv"); empty while the request holds none
+    ssm_pages: list[int] = field(default_factory=list)
+    conv_pages: list[int] = field(default_factory=list)
     # prefix caching (engine/kv_cache_manager.py): the names of the full blocks of all_token_ids hashed so far, and
     # how many leading blocks of kv_pages were offered to the cache (each is then the cached block or a private copy)
     block_hashes: list[bytes] = field(default_factory=list)

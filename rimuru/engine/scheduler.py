@@ -13,7 +13,9 @@ Each step (vLLM v1 style, no separate prefill/decode phases):
      free (elastic mode: pages the adjuster's grows wait for); a request held back only by the reserve
      reports no shortfall. A waiting request first takes the longest cached prefix of its tokens (prefix
      caching, engine/kv_cache_manager.py) and is scheduled from there; the cache's unreferenced pages count as
-     free, so they go before any expert is evicted.
+     free, so they go before any expert is evicted. A hybrid model's request also takes its state pages at
+     admission (engine/state_cache_manager.py), counted in KV pages in its need and its shortfall; it keeps them
+     until it ends or is preempted, so running requests only ever ask for KV pages.
 The scheduler decides allocation and never touches tensors; the runner turns its output into tensors.
 With async scheduling a running request may have a pending token (sampled by the step in flight, not read
 yet): it is scheduled on as if known (its input comes from the device), unless that token is its last.
@@ -25,8 +27,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rimuru.engine.kv_cache_manager import KVCacheManager
+from rimuru.engine.kv_cache_manager import CachedPrefix, KVCacheManager
 from rimuru.engine.request import Request, RequestStatus
+from rimuru.engine.state_cache_manager import StateCacheManager
 
 
 @dataclass
@@ -66,8 +69,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  reclaimable: Callable[[], int] | None = None,
-                 admission_reserve: Callable[[], int] | None = None) -> None:
+                 admission_reserve: Callable[[], int] | None = None,
+                 state: StateCacheManager | None = None) -> None:
         self.kv = kv
+        self.state = state  # hybrid models: the requests' state pages
         self.reclaimable = reclaimable  # KV pages that evicting experts could free (elastic mode)
         self.admission_reserve = admission_reserve  # KV pages admissions leave free (elastic mode: for grows)
         self.max_num_seqs = max_num_seqs
@@ -125,10 +130,12 @@ class Scheduler:
             assert not req.num_pending_tokens  # a preempted request's token is read in the step that preempted it
             prefix = self.kv.lookup(req)
             n = min(req.num_tokens - req.num_computed_tokens - prefix.num_tokens, budget)
-            need = self.kv.pages_needed(req, n, prefix)
-            if (reserve and need > self.kv.capacity_pages() - reserve
-                    or not self.kv.allocate(req, n, prefix)):
+            need = self.kv.pages_needed(req, n, prefix) + (self.state.pages_needed(req) if self.state else 0)
+            if reserve and need > self.kv.capacity_pages() - reserve:  # held back by the reserve alone: no shortfall
                 out.shortfall_pages = max(0, need - self.kv.capacity_pages())
+                break
+            if not self._admit_pages(req, n, prefix):
+                out.shortfall_pages = self._admission_shortfall(req, need)
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -137,8 +144,32 @@ class Scheduler:
             budget -= n
         return out
 
-    def _preempt(self, req: Request) -> None:
+    def _admit_pages(self, req: Request, n: int, prefix: CachedPrefix) -> bool:
+        """A waiting request's state pages (hybrid models) and KV pages for its first `n` tokens, all or nothing."""
+        if self.state is not None and not self.state.allocate(req):
+            return False
+        if self.kv.allocate(req, n, prefix):
+            return True
+        if self.state is not None:
+            self.state.free(req)  # no pass has seen them
+        return False
+
+    def _admission_shortfall(self, req: Request, need: int) -> int:
+        """KV pages (state pages counted in them) a waiting request that could not be admitted lacks: what its need
+        exceeds the capacity by, or what its state pages lack kind by kind, and at least one page (the kinds of a
+        hybrid model's pages compete for the same free pages, so a need within the capacity may still not fit)."""
+        short = need - self.kv.capacity_pages()
+        if self.state is None:
+            return max(0, short)
+        return max(1, short, self.state.missing_kv_pages(req))
+
+    def _free(self, req: Request) -> None:
         self.kv.free(req)
+        if self.state is not None:
+            self.state.free(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -153,4 +184,4 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        self._free(req)

@@ -105,9 +105,11 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, s
     nothing can be measured (the CPU; the simulator's modelled GPU, whose hardware profile gives `scratch`).
 
     Per token: hidden states and residual, q/k/v/o, the MLP intermediates (routed: top-k copies of
-    2f; shared expert: 2 * its width), the router logits. Per sampled sequence: the lm-head output (dtype)
+    2f; shared expert: 2 * its width), the router logits, and for a hybrid model one gated DeltaNet layer's
+    chunk-form intermediates. Per sampled sequence: the lm-head output (dtype)
     and the float32 logits; plus one sampler chunk's working copies (engine/sampler.py samples
-    SAMPLE_ROWS_PER_CHUNK rows at a time). Plus `scratch`: what does not shrink with the step (kernel scratch,
+    SAMPLE_ROWS_PER_CHUNK rows at a time); a hybrid model's states of one layer, three copies per sequence.
+    Plus `scratch`: what does not shrink with the step (kernel scratch,
     library workspaces, graph pools, fragmentation).
     """
     T, S = config.max_num_batched_tokens, config.max_num_seqs
@@ -116,8 +118,14 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, s
     mlp = max(spec.num_experts_per_tok * 3 * spec.moe_intermediate_size,
               3 * spec.shared_expert_intermediate_size, 3 * spec.intermediate_size)
     per_token = (6 * d + 2 * qkv + mlp + spec.num_experts) * el + spec.num_experts_per_tok * 16
+    if spec.is_hybrid:  # gated DeltaNet, chunk form: its projections, fp32 q/k/v, and four [Hv, C, C] fp32 blocks
+        hv, c = spec.linear_num_value_heads, 64
+        per_token += (2 * spec.linear_conv_dim + 2 * spec.linear_value_dim) * el
+        per_token += 4 * (2 * hv * spec.linear_key_head_dim + 2 * spec.linear_value_dim + 4 * hv * c)
     logits = S * spec.vocab_size * (el + 4) + min(S, SAMPLE_ROWS_PER_CHUNK) * spec.vocab_size * SAMPLER_BYTES_PER_ENTRY
-    return T * per_token + logits + scratch
+    # hybrid models: one layer's states of every sequence, gathered, selected and final (models/state_cache.py)
+    states = 3 * S * spec.state_bytes_per_request(dtype) // max(1, len(spec.linear_layer_ids))
+    return T * per_token + logits + states + scratch
 
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of the GPU's memory
@@ -142,11 +150,12 @@ def resolve_budget(config: EngineConfig, device: torch.device, spec: ModelSpec, 
 
 def _cpu_budget(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, work: int, asked: int) -> int:
     """On the CPU the pool is host memory: a budget sized for a GPU (32 GiB for a 3 MB model) is capped at what the
-    model can use (every weight, the workspace, KV for max_num_seqs sequences of the longest context), and one the
+    model can use (every weight, the workspace, KV and a hybrid model's state for max_num_seqs sequences of the
+    longest context), and one the
     machine's memory cannot hold is refused."""
     context = config.max_model_len or spec.max_position_embeddings
     need = (spec.non_expert_bytes(dtype) + spec.routed_expert_bytes(dtype) + work
-            + config.max_num_seqs * context * spec.kv_bytes_per_token(dtype))
+            + config.max_num_seqs * (context * spec.kv_bytes_per_token(dtype) + spec.state_bytes_per_request(dtype)))
     budget = min(asked, need)
     if budget < asked and config.budget_bytes is not None:
         logger.info("on the CPU the budget %s is capped at what the model can use: %s", format_bytes(asked),
@@ -223,7 +232,8 @@ def load_weights(model: MoECausalLM, spec: ModelSpec, config: EngineConfig, load
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec, kv_tokens: int, pool_bytes: int) -> int:
     if kv_tokens < config.block_size:
-        raise ValueError(f"after the experts, the pool ({format_bytes(pool_bytes)}) has no room for KV cache; "
+        state = " and one request's state pages" if spec.is_hybrid else ""
+        raise ValueError(f"after the experts{state}, the pool ({format_bytes(pool_bytes)}) has no room for KV cache; "
                          "raise gpu_memory_budget or use an offload mode")
     if config.max_model_len is not None and config.max_model_len > spec.max_position_embeddings:
         # as vLLM: positions past the trained range are not something the engine can promise to serve

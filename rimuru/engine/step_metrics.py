@@ -23,6 +23,7 @@ class StepMetrics:
     expert_bytes: int  # pool bytes held by expert pages (resident experts + load buffers)
     kv_bytes: int  # pool bytes held by KV pages
     free_bytes: int  # the rest of the pool
+    state_bytes: int = 0  # pool bytes held by requests' state pages (hybrid models)
 
 
 class StepMetricsRing:

@@ -52,6 +52,7 @@ from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.loader import init_dummy_weights
 from rimuru.models.moe import NO_EXPERTS
+from rimuru.models.state_cache import LinearStateCache, no_state_cache
 
 logger = logging.getLogger("rimuru")
 
@@ -115,12 +116,16 @@ class _ScratchPool:
         self.kv_view = self.pool.kv_view(num_kv_heads, spec.head_dim, dtype, block_size)
         tables = torch.zeros(spec.num_moe_layers, spec.num_experts, 3, dtype=torch.int32, device=device)
         self.provider = StaticExpertProvider(self.pool.expert_view(dtype), tables)
+        # hybrid models: every sequence's state on ssm and conv page 0 of the same bytes
+        self.state = LinearStateCache(self.pool.ssm_view(), self.pool.conv_view(dtype)) if spec.is_hybrid else None
 
 
 def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, vocab_size: int,
-                  device: torch.device) -> ForwardBatch:
-    """`tokens` prompt tokens split over `seqs` fresh prompts, every block on KV page 0, each prompt's last row
-    sampled."""
+                  device: torch.device, num_linear_layers: int = 0) -> ForwardBatch:
+    """`tokens` prompt tokens split over `seqs` fresh prompts, every block on KV page 0 (a hybrid model's states on
+    state page 0), each prompt's last row sampled."""
+    state_pages = (torch.zeros(num_linear_layers, seqs, dtype=torch.int64, device=device) if num_linear_layers
+                   else None)
     lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
     starts = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(n) for n in lens])
@@ -132,7 +137,8 @@ def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, voca
         query_start_loc=starts.to(device), seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         block_tables=torch.zeros(num_layers, seqs, blocks, dtype=torch.int32, device=device),
         slot_mapping=slots.to(device).expand(num_layers, tokens).contiguous(),
-        logits_indices=(starts[1:] - 1).to(torch.int64).to(device), max_query_len=max_len, max_seq_len=max_len)
+        logits_indices=(starts[1:] - 1).to(torch.int64).to(device), max_query_len=max_len, max_seq_len=max_len,
+        ssm_pages=state_pages, conv_pages=state_pages)
 
 
 def _sample(logits: torch.Tensor, sampler: Sampler) -> None:
@@ -160,9 +166,12 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     held = torch.cuda.memory_reserved(device)  # the scratch pool is not workspace
     model.bind_kv_cache(scratch.kv_view)
     model.attach_experts(scratch.provider)
+    if scratch.state is not None:
+        model.bind_state_cache(scratch.state)
     sampler = Sampler(device, config.seed)
     torch.cuda.reset_peak_memory_stats(device)
-    batch = _largest_step(num_attn, T, min(S, T), config.block_size, spec.vocab_size, device)
+    batch = _largest_step(num_attn, T, min(S, T), config.block_size, spec.vocab_size, device,
+                          len(spec.linear_layer_ids))
     hidden = model(batch)  # [T, d]
     logits = model.compute_logits(hidden[batch.logits_indices])  # [rows, V] fp32
     del hidden
@@ -175,7 +184,7 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     outside = engine_start.outside_torch_since(device)
     graphs = sampling = 0
     eager_beside = False
-    if not config.enforce_eager:
+    if not config.enforce_eager and not spec.is_hybrid:  # the engine captures no graphs for hybrids yet
         torch.cuda.empty_cache()
         before = _device_used(device)
         step_graphs = _capture_like_the_engine(model, scratch, mode, device, num_attn, config, max_model_len)
@@ -190,6 +199,8 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
         del step_graphs, logits
     model.bind_kv_cache(torch.empty(0, device=device))
     model.attach_experts(NO_EXPERTS)  # nothing of the scratch pool stays reachable
+    if scratch.state is not None:
+        model.bind_state_cache(no_state_cache(device, dtype))
     del scratch
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -201,15 +212,20 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
 
 def _capture_like_the_engine(model: MoECausalLM, scratch: _ScratchPool, mode: str, device: torch.device,
                              num_attn: int, config: EngineConfig, max_model_len: int) -> StepGraphs:
-    """The graph ladders the engine will capture in `mode` (static: whole graphs; fixed: piecewise; elastic:
-    piecewise and whole), over the scratch pool."""
+    """The graph ladders the engine will capture in `mode` (static, and fixed or elastic with direct access: whole
+    graphs; fixed with copies: piecewise; elastic with copies: piecewise and whole), over the scratch pool."""
     provider = scratch.provider
     boundaries = None
-    if mode != "static":
+    copies = mode != "static" and config.offload_access == "copy"
+    if copies:
         boundaries = ExpertTableBoundaries(None, model, provider.expert_view, provider.tables)
+    elif mode != "static":  # the kernels' host-row variant, over the scratch pages (no host memory is read)
+        provider = StaticExpertProvider(provider.expert_view, provider.tables,
+                                        host_rows=[provider.expert_view] * provider.tables.shape[0])
+        model.attach_experts(provider)
     graphs = StepGraphs(model, device, num_attn, config.max_num_seqs, max_model_len, config.block_size,
                         config.max_num_batched_tokens, boundaries=boundaries,
-                        resident_provider=provider if mode == "elastic" else None,
+                        resident_provider=provider if copies and mode == "elastic" else None,
                         max_capture_size=config.max_cudagraph_capture_size)
     graphs.capture()
     return graphs

@@ -102,7 +102,8 @@ class AdjusterState:
     oldest_wait_s: float = 0.0  # seconds the head of the waiting queue has waited (0: no queue)
     tpot_p99_s: float | None = None  # measured TPOT p99 of recently finished requests (None: too few yet)
     tpot_observed: int = 0  # finished requests observed so far (a new batch of them updates a TPOT correction)
-    kv_mid_pages: float = 0.0  # KV pages in use, in mid-page units (KV pages / smalls per mid)
+    # pages requests hold, in mid-page units: KV pages / smalls per mid, plus hybrid models' state pages by bytes
+    kv_mid_pages: float = 0.0
     # The load buffers (experts/elastic_core.py): mid pages per slot of both buffers when their slots follow the
     # offload (0: held for good at the limit, so an offload costs no buffer pages), and the slots they hold now.
     buffer_slot_pages: int = 0

@@ -3,7 +3,9 @@
 `ExpertResidency` (residency.py) decides which experts hold which pages; this object mirrors every change
 into the tables. Every resident expert owns three mid pages of kind "expert": W1 (gate, [f, d]), W3 (up,
 [f, d]) and W2 (down, [d, f]). The table of MoE layer l is a device tensor [E, 3] int32 of those page ids,
--1 when the expert is not in the tables; the fused MoE kernel reads weights through it. Tables are one
+-1 when the expert is not in the tables, or, where the kernel reads offloaded experts in host memory
+(`read_absent_from`), the codes <= -2 of its rows in the pinned host store (kernels/fused_moe.py,
+`host_row_code`); the fused MoE kernel reads weights through it. Tables are one
 [L_moe, E, 3] tensor updated in place, so CUDA graphs captured over them stay valid; `host_tables` is the
 same numbers on the host, so deciding what to load never reads the device.
 
@@ -19,6 +21,7 @@ import torch
 
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.residency import Expert, ExpertPages, ExpertResidency
+from rimuru.kernels.fused_moe import host_row_code
 from rimuru.memory.allocator import PageAllocator
 
 
@@ -63,6 +66,9 @@ class ExpertCache:
         shape = (self.num_layers, self.num_experts, 3)
         self.tables = torch.full(shape, -1, dtype=torch.int32, device=device)  # [L_moe, E, 3]
         self.host_tables = torch.full(shape, -1, dtype=torch.int32)  # the same numbers on the host
+        self.host_rows: list[torch.Tensor] | None = None  # per layer [3E, f*d] views of the store (read_absent_from)
+        # what an absent expert's row holds: -1, or its host-row codes [E, 3] (the same for every layer)
+        self._absent = torch.full((self.num_experts, 3), -1, dtype=torch.int32)
 
     @property
     def expert_page_bytes(self) -> int:
@@ -84,6 +90,18 @@ class ExpertCache:
         return self.residency.all_resident()
 
     # ------------------------------------------------------------------ start-up
+    def read_absent_from(self, store: HostExpertStore) -> list[torch.Tensor]:
+        """From now on an expert that is not resident is named in the tables by its rows in `store` (pinned on a
+        GPU), which the MoE kernel reads directly; returns the per-layer host rows the provider hands it."""
+        E = self.num_experts
+        self.host_rows = [layer.view(3 * E, -1) for layer in store.layers]
+        self._absent = torch.tensor([[host_row_code(e, j) for j in range(3)] for e in range(E)], dtype=torch.int32)
+        absent = self.host_tables[:, :, 0] < 0  # [L, E]
+        codes = self._absent.expand(self.num_layers, E, 3)
+        self.host_tables[absent] = codes[absent]
+        self.tables.copy_(self.host_tables.to(self.tables.device))
+        return self.host_rows
+
     def make_resident(self, experts: Sequence[Expert]) -> None:
         """Gives each (moe_layer, expert) three expert pages and points its table row at them.
         Raises PoolTooSmallError (nothing taken) when the pool can't hold them all."""
@@ -135,10 +153,14 @@ class ExpertCache:
     def clear_rows(self, experts: Sequence[Expert]) -> None:
         """Evicted experts (already out of the residency) leave the tables."""
         for layer, expert in experts:
-            # one fill per row, queued on the compute stream: no index tensor to copy over, so no host wait
-            # for the pass that may still be in flight (async scheduling)
-            self.tables[layer, expert] = -1
-            self.host_tables[layer, expert] = -1
+            # fills queued on the compute stream: no index tensor to copy over, so no host wait for the pass that
+            # may still be in flight (async scheduling)
+            if self.host_rows is None:
+                self.tables[layer, expert] = -1
+            else:
+                for j in range(3):
+                    self.tables[layer, expert, j] = int(self._absent[expert, j])
+            self.host_tables[layer, expert] = self._absent[expert]
 
     def write_rows(self, grown: Sequence[tuple[Expert, ExpertPages]]) -> None:
         """Grown experts (committed in the residency; their copies completed) enter the tables."""

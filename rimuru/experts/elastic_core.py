@@ -51,34 +51,37 @@ from rimuru.experts.residency import (
 )
 from rimuru.experts.runtime import StepDemand
 from rimuru.experts.step_cost import StepCostTracker
+from rimuru.memory.geometry import CONV, SSM
 
 
-def default_elastic_limit(num_layers: int, num_experts: int, free_mid_pages: int) -> int:
+def default_elastic_limit(num_layers: int, num_experts: int, free_mid_pages: int, load_buffers: bool = True) -> int:
     """The paper's E / 6 (about ten offloadable experts of 60 near its throughput peak), raised where the pool
     cannot start with it to the fewest that let it start as `elastic_start_resident` wants (every expert, or the
     rest beside FORCED_START_KV_SHARE of KV); E where none does (the caller then refuses the pool)."""
     room = free_mid_pages - int(FORCED_START_KV_SHARE * free_mid_pages)
     for limit in range(max(1, num_experts // 6), num_experts + 1):
-        if (start_pages(num_layers, num_experts, num_experts, limit) <= free_mid_pages
-                or start_pages(num_layers, num_experts, num_experts - limit, limit) <= room):
+        if (start_pages(num_layers, num_experts, num_experts, limit, load_buffers) <= free_mid_pages
+                or start_pages(num_layers, num_experts, num_experts - limit, limit, load_buffers) <= room):
             return limit
     return num_experts
 
 
 def resolve_elastic_limit(expert_offload_limit: int | None, num_layers: int, num_experts: int,
-                          free_mid_pages: int) -> int:
+                          free_mid_pages: int, load_buffers: bool = True) -> int:
     """The most experts one layer may have offloaded in elastic mode (default: `default_elastic_limit` for a pool
     of `free_mid_pages` free expert pages, before anything is placed)."""
-    limit = (default_elastic_limit(num_layers, num_experts, free_mid_pages) if expert_offload_limit is None
+    limit = (default_elastic_limit(num_layers, num_experts, free_mid_pages, load_buffers)
+             if expert_offload_limit is None
              else expert_offload_limit)
     if not 1 <= limit <= num_experts:
         raise ValueError(f"expert_offload_limit must be in [1, {num_experts}] in elastic mode, got {limit}")
     return limit
 
 
-def start_pages(num_layers: int, num_experts: int, resident: int, limit: int) -> int:
-    """Expert pages the start-up takes: `resident` experts per layer and the load-buffer slots the others need."""
-    slots = start_buffer_slots(num_layers, num_experts - resident, limit)
+def start_pages(num_layers: int, num_experts: int, resident: int, limit: int, load_buffers: bool = True) -> int:
+    """Expert pages the start-up takes: `resident` experts per layer and the load-buffer slots the others need
+    (none without load buffers: the kernel reads offloaded experts in host memory)."""
+    slots = start_buffer_slots(num_layers, num_experts - resident, limit) if load_buffers else 0
     return PAGES_PER_EXPERT * num_layers * resident + load_buffer_pages(slots)
 
 
@@ -91,18 +94,19 @@ def start_buffer_slots(num_layers: int, offloaded_per_layer: int, limit: int) ->
     return offloaded_per_layer if lazy_load_buffers(num_layers) else limit
 
 
-def elastic_start_resident(num_layers: int, num_experts: int, free_mid_pages: int, limit: int) -> int:
+def elastic_start_resident(num_layers: int, num_experts: int, free_mid_pages: int, limit: int,
+                           load_buffers: bool = True) -> int:
     """Experts per layer resident at start-up. Every expert when they all fit: the adjuster makes KV room as
     requests come, and only where its model says the room pays. Where they do not (offloading is the price of
     running at all), as many as fit beside the load-buffer slots the others need while leaving
     FORCED_START_KV_SHARE of the pool to KV cache, so the first requests need no evictions; at least E - limit
     (the caller refuses a pool that cannot hold even that)."""
     L, E = num_layers, num_experts
-    if start_pages(L, E, E, limit) <= free_mid_pages:
+    if start_pages(L, E, E, limit, load_buffers) <= free_mid_pages:
         return E
     room = free_mid_pages - int(FORCED_START_KV_SHARE * free_mid_pages)
     for resident in range(E - 1, E - limit - 1, -1):
-        if start_pages(L, E, resident, limit) <= room:
+        if start_pages(L, E, resident, limit, load_buffers) <= room:
             return resident
     return E - limit
 
@@ -136,8 +140,10 @@ class PassEnd:
 
 class ElasticCore:
     def __init__(self, residency: ExpertResidency, adjuster: Adjuster, popularity: OnlinePopularity,
-                 offload_limit: int, smalls_per_mid: int, step_cost: StepCostTracker | None = None) -> None:
-        """`offload_limit`: from resolve_elastic_limit."""
+                 offload_limit: int, smalls_per_mid: int, step_cost: StepCostTracker | None = None,
+                 load_buffers: bool = True) -> None:
+        """`offload_limit`: from resolve_elastic_limit. Without `load_buffers` the kernel reads offloaded experts in
+        host memory (offload_access="direct"): no slots are ever taken, and an offload costs no buffer pages."""
         self.residency = residency
         self.allocator = residency.allocator
         self.adjuster = adjuster
@@ -145,6 +151,7 @@ class ElasticCore:
         self.offload_limit = offload_limit
         self.smalls_per_mid = smalls_per_mid
         self.step_cost = step_cost  # compute and copy costs of recent passes (cost-aware adjusters read it)
+        self.load_buffers = load_buffers
         self.lazy_buffers = lazy_load_buffers(residency.num_layers)  # slots follow the offload (module docstring)
         self.buffer_pages: list[int] = []  # the load buffers' pages: 6 per slot, the owner of their lifetime
         self.counters = ElasticCounters()
@@ -159,6 +166,8 @@ class ElasticCore:
     def slots_for(self, offloaded_per_layer: list[int]) -> int:
         """Slots the load buffers need for this offload: the most offloaded experts of a layer (lazy buffers; 0 when
         none is out), or the limit, held for good."""
+        if not self.load_buffers:
+            return 0
         if not self.lazy_buffers:
             return self.offload_limit
         return max(offloaded_per_layer, default=0)
@@ -169,6 +178,8 @@ class ElasticCore:
         returns the load buffers' pages for the slots the start needs (none with lazy buffers and every expert
         resident)."""
         offloaded = self.residency.num_experts - resident_per_layer
+        if not self.load_buffers:
+            return []
         return self._take_slots(start_buffer_slots(self.residency.num_layers, offloaded, self.offload_limit))
 
     def evictable_kv_pages(self) -> int:
@@ -191,7 +202,7 @@ class ElasticCore:
         offloaded = self.residency.planned_offloaded()
         experts = reclaimable_experts(offloaded, self.offload_limit, bound)
         pages = experts * PAGES_PER_EXPERT
-        if experts and self.lazy_buffers:  # the evictions, least popular first, may need more slots
+        if experts and self.lazy_buffers and self.load_buffers:  # the evictions may need more slots
             state = self.state(StepDemand())
             order = eviction_order(state, experts)
             slots = most_offloaded_after(np.asarray(offloaded), order, self.residency.num_experts)[-1]
@@ -251,10 +262,19 @@ class ElasticCore:
             num_waiting=demand.num_waiting, num_stalled=demand.num_stalled, max_num_seqs=demand.max_num_seqs,
             oldest_wait_s=demand.oldest_wait_s, tpot_p99_s=demand.tpot_p99_s, tpot_observed=demand.tpot_observed,
             # held by requests: the prefix cache's unreferenced pages are free room (in free_mid_pages when whole)
-            kv_mid_pages=(allocator.num_used("kv") - allocator.num_reclaimable("kv")) / self.smalls_per_mid,
-            buffer_slot_pages=load_buffer_pages(1) if self.lazy_buffers else 0,  # held for good: no cost
+            kv_mid_pages=(allocator.num_used("kv") - allocator.num_reclaimable("kv")) / self.smalls_per_mid
+            + self._state_mid_pages(),
+            # held for good, or none at all: no cost
+            buffer_slot_pages=load_buffer_pages(1) if self.lazy_buffers and self.load_buffers else 0,
             buffer_slots=self.buffer_slots,
         )
+
+    def _state_mid_pages(self) -> float:
+        """Hybrid models' per-request state pages (ssm and conv kinds) in use, in expert mid pages: part of each
+        running request's footprint, as its KV is (0 for other models)."""
+        a, g = self.allocator, self.allocator.geometry
+        kinds = [k for k in (SSM, CONV) if k in g.mid_kinds or k in g.small_kinds]
+        return sum(a.num_used(k) * g.size(k) for k in kinds) / g.size(EXPERT)
 
     def after_pass(self) -> PassEnd:
         """The pass planned last has been launched (and, for a page that becomes free, finished by the time

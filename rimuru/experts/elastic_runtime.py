@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from rimuru.experts.adjuster import AdjustPlan
@@ -53,7 +54,8 @@ class ElasticRuntime(OffloadRuntime):
         self._forward_start: tuple[float, int, float] | None = None
         self._tokens = 0  # batched tokens of the pass launched this step
         self._tokens_in_flight = 0  # async: the same for the pass launched one step earlier
-        self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        # async: the counts of the pass in flight, their copy's event, and which experts that pass found offloaded
+        self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None, np.ndarray | None] | None = None
         self._last_after_pass: tuple[float, int, float] | None = None
         self._copy_bytes: int | None = None  # bytes loaded for the pass in flight (async)
         self._host_s: float = 0.0  # host-tier seconds spent queueing the pass in flight (async)
@@ -115,51 +117,69 @@ class ElasticRuntime(OffloadRuntime):
         super().before_pass(num_tokens)
 
     def after_pass(self) -> None:
+        absent = self._absent_during_pass()  # before the evicted leave the tables: the pass read them resident
         end = self.core.after_pass()
         self.cache.clear_rows(end.evicted)
         if end.released_buffer_pages:
             self.loader.detach()  # the core owns the pages and has deferred-freed them
         self._observe_loads()
         if self.async_steps:
-            self._after_pass_async()
+            self._after_pass_async(absent)
             return
+        counts = self.counter.snapshot_and_reset().numpy()
+        read = self._read_from_host(counts, absent)
         step_cost = self.core.step_cost
         if step_cost is not None and self._forward_start is not None:
             t0, bytes0, host0 = self._forward_start
-            copy_s = (self.loader.counters.bytes_loaded - bytes0) / self.pcie_bandwidth
+            copy_s = (self.loader.counters.bytes_loaded - bytes0 + read) / self.pcie_bandwidth
             overhead = self.piecewise_overhead_s if self.core.launched_offloaded else 0.0
             step_cost.observe_forward(max(0.0, time.monotonic() - t0 - overhead), copy_s, self._tokens,
                                       host_s=self.host_compute_s - host0)
         self._forward_start = None
-        self.core.observe_routing(self.counter.snapshot_and_reset().numpy())
+        self.core.observe_routing(counts)
 
-    def _after_pass_async(self) -> None:
+    def _absent_during_pass(self) -> np.ndarray | None:
+        """Which experts the pass just launched found offloaded, where the kernel reads them from host memory
+        (DirectElasticRuntime); None here: every offloaded expert the pass read was copied, and counted so."""
+        return None
+
+    def _read_from_host(self, counts: np.ndarray, absent: np.ndarray | None) -> int:
+        """Bytes a pass with routing `counts` [L, E] read from host memory without a copy (DirectElasticRuntime)."""
+        return 0
+
+    def _after_pass_async(self, absent: np.ndarray | None) -> None:
         # Between the previous call and this one the host waited for the pass launched before (pass n): that
         # interval is pass n's time. The bytes loaded in the interval were issued for the pass launched now
         # (n+1), so pass n's copies are the previous interval's bytes (`_copy_bytes`).
-        now, loaded, host = time.monotonic(), self.loader.counters.bytes_loaded, self.host_compute_s
+        # The routing counts of pass n (snapshot at the last call) are read first: the host has waited for pass n.
+        now, loaded, host_now = time.monotonic(), self.loader.counters.bytes_loaded, self.host_compute_s
+        previous, self._counts_in_flight = self._counts_in_flight, (*self.counter.snapshot_and_reset_async(), absent)
+        counts, read = None, 0
+        if previous is not None:
+            host, done, absent_then = previous
+            if done is not None:
+                done.synchronize()  # the pass before the one in flight: finished
+            counts = host.numpy()
+            read = self._read_from_host(counts, absent_then)
         ran = self._forward_start is not None
         step_cost = self.core.step_cost
         if ran and self._last_after_pass is not None:
             t0, bytes0, host0 = self._last_after_pass
             if step_cost is not None and self._copy_bytes is not None:
                 overhead = self.piecewise_overhead_s if self._piecewise_in_flight else 0.0
-                step_cost.observe_forward(max(0.0, now - t0 - overhead), self._copy_bytes / self.pcie_bandwidth,
-                                          self._tokens_in_flight, host_s=self._host_s)
+                step_cost.observe_forward(max(0.0, now - t0 - overhead),
+                                          (self._copy_bytes + read) / self.pcie_bandwidth, self._tokens_in_flight,
+                                          host_s=self._host_s)
             self._copy_bytes = loaded - bytes0
-            self._host_s = host - host0
+            self._host_s = host_now - host0
         self._piecewise_in_flight = self.core.launched_offloaded and ran
         self._tokens_in_flight = self._tokens if ran else 0
-        self._last_after_pass = (now, loaded, host) if ran else None
+        self._last_after_pass = (now, loaded, host_now) if ran else None
         if not ran:
             self._copy_bytes = None
         self._forward_start = None
-        previous, self._counts_in_flight = self._counts_in_flight, self.counter.snapshot_and_reset_async()
-        if previous is not None:
-            host, done = previous
-            if done is not None:
-                done.synchronize()  # the pass before the one in flight: finished
-            self.core.observe_routing(host.numpy())
+        if counts is not None:
+            self.core.observe_routing(counts)
 
     def _observe_loads(self) -> None:
         """The loader's routed and copied experts since the last call feed the cost tracker's copy excess."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rimuru.config import CPU_EXPERT_COMPUTE
+from rimuru.config import CPU_EXPERT_COMPUTE, CPU_EXPERT_DIRECT_REFUSAL
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,17 @@ class TierCosts:
             raise ValueError(f"need copy_s >= 0 and layer_fixed_s >= 0, got {self.copy_s}, {self.layer_fixed_s}")
 
 
-def resolve_cpu_expert_compute(setting: str, device_type: str) -> bool:
+def resolve_cpu_expert_compute(setting: str, device_type: str, offload_access: str) -> bool:
     """Whether the host tier exists: `on` always, `off` never, `auto` where a GPU computes the resident experts
-    (on the CPU device host and device are one memory: nothing crosses a link, so the tier saves nothing)."""
+    (on the CPU device host and device are one memory: nothing crosses a link, so the tier saves nothing). The tier
+    acts on the copy path only: with direct access the kernel reads offloaded experts from the host store itself,
+    no copy waits to be saved, so `auto` resolves off there and `on` is refused."""
     if setting not in CPU_EXPERT_COMPUTE:
         raise ValueError(f"cpu_expert_compute must be one of {', '.join(CPU_EXPERT_COMPUTE)}, got {setting!r}")
+    if offload_access != "copy":
+        if setting == "on":
+            raise ValueError(CPU_EXPERT_DIRECT_REFUSAL)
+        return False
     return setting == "on" or (setting == "auto" and device_type == "cuda")
 
 

@@ -137,6 +137,9 @@ class OffloadExpertProvider:
     def counters(self) -> LoadCounters:
         return self.loader.counters
 
+    def host_rows(self, moe_layer: int) -> Tensor | None:
+        return None  # offloaded experts are copied into load buffers' pages first
+
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         self.loader.fence_consumed()
         nxt = moe_layer + 1

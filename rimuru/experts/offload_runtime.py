@@ -9,7 +9,7 @@ import torch
 
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.host_store import HostExpertStore
-from rimuru.experts.host_tier import no_tier_stats
+from rimuru.experts.host_tier import HostExpertTier, no_tier_stats
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.routing_counter import RoutingCounter
@@ -61,9 +61,14 @@ class OffloadRuntime(FixedResidency):
         return {"experts_resident": 3 * self.cache.num_resident * page,
                 "load_buffers": len(self.loader.buffer_pages) * page, "host_experts": self.store.nbytes}
 
+    @property
+    def host_tier(self) -> HostExpertTier | None:
+        """The provider's host tier (None: every routed offloaded expert is copied)."""
+        return self.provider.host_tier
+
     def stats(self) -> dict[str, float]:
         c = self.loader.counters
-        tier = self.provider.host_tier
+        tier = self.host_tier
         return {"expert_bytes_loaded": c.bytes_loaded, "prefetch_hits": c.hits, "prefetch_misses": c.misses,
                 "expert_evictions": 0, "expert_grows": 0, "expert_reranks": 0,
                 **(tier.stats() if tier is not None else no_tier_stats())}
@@ -71,10 +76,10 @@ class OffloadRuntime(FixedResidency):
     @property
     def host_compute_s(self) -> float:
         """Host seconds the host tier has spent so far (0 without one)."""
-        tier = self.provider.host_tier
+        tier = self.host_tier
         return 0.0 if tier is None else tier.counters.compute_s
 
     @property
     def host_experts_computed(self) -> int:
-        tier = self.provider.host_tier
+        tier = self.host_tier
         return 0 if tier is None else tier.counters.experts

@@ -1,15 +1,18 @@
 """One builder per offload mode: from the engine's settings, a pool and a built model to a typed expert runtime.
 
     static   every routed expert resident                                   -> StaticRuntime
-    fixed    the first K of each layer's ranking resident, two load buffers   -> OffloadRuntime
-             of `limit` experts each for the rest (K = E: StaticRuntime)
-    elastic  as many resident as the start-up rule places (elastic_core.py), -> ElasticRuntime
-             the adjuster moves the boundary every step
+    fixed    the first K of each layer's ranking resident; the rest read by   -> DirectRuntime
+             the kernel from the pinned host store (offload_access direct), or
+             copied into two load buffers of `limit` experts each (copy)      -> OffloadRuntime
+             (K = E: StaticRuntime)
+    elastic  as many resident as the start-up rule places (elastic_core.py), -> DirectElasticRuntime (direct)
+             the adjuster moves the boundary every step                       -> ElasticRuntime (copy)
 
-    pool = L_moe x K x 3 expert pages (resident) + 2 x limit x 3 (load buffers, fixed and elastic) + KV cache
+    pool = L_moe x K x 3 expert pages (resident) + 2 x limit x 3 (load buffers: copy access only) + KV cache
 
-fixed and elastic mode get a host tier where `--cpu-expert-compute` resolves on (expert_tiers.py): routed offloaded
-experts the host computes instead of copying (host_tier.py), its costs measured here at start-up and logged.
+fixed and elastic mode with copy access get a host tier where `--cpu-expert-compute` resolves on (expert_tiers.py):
+routed offloaded experts the host computes instead of copying (host_tier.py), its costs measured here at start-up
+and logged. Direct access has none (the kernel reads offloaded experts itself; `auto` resolves off there).
 
 Each builder makes the experts addressable (the residency, its device tables) before anything slow (pinning the
 host store) and attaches its provider to the model; the weights come in afterwards through the runtime's
@@ -28,6 +31,7 @@ from rimuru.config import format_bytes
 from rimuru.experts.adjuster import Adjuster, AdjusterConfig, PaperAdjuster
 from rimuru.experts.cache import ExpertCache, resolve_offload_limit, resolve_resident_count
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
+from rimuru.experts.direct_runtime import DirectElasticRuntime, DirectRuntime
 from rimuru.experts.elastic_core import (
     ElasticCore,
     elastic_start_resident,
@@ -48,6 +52,7 @@ from rimuru.experts.predictor import ExpertPredictor
 from rimuru.experts.residency import BUFFER_OWNER, EXPERT, ExpertResidency, PoolTooSmallError, load_buffer_pages
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.experts.runtime import ExpertRuntime, StaticRuntime
+from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.experts.step_cost import StepCostTracker
 from rimuru.memory.pass_fence import PassFence
 from rimuru.memory.pool import PagePool
@@ -68,7 +73,9 @@ class RuntimeSettings:
     slo_ttft_p99_ms: float | None = None  # elastic with the cost adjuster (EngineConfig)
     slo_tpot_p99_ms: float | None = None
     async_scheduling: bool = False  # elastic: how passes are timed
-    cpu_expert_compute: str = "off"  # fixed, elastic: auto | off | on, the host tier (expert_tiers.py)
+    offload_access: str = "direct"  # fixed, elastic: direct (the kernel reads the host store) | copy (load buffers)
+    # fixed, elastic with copy access: auto | off | on, the host tier (expert_tiers.py; direct access: always off)
+    cpu_expert_compute: str = "off"
     cpu_expert_threads: int | None = None  # the host tier's intra-op threads (None: torch's setting as it is)
 
 
@@ -165,11 +172,14 @@ def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, pool:
            popularity: ExpertPopularity, fence: PassFence, store: HostExpertStore | None) -> ExpertRuntime:
     resident = resolve_resident_count(settings.resident_experts, spec.num_experts)
     limit = resolve_offload_limit(settings.expert_offload_limit, spec.num_experts, resident)
-    _check_fits("fixed", cache, pool, resident, limit, buffer_slots=limit)
+    direct = settings.offload_access == "direct"
+    _check_fits("fixed", cache, pool, resident, limit, buffer_slots=0 if direct else limit)
     cache.make_prefix_resident(resident)
     if limit == 0:  # every expert resident for good: whole CUDA graphs stay possible
         return StaticRuntime(cache, mode="fixed")
     assert store is not None
+    if direct:
+        return DirectRuntime(cache, store, cache.read_absent_from(store))
     pages = pool.allocator.allocate_mid(EXPERT, load_buffer_pages(limit), owner=BUFFER_OWNER)
     assert pages is not None  # _check_fits counted them
     loader = ExpertLoader(cache, store, pages, fence)
@@ -182,10 +192,12 @@ def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, pool:
 def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, pool: PagePool, model: MoECausalLM,
              popularity: ExpertPopularity, fence: PassFence, store: HostExpertStore) -> ElasticRuntime:
     E = spec.num_experts
+    buffers = settings.offload_access == "copy"
     limit = resolve_elastic_limit(settings.expert_offload_limit, cache.num_layers, E,
-                                  pool.allocator.mid_capacity(EXPERT))
-    resident = elastic_start_resident(cache.num_layers, E, pool.allocator.mid_capacity(EXPERT), limit)
-    slots = start_buffer_slots(cache.num_layers, E - resident, limit)
+                                  pool.allocator.mid_capacity(EXPERT), load_buffers=buffers)
+    resident = elastic_start_resident(cache.num_layers, E, pool.allocator.mid_capacity(EXPERT), limit,
+                                      load_buffers=buffers)
+    slots = start_buffer_slots(cache.num_layers, E - resident, limit) if buffers else 0
     _check_fits("elastic", cache, pool, resident, limit, buffer_slots=slots)
     cache.make_prefix_resident(resident)
     pcie = _copy_bandwidth(store, pool.device)
@@ -193,10 +205,14 @@ def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, poo
     cost = slo_config(settings.slo_ttft_p99_ms, settings.slo_tpot_p99_ms, pcie_bandwidth=pcie)
     adjuster, costs = build_adjuster(settings.adjuster, expert_bytes, spec.num_experts_per_tok, cost)
     online = OnlinePopularity(popularity)
-    core = ElasticCore(cache.residency, adjuster, online, limit, pool.geometry.smalls_per_mid("kv", EXPERT), costs)
+    core = ElasticCore(cache.residency, adjuster, online, limit, pool.geometry.smalls_per_mid("kv", EXPERT), costs,
+                       load_buffers=buffers)
     fence.watch()  # grows and the load buffers write pages that passes in flight may still read
     loader = ExpertLoader(cache, store, core.place_start(resident), fence)
     counter = RoutingCounter(spec.num_moe_layers, E, pool.device)
+    if not buffers:
+        provider = StaticExpertProvider(cache.expert_view, cache.tables, counter, cache.read_absent_from(store))
+        return DirectElasticRuntime(core, cache, store, loader, provider, counter, pcie, settings.async_scheduling)
     tier = _host_tier(settings, store, pool.device, lambda: pcie)
     if tier is not None and tier.profile is not None and costs is not None:
         costs.use_host_tier(tier.profile, tier.costs.copy_s if tier.costs.copy_s > 0 else expert_bytes / pcie)
@@ -210,7 +226,7 @@ def _host_tier(settings: RuntimeSettings, store: HostExpertStore, device: torch.
     """The host tier `--cpu-expert-compute` asks for (None: off), with this machine's costs measured now and
     logged: the host's read bandwidth and one expert's host time by tokens (host_profile.py), one expert's copy
     time at the measured PCIe bandwidth, and a layer's activation round trip."""
-    if not resolve_cpu_expert_compute(settings.cpu_expert_compute, device.type):
+    if not resolve_cpu_expert_compute(settings.cpu_expert_compute, device.type, settings.offload_access):
         return None
     if settings.cpu_expert_threads is not None:
         torch.set_num_threads(settings.cpu_expert_threads)

@@ -1,7 +1,14 @@
 """Page-table-aware fused MoE: experts read straight from scattered mid pages of the pool.
 
 Weight layout (docs/architecture.md, Memory). `expert_view` is the pool seen as `[num_mid_pages, f*d]`;
-`expert_table[e] = (p1, p3, p2)` names expert e's pages, -1 = not resident:
+`expert_table[e] = (p1, p3, p2)` names where expert e's three matrices are:
+
+    p >= 0    page p of expert_view (the pool)
+    p == -1   nowhere: the expert must not be routed to, unless the call passes `skip_absent` (the host tier
+              computes it, experts/host_tier.py): it then contributes zeros
+    p <= -2   row -2 - p of `host_rows`, the layer's home copy in pinned host memory ([3E, f*d]: row 3e + j is
+              matrix j of expert e, `host_row_code`). The kernel reads it over PCIe, with no copy: under CUDA's
+              unified addressing a pinned host allocation is reachable from a kernel at its host address.
 
     page p1 (W1, gate): [f, d] row-major    page p3 (W3, up): [f, d] row-major
     page p2 (W2, down): [d, f] row-major
@@ -34,16 +41,35 @@ def _check_args(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, intermed
         raise ValueError(f"intermediate_size must be positive, got {intermediate_size}")
 
 
+def host_row_code(expert: int, matrix: int) -> int:
+    """The table entry naming matrix `matrix` (0 W1, 1 W3, 2 W2) of `expert` in the layer's host rows."""
+    return -2 - (3 * expert + matrix)
+
+
+def _check_host_rows(host_rows: Tensor | None, expert_view: Tensor, hidden: Tensor) -> None:
+    if host_rows is None:
+        return
+    if host_rows.dim() != 2 or host_rows.shape[1] != expert_view.shape[1] or not host_rows.is_contiguous():
+        raise ValueError(f"host_rows must be a contiguous [3E, f*d = {expert_view.shape[1]}] tensor, got "
+                         f"{tuple(host_rows.shape)}")
+    if host_rows.dtype != expert_view.dtype:
+        raise ValueError(f"host_rows are {host_rows.dtype}, the pool's expert pages {expert_view.dtype}")
+    if hidden.is_cuda and not (host_rows.is_cuda or host_rows.is_pinned()):
+        raise ValueError("host_rows read by a GPU kernel must be in pinned host memory (or on the device)")
+
+
 def fused_moe_reference(
     hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert_view: Tensor, expert_table: Tensor,
-    intermediate_size: int, skip_absent: bool = False,
+    intermediate_size: int, host_rows: Tensor | None = None, skip_absent: bool = False,
 ) -> Tensor:  # fmt: skip
     """Plain-torch paged MoE: loops over experts that received tokens, accumulates in fp32 (fp64 for fp64).
 
     out[t] = sum_j topk_weights[t, j] * W2_e(SiLU(W1_e h_t) * W3_e h_t),  e = topk_ids[t, j].
 
-    A routed expert without pages (a -1 in its table row) is an error, unless `skip_absent`: then it contributes
-    zeros, as in the Triton kernel (the host computes such experts: experts/host_tier.py).
+    Table entries as in the module docstring: pages of `expert_view`, or (entries <= -2, with `host_rows`) rows of
+    the layer's host store. A routed expert without pages (a -1 in its table row) is an error, unless
+    `skip_absent`: then it contributes zeros, as in the Triton kernel (the host computes such experts:
+    experts/host_tier.py).
     """
     _check_args(hidden, topk_weights, topk_ids, intermediate_size)
     T, d = hidden.shape
@@ -51,6 +77,7 @@ def fused_moe_reference(
     k = topk_ids.shape[1]
     if expert_view.shape[1] != f * d:
         raise ValueError(f"expert_view rows hold {expert_view.shape[1]} elements, expected f*d = {f * d}")
+    _check_host_rows(host_rows, expert_view, hidden)
     acc = torch.promote_types(hidden.dtype, torch.float32)
     out = torch.zeros(T, d, dtype=acc, device=hidden.device)  # [T, d]
     flat_ids = topk_ids.reshape(-1).long()  # [T*k]
@@ -60,14 +87,16 @@ def fused_moe_reference(
     for e in torch.unique(flat_ids).tolist():
         if not 0 <= e < table.shape[0]:
             raise ValueError(f"routed expert {e} is outside the expert table (E = {table.shape[0]})")
-        p1, p3, p2 = (int(p) for p in table[e])
-        if min(p1, p3, p2) < 0:
-            if skip_absent:
-                continue
-            raise ValueError(f"expert {e} is routed to but not resident: pages {(p1, p3, p2)}")
-        w1 = expert_view[p1].view(f, d).to(acc)  # [f, d]
-        w3 = expert_view[p3].view(f, d).to(acc)  # [f, d]
-        w2 = expert_view[p2].view(d, f).to(acc)  # [d, f]
+        pages = [int(p) for p in table[e]]
+        on_host = host_rows is not None and max(pages) <= -2
+        if min(pages) < 0 and not on_host:
+            if skip_absent and -1 in pages:
+                continue  # the host tier computes it (experts/host_tier.py)
+            raise ValueError(f"expert {e} is routed to but not resident: pages {tuple(pages)}")
+        rows = [host_rows[-2 - p] for p in pages] if on_host else [expert_view[p] for p in pages]
+        w1 = rows[0].view(f, d).to(device=hidden.device, dtype=acc)  # [f, d]
+        w3 = rows[1].view(f, d).to(device=hidden.device, dtype=acc)  # [f, d]
+        w2 = rows[2].view(d, f).to(device=hidden.device, dtype=acc)  # [d, f]
         sel = flat_ids == e
         rows = token_of[sel]  # [n_e]
         h = hidden[rows].to(acc)  # [n_e, d]
@@ -78,25 +107,27 @@ def fused_moe_reference(
 
 def fused_moe(
     hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert_view: Tensor, expert_table: Tensor,
-    intermediate_size: int, skip_absent: bool = False,
+    intermediate_size: int, host_rows: Tensor | None = None, skip_absent: bool = False,
 ) -> Tensor:  # fmt: skip
-    """Paged fused MoE: the Triton kernel on CUDA tensors, the torch reference on the CPU. `skip_absent`: routed
-    experts without pages contribute zeros (what the Triton kernel always does; the reference refuses them
-    otherwise)."""
+    """Paged fused MoE: the Triton kernel on CUDA tensors, the torch reference on the CPU. `host_rows`: the
+    layer's host rows that entries <= -2 name. `skip_absent`: routed experts without pages (-1) contribute zeros
+    (what the Triton kernel always does; the reference refuses them otherwise)."""
     if hidden.is_cuda:
-        return fused_moe_triton(hidden, topk_weights, topk_ids, expert_view, expert_table, intermediate_size)
+        return fused_moe_triton(hidden, topk_weights, topk_ids, expert_view, expert_table, intermediate_size,
+                                host_rows)
     return fused_moe_reference(hidden, topk_weights, topk_ids, expert_view, expert_table, intermediate_size,
-                               skip_absent=skip_absent)
+                               host_rows, skip_absent=skip_absent)
 
 
 def fused_moe_triton(
     hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, expert_view: Tensor, expert_table: Tensor,
-    intermediate_size: int,
+    intermediate_size: int, host_rows: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """The paged Triton kernels on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1).
 
-    Caller guarantees every routed expert has all three pages (>= 0); the kernels do not sync to check
-    (an expert with a -1 page contributes zeros instead of reading out of bounds). No host sync and no
+    Caller guarantees every routed expert has all three pages (>= 0), or all three host rows (<= -2, with
+    `host_rows`); the kernels do not sync to check (an expert with a -1 entry contributes zeros instead of reading
+    out of bounds). No host sync and no
     data-dependent host branch: a call can be captured in a CUDA graph and replayed with new contents of
     hidden / topk_weights / topk_ids / expert_table / expert_view (same shapes).
     """
@@ -104,11 +135,12 @@ def fused_moe_triton(
     d = hidden.shape[1]
     if expert_view.shape[1] != intermediate_size * d or not expert_view.is_contiguous():
         raise ValueError(f"expert_view must be a contiguous [pages, f*d = {intermediate_size * d}] tensor")
+    _check_host_rows(host_rows, expert_view, hidden)
     table = expert_table
     if table.device != hidden.device or table.dtype not in (torch.int32, torch.int64) or not table.is_contiguous():
         table = table.to(device=hidden.device, dtype=torch.int32).contiguous()  # the kernels read int32 or int64
     return _run(hidden, topk_weights, topk_ids, expert_view, expert_view, table, table.shape[0], intermediate_size,
-                paged=True)  # fmt: skip
+                paged=True, host_rows=host_rows)  # fmt: skip
 
 
 def fused_moe_contiguous(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
@@ -154,6 +186,7 @@ def _run(
     num_experts: int,
     f: int,
     paged: bool,
+    host_rows: Tensor | None = None,
 ) -> Tensor:
     # Per call: 1 alignment launch (<= SINGLE_PROGRAM_MAX assignments; ~10 torch ops above), the two
     # GEMM launches, and for k > 1 one torch.sum; everything else is host arithmetic on shapes. The
@@ -177,17 +210,18 @@ def _run(
     per_assign = out if k == 1 else torch.empty(n, d, dtype=hidden.dtype, device=hidden.device)
     block_e = next_pow2(E)
     common = dict(
-        PAGED=paged, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
+        PAGED=paged, HOST=host_rows is not None, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     grid1 = (align.max_blocks * triton.cdiv(f, cfg.block_n_gate_up),)
+    host = w_gate_up if host_rows is None else host_rows  # unread without host rows
     _gate_up_kernel[grid1](
-        hidden, w_gate_up, table, align.sorted_ids, align.block_end, inter,
+        hidden, w_gate_up, host, table, align.sorted_ids, align.block_end, inter,
         n, k, E, align.max_blocks, hidden.stride(0), F=f, D=d, BLOCK_N=cfg.block_n_gate_up, **common,
     )  # fmt: skip
     grid2 = (align.max_blocks * triton.cdiv(d, cfg.block_n),)
     _down_kernel[grid2](
-        inter, w_down, table, align.sorted_ids, align.block_end, weights, per_assign,
+        inter, w_down, host, table, align.sorted_ids, align.block_end, weights, per_assign,
         n, E, align.max_blocks, F=f, D=d, BLOCK_N=cfg.block_n, **common,
     )  # fmt: skip
     if k > 1:
@@ -217,25 +251,35 @@ if triton is not None:
         return pid_m, pid_n, expert
 
     @triton.jit
-    def _expert_bases(table_ptr, expert, F: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr):
-        """Where expert's W1, W3 and W2 start (element offsets into w_ptr), and whether all three are resident.
+    def _expert_bases(table_ptr, expert, F: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr,
+                      HOST: tl.constexpr):
+        """Where expert's W1, W3 and W2 start (element offsets into w_ptr, or into h_ptr when on_host), whether
+        all three can be read, and whether they are read from the host rows.
 
-        PAGED: the pages table[expert] = (p1, p3, p2) of expert_view; else w13 [E, 2f, d] (W1 rows, then W3's)
-        and w2 [E, d, f]. A non-resident expert's W2 offset is clamped to page 0, in bounds."""
+        PAGED: the entries table[expert] = (p1, p3, p2), pages of expert_view or (HOST) codes <= -2 of host rows;
+        else w13 [E, 2f, d] (W1 rows, then W3's) and w2 [E, d, f]. An unreadable expert's W2 offset is clamped
+        to row 0, in bounds."""
+        on_host = False
         if PAGED:
             p_gate = tl.load(table_ptr + expert * 3)
             p_up = tl.load(table_ptr + expert * 3 + 1)
             p_down = tl.load(table_ptr + expert * 3 + 2)
-            resident = (p_gate >= 0) & (p_up >= 0) & (p_down >= 0)
+            readable = (p_gate >= 0) & (p_up >= 0) & (p_down >= 0)
+            if HOST:
+                on_host = (p_gate <= -2) & (p_up <= -2) & (p_down <= -2)
+                readable = readable | on_host
+                p_gate = tl.where(on_host, -2 - p_gate, p_gate)
+                p_up = tl.where(on_host, -2 - p_up, p_up)
+                p_down = tl.where(on_host, -2 - p_down, p_down)
             gate_base = p_gate.to(tl.int64) * F * D
             up_base = p_up.to(tl.int64) * F * D
             down_base = tl.maximum(p_down, 0).to(tl.int64) * F * D
         else:
-            resident = True
+            readable = True
             gate_base = expert.to(tl.int64) * 2 * F * D
             up_base = gate_base + F * D
             down_base = expert.to(tl.int64) * D * F
-        return gate_base, up_base, down_base, resident
+        return gate_base, up_base, down_base, readable, on_host
 
     @triton.jit
     def _block_tile(sorted_ptr, pid_m, pid_n, n, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -250,6 +294,7 @@ if triton is not None:
     def _gate_up_kernel(
         a_ptr,  # hidden [T, d], row stride stride_a
         w_ptr,  # PAGED: expert_view [pages, f*d]; else w13 [E, 2f, d]
+        h_ptr,  # HOST: the layer's host rows [3E, f*d] (pinned host memory, read over PCIe)
         table_ptr,  # [E, 3] int32/int64 pages (W1, W3, W2), PAGED only
         sorted_ptr,  # [max_blocks*BLOCK_M] int32 assignment ids (n = padding)
         block_end_ptr,  # [E] int32
@@ -257,8 +302,8 @@ if triton is not None:
         n, top_k, num_experts, num_pid_m, stride_a,
         F: tl.constexpr,  # intermediate size; a model constant, constexpr so the K loops specialise
         D: tl.constexpr,  # hidden size
-        PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+        PAGED: tl.constexpr, HOST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
         # A program computes gate columns [n0, n0+BLOCK_N) and the SAME up columns, so SiLU(g)*u is
         # fused in registers. Column c of the [2f]-wide GEMM reads page p1 (c < f) or p3 (c >= f):
@@ -267,17 +312,21 @@ if triton is not None:
                                              BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
         if expert >= num_experts:
             return
-        gate_base, up_base, _, resident = _expert_bases(table_ptr, expert, F, D, PAGED)
-        if not resident:
+        gate_base, up_base, _, readable, on_host = _expert_bases(table_ptr, expert, F, D, PAGED, HOST)
+        if not readable:
             return  # never routed to by contract; its rows stay unwritten
+        src = w_ptr
+        if HOST:
+            if on_host:
+                src = h_ptr
         # offs_n: the column inside W1/W3 (c mod f)
         offs_m, rows, row_ok, offs_n, n_ok = _block_tile(sorted_ptr, pid_m, pid_n, n, F, BLOCK_M, BLOCK_N)
         tok = (rows // top_k).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + tok[:, None] * stride_a + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
         # B tiles are [BLOCK_K, BLOCK_N] views of row-major [f, d] pages (row c, contiguous along t).
-        g_ptrs = w_ptr + gate_base + offs_n[None, :] * D + offs_k[:, None]
-        u_ptrs = w_ptr + up_base + offs_n[None, :] * D + offs_k[:, None]
+        g_ptrs = src + gate_base + offs_n[None, :] * D + offs_k[:, None]
+        u_ptrs = src + up_base + offs_n[None, :] * D + offs_k[:, None]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, D, BLOCK_K):
@@ -298,6 +347,7 @@ if triton is not None:
     def _down_kernel(
         a_ptr,  # [max_blocks*BLOCK_M, f] intermediate, row = sorted position
         w_ptr,  # PAGED: expert_view [pages, f*d]; else w2 [E, d, f]
+        h_ptr,  # HOST: the layer's host rows [3E, f*d]
         table_ptr,  # [E, 3] int32/int64
         sorted_ptr,  # [max_blocks*BLOCK_M] int32
         block_end_ptr,  # [E] int32
@@ -306,21 +356,25 @@ if triton is not None:
         n, num_experts, num_pid_m,
         F: tl.constexpr,
         D: tl.constexpr,
-        PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+        PAGED: tl.constexpr, HOST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
         pid_m, pid_n, expert = _block_coords(num_pid_m, block_end_ptr, num_experts, D,
                                              BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M)
         if expert >= num_experts:
             return
-        _, _, base, resident = _expert_bases(table_ptr, expert, F, D, PAGED)
+        _, _, base, readable, on_host = _expert_bases(table_ptr, expert, F, D, PAGED, HOST)
+        src = w_ptr
+        if HOST:
+            if on_host:
+                src = h_ptr
         # offs_n: the output column = row of W2 [d, f]
         offs_m, rows, row_ok, offs_n, n_ok = _block_tile(sorted_ptr, pid_m, pid_n, n, D, BLOCK_M, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * F + offs_k[None, :]
-        b_ptrs = w_ptr + base + offs_n[None, :] * F + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        b_ptrs = src + base + offs_n[None, :] * F + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if resident:
+        if readable:
             for k0 in range(0, F, BLOCK_K):
                 k_ok = offs_k < F - k0
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)

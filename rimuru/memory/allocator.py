@@ -62,7 +62,7 @@ class AllocatorStats:
     used_pages: dict[str, int]  # by kind, allocated + pending deferred
     used_bytes: dict[str, int]  # by kind (small pages count their padded size)
     trapped_bytes: int  # free small pages inside mid pages that cannot merge yet
-    padding_bytes: int  # padding inside used small pages
+    padding_bytes: int  # padding inside used pages (small kinds, and a padded ssm kind)
     pending_deferred: int  # pages waiting for complete_forward()
     num_free_huge: int
 
@@ -223,7 +223,7 @@ class PageAllocator:
             used_pages=dict(self._used),
             used_bytes=used_bytes,
             trapped_bytes=free_small,
-            padding_bytes=sum(self._used[s] * g.padding(s) for s in g.small_kinds),
+            padding_bytes=sum(n * g.padding(k) for k, n in self._used.items()),
             pending_deferred=self.pending_deferred,
             num_free_huge=self._free_huge,
         )

@@ -11,8 +11,11 @@ size (huge = lcm of the mid sizes) and every small size divides every mid size (
 until they do), so page boundaries of every level line up and one id names the same bytes in every view
 of its kind. Nothing outside this module multiplies or divides page ids by page sizes.
 
-The `ssm` (mid) and `conv` (small) kinds are sized for hybrid models (gated DeltaNet layers' recurrent and conv
-state per request); no served model uses them yet: the engine refuses hybrid models at load time.
+The `ssm` (mid) and `conv` (small) kinds hold hybrid models' per-request state: one page of each per request
+and gated DeltaNet layer (its recurrent state [Hv, dk, dv] in fp32 and its conv state [conv_dim, kernel - 1]).
+Sizes that do not nest are padded, never the other way round: a small kind up to a divisor of every mid size,
+and the ssm kind, where lcm(expert, ssm) would make the huge page more than MAX_HUGE_FACTOR times the larger
+mid page, up to a divisor or a multiple of the expert page (`padding` reports the waste of every kind).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from rimuru.model_spec import ModelSpec
 Level = Literal["huge", "mid", "small"]
 HUGE = "huge"
 PRIMARY_MID = "expert"
+SSM = "ssm"  # mid kind: one linear-attention layer's recurrent state of one request
+CONV = "conv"  # small kind: one linear-attention layer's conv state of one request
+# The most a huge page may exceed the larger mid page by before the ssm page is padded to nest with the expert page.
+MAX_HUGE_FACTOR = 8
 
 IdLike = int | np.ndarray
 
@@ -43,6 +50,28 @@ def _smallest_divisor_at_least(n: int, lower: int) -> int:
                 if lower <= cand < best:
                     best = cand
     return best
+
+
+def padded_ssm_size(expert: int, raw: int, smalls: tuple[int, ...], align: int = 4) -> int:
+    """The ssm page size for a raw state of `raw` B beside an expert page of `expert` B: `raw` itself where the huge
+    page, lcm(expert, raw), stays within MAX_HUGE_FACTOR x the larger of the two and every small kind (`smalls`,
+    raw sizes) fits in gcd(expert, raw); else the candidate of least padding among the smallest divisor of the
+    expert page >= raw and the smallest multiple of it >= raw (multiples of `align` B, the state's dtype)."""
+
+    def fits(s: int) -> bool:
+        return (s % align == 0 and math.lcm(expert, s) <= MAX_HUGE_FACTOR * max(expert, s)
+                and all(m <= math.gcd(expert, s) for m in smalls))
+
+    if fits(raw):
+        return raw
+    cands = [-(-raw // expert) * expert]
+    if raw <= expert:
+        cands.append(_smallest_divisor_at_least(expert, raw))
+    good = [c for c in cands if fits(c)]
+    if not good:
+        raise ValueError(f"no ssm page size >= {raw:,} B nests with the expert page ({expert:,} B) and holds the "
+                         f"small kinds ({', '.join(f'{m:,} B' for m in smalls)})")
+    return min(good, key=lambda c: (c - raw, math.lcm(expert, c)))
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,8 @@ class PageGeometry:
     expert_numel: int | None = None
     ssm_shape: tuple[int, int, int] | None = None  # (value_heads / tp, key_head_dim, value_head_dim)
     conv_shape: tuple[int, int] | None = None  # (conv_dim / tp, kernel - 1)
+    # (kind, unpadded bytes) of each mid kind padded up to nest with the others (the ssm kind of odd configs)
+    mid_unpadded: tuple[tuple[str, int], ...] = ()
     _sizes: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
     _levels: dict[str, Level] = field(init=False, repr=False, compare=False, hash=False)
 
@@ -90,7 +121,8 @@ class PageGeometry:
     def custom(
         cls, mid_sizes: Mapping[str, int], small_sizes: Mapping[str, int] | None = None
     ) -> PageGeometry:
-        """A geometry from raw byte sizes (tests, simulators). The first mid kind is primary."""
+        """A geometry from byte sizes (tests, simulators): mids as given, smalls padded. The first mid kind is
+        primary."""
         mids = tuple((k, int(v)) for k, v in mid_sizes.items())
         huge = math.lcm(*(s for _, s in mids))
         g = math.gcd(*(s for _, s in mids))
@@ -130,15 +162,19 @@ class PageGeometry:
             if spec.num_key_value_heads >= tp_size:
                 per_rank(spec.num_key_value_heads, "num_key_value_heads")
             small["kv"] = block_size * 2 * kv_heads * spec.head_dim * item
+        mid_unpadded: tuple[tuple[str, int], ...] = ()
         if spec.linear_layer_ids:
             ssm_shape = (
                 per_rank(spec.linear_num_value_heads, "linear_num_value_heads"),
                 spec.linear_key_head_dim,
                 spec.linear_value_head_dim,
             )
-            mid["ssm"] = math.prod(ssm_shape) * ssm_dtype.itemsize
             conv_shape = (per_rank(spec.linear_conv_dim, "linear conv dim"), spec.linear_conv_kernel_dim - 1)
-            small["conv"] = math.prod(conv_shape) * item
+            small[CONV] = math.prod(conv_shape) * item
+            raw = math.prod(ssm_shape) * ssm_dtype.itemsize
+            mid[SSM] = padded_ssm_size(mid[PRIMARY_MID], raw, tuple(small.values()), ssm_dtype.itemsize)
+            if mid[SSM] != raw:
+                mid_unpadded = ((SSM, raw),)
         base = cls.custom(mid, small)
         return cls(
             mid=base.mid,
@@ -153,6 +189,7 @@ class PageGeometry:
             expert_numel=expert_numel,
             ssm_shape=ssm_shape,
             conv_shape=conv_shape,
+            mid_unpadded=mid_unpadded,
         )
 
     # ------------------------------------------------------------------ kinds and sizes
@@ -180,10 +217,13 @@ class PageGeometry:
         for k, _, raw in self.small:
             if k == kind:
                 return raw
+        for k, raw in self.mid_unpadded:
+            if k == kind:
+                return raw
         return self.size(kind)
 
     def padding(self, kind: str) -> int:
-        """Bytes at the end of each page of `kind` that hold nothing (only small kinds are padded)."""
+        """Bytes at the end of each page of `kind` that hold nothing (small kinds, and a padded ssm kind)."""
         return self.size(kind) - self.unpadded_size(kind)
 
     def num_pages(self, kind: str, pool_bytes: int) -> int:
@@ -228,6 +268,7 @@ class PageGeometry:
         return range(huge_id * r, (huge_id + 1) * r)
 
     def describe(self) -> str:
-        mids = ", ".join(f"{k} {s:,} B" for k, s in self.mid)
+        mids = ", ".join(f"{k} {s:,} B" + (f" (pad {self.padding(k):,})" if self.padding(k) else "")
+                         for k, s in self.mid)
         smalls = ", ".join(f"{k} {s:,} B (pad {s - raw:,})" for k, s, raw in self.small)
         return f"huge {self.huge_size:,} B; mid: {mids}; small: {smalls or 'none'}"

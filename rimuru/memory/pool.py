@@ -72,16 +72,16 @@ class PagePool:
         return self.view("expert", dtype or self.geometry.dtype or torch.bfloat16, (n,))
 
     def ssm_view(self, dtype: torch.dtype | None = None, shape: tuple[int, int, int] | None = None) -> torch.Tensor:
-        """[n_ssm_pages, value_heads/tp, key_head_dim, value_head_dim] (fp32 by default). For hybrid models, which
-        the engine does not serve yet."""
+        """[n_ssm_pages, value_heads/tp, key_head_dim, value_head_dim] (fp32 by default): one linear-attention
+        layer's recurrent state of one request per row; a padded ssm page's padding is not in the view."""
         s = shape or self.geometry.ssm_shape
         if s is None:
             raise ValueError("this geometry has no SSM state shape: pass shape")
         return self.view("ssm", dtype or self.geometry.ssm_dtype or torch.float32, s)
 
     def conv_view(self, dtype: torch.dtype | None = None, shape: tuple[int, int] | None = None) -> torch.Tensor:
-        """[n_conv_pages, conv_dim/tp, kernel-1]; the padding at the end of each page is not in the view. For
-        hybrid models, which the engine does not serve yet."""
+        """[n_conv_pages, conv_dim/tp, kernel-1]: one linear-attention layer's conv state of one request per row;
+        the padding at the end of each page is not in the view."""
         s = shape or self.geometry.conv_shape
         if s is None:
             raise ValueError("this geometry has no conv state shape: pass shape")

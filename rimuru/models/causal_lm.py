@@ -22,8 +22,6 @@ is not attention) and the checkpoint-name hooks only.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -34,6 +32,7 @@ from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.layers import GatedMLP, RMSNorm
 from rimuru.models.moe import SparseMoE
 from rimuru.models.rotary import RotaryEmbedding, check_rope_config
+from rimuru.models.state_cache import LinearStateCache
 
 
 class DecoderLayer(nn.Module):
@@ -48,13 +47,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def mix(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch, linear_state: Any
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch,
+        state_cache: LinearStateCache | None,
     ) -> Tensor:  # [T, d] -> [T, d]: the token mixer; hybrid layers override it
         return self.self_attn(x, cos, sin, kv_cache, batch)
 
     def forward(
         self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch,
-        linear_state: Any = None,
+        state_cache: LinearStateCache | None = None,
     ) -> tuple[Tensor, Tensor]:  # x, residual [T, d]: the residual stream is x + residual (x alone if None)
         if residual is None:
             h, x = x, self.input_layernorm(x)
@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, SparseMoE):
             # Earliest point this layer's routing could be predicted: let the provider prefetch.
             self.mlp.provider.before_layer(self.mlp.moe_idx, h)
-        x = self.mix(x, cos, sin, kv_cache, batch, linear_state)  # [T, d]
+        x = self.mix(x, cos, sin, kv_cache, batch, state_cache)  # [T, d]
         x, h = self.post_attention_layernorm.add_norm(x, h)  # h += attn output
         return self.mlp(x), h  # [T, d] each; the next norm adds them
 
@@ -96,6 +96,8 @@ class MoECausalLM(nn.Module):
         self._check_supported(spec)
         self.spec = spec
         self.kv_cache = kv_cache  # [n_pages, 2, block, Hkv, D]; a view of the pool, not model state
+        # hybrid models: the pool's ssm and conv views (bind_state_cache); None for the others
+        self.state_cache: LinearStateCache | None = None
         layers = [self.make_layer(spec, i) for i in range(spec.num_hidden_layers)]
         self.model = DecoderStack(spec.vocab_size, spec.hidden_size, layers, spec.rms_norm_eps,
                                   zero_centred=self.zero_centred_norms)
@@ -156,6 +158,11 @@ class MoECausalLM(nn.Module):
         memory profile runs over a one-page scratch pool before the real pool exists)."""
         self.kv_cache = kv_cache
 
+    def bind_state_cache(self, state_cache: LinearStateCache) -> None:
+        """Every linear-attention layer (hybrid models) reads and writes its per-request state in `state_cache`'s
+        pages from now on."""
+        self.state_cache = state_cache
+
     def attach_experts(self, provider: ExpertProvider) -> None:
         """Every MoE block reads its routed experts through `provider` from now on (the expert runtime's provider,
         or a stand-in while CUDA graphs are captured)."""
@@ -164,14 +171,13 @@ class MoECausalLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, batch: ForwardBatch, linear_state: Any = None) -> Tensor:
-        """Hidden states [T, d] after the final norm. linear_state: the per-request state of linear-attention
-        layers, for hybrid architectures only (None for the others)."""
+    def forward(self, batch: ForwardBatch) -> Tensor:
+        """Hidden states [T, d] after the final norm."""
         h = self.model.embed_tokens(batch.input_ids)  # [T, d]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, D/2] each, shared by all layers
         residual: Tensor | None = None
         for layer in self.model.layers:
-            h, residual = layer(h, residual, cos, sin, self.kv_cache, batch, linear_state)
+            h, residual = layer(h, residual, cos, sin, self.kv_cache, batch, self.state_cache)
         if residual is None:
             return self.model.norm(h)
         return self.model.norm.add_norm(h, residual)[0]  # [T, d]

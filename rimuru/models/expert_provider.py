@@ -5,7 +5,8 @@ decision to the provider, which makes every routed expert addressable (a residen
 buffer it fills now) and returns the layer's expert table:
 
     expert_view   [n_mid, f*d]     the pool seen as expert pages
-    table[e]      (p_W1, p_W3, p_W2) page ids into expert_view; -1 = not addressable
+    table[e]      (p_W1, p_W3, p_W2) page ids into expert_view; -1 = not addressable; <= -2: rows of the layer's
+                  host rows (kernels/fused_moe.py), where the provider reads offloaded experts in host memory
 
 W1/W3 pages hold [f, d] row-major, W2 pages hold [d, f] (docs/architecture.md). The implementations live in
 experts/ (static_provider.py, offload_provider.py); the model only knows this protocol.
@@ -34,6 +35,11 @@ class ExpertProvider(Protocol):
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
         """Expert table [E, 3] int32 of MoE layer `moe_layer` (its ordinal among MoE layers), valid
         for every expert id in `topk_ids` [T, k]."""
+        ...
+
+    def host_rows(self, moe_layer: int) -> Tensor | None:
+        """The pinned host copy [3E, f*d] of MoE layer `moe_layer`'s experts that table entries <= -2 name (None:
+        every routed expert is in pages)."""
         ...
 
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:

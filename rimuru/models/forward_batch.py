@@ -8,7 +8,9 @@ is `seq_lens[b]` tokens, so its new tokens sit at positions `seq_lens[b] - q_len
     query_start 0                       5                6                 9
 
 Every attention layer has its own KV pages, hence one block table and one slot mapping per
-attention layer, indexed by the layer's ordinal among attention layers (not its layer index).
+attention layer, indexed by the layer's ordinal among attention layers (not its layer index). Hybrid
+models' linear-attention layers read and write each sequence's state through its state page ids, one ssm and
+one conv page per linear-attention layer (models/state_cache.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class ForwardBatch:
     max_seq_len: int
     # [B+1] int32, mixed-step CUDA graphs only: attention's tile-mapped launch (kernels/paged_attention.py)
     q_tile_start: Tensor | None = None
+    # hybrid models only: [L_lin, B] int64 page ids of each sequence's recurrent (ssm) and conv state per
+    # linear-attention layer; < 0 = a padding row (reads page 0, writes nothing)
+    ssm_pages: Tensor | None = None
+    conv_pages: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

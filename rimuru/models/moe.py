@@ -29,6 +29,9 @@ class _NoExperts:
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         return None
 
+    def host_rows(self, moe_layer: int) -> Tensor | None:
+        return None
+
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
         raise RuntimeError("this model has no routed experts attached (MoECausalLM.attach_experts)")
 
@@ -87,10 +90,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
         weights, ids = self.route(x)  # [T, k]
-        table = self.provider.table(self.moe_idx, ids)  # [E, 3] int32
-        host = self.provider.host_experts(self.moe_idx, x, weights, ids)  # experts left out of the table, started
-        out = fused_moe(x, weights, ids, self.provider.expert_view, table, self.intermediate_size,
-                        skip_absent=host is not None)  # [T, d]
+        provider = self.provider
+        table = provider.table(self.moe_idx, ids)  # [E, 3] int32
+        host = provider.host_experts(self.moe_idx, x, weights, ids)  # experts left out of the table, started
+        out = fused_moe(x, weights, ids, provider.expert_view, table, self.intermediate_size,
+                        host_rows=provider.host_rows(self.moe_idx), skip_absent=host is not None)  # [T, d]
         # the host computes its experts while the device runs the kernel queued above, then adds them
         return out if host is None else host.join(out)
 

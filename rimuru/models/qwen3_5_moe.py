@@ -7,10 +7,9 @@
     norm inside GatedDeltaNet is not.
 
 Full-attention layers use the paged KV cache exactly as every other architecture does. Linear-attention
-layers carry a per-request recurrent and conv state, passed to `forward` as a `LinearAttentionState`
-(models/linear_attention_state.py); the pool integration, which puts that state into pool pages, replaces
-it. Until then the engine cannot hold the state, so this class is not in the model registry
-(models/registry.py): build it with `registry.build_model_of_class`.
+layers carry a per-request recurrent and conv state in pool pages (ssm and conv kinds), read and written
+through the batch's state page ids by `LinearStateCache` (models/state_cache.py), which the engine binds with
+`bind_state_cache`.
 
 Checkpoints: a multimodal checkpoint names the text model `model.language_model.`; its vision tower
 (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) are skipped: image input and speculative
@@ -27,9 +26,9 @@ from rimuru.models.causal_lm import DecoderLayer, MoECausalLM
 from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.gated_attention import GatedAttention
 from rimuru.models.gated_deltanet import GatedDeltaNet
-from rimuru.models.linear_attention_state import LinearAttentionState
 from rimuru.models.moe import SharedExpertMoE
 from rimuru.models.rotary import check_rope_config
+from rimuru.models.state_cache import LinearStateCache
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -41,26 +40,23 @@ class LinearAttentionDecoderLayer(DecoderLayer):
                  eps: float) -> None:
         super().__init__(None, mlp, hidden_size, eps, zero_centred=True)
         self.linear_attn = linear_attn
-        self.linear_idx = linear_idx  # ordinal among linear-attention layers: which state row
+        self.linear_idx = linear_idx  # ordinal among linear-attention layers: which row of the state page ids
 
     def mix(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch,
-        linear_state: LinearAttentionState | None,
+        state_cache: LinearStateCache | None,
     ) -> Tensor:  # [T, d] -> [T, d]
-        if linear_state is None:
-            raise ValueError("a hybrid model's forward needs a LinearAttentionState for its linear-attention layers")
-        if linear_state.slots.shape[0] != batch.num_seqs:
-            raise ValueError(f"LinearAttentionState names {linear_state.slots.shape[0]} slots for "
-                             f"{batch.num_seqs} sequences")
+        if state_cache is None:
+            raise ValueError("a hybrid model needs its state pages bound (bind_state_cache) before a forward pass")
         qsl = batch.query_start_loc
         # A sequence with context before this pass continues its state; one without starts from zero
         # (no prefix caching for hybrid models, so no context means a fresh request).
         has_initial_state = batch.seq_lens.long() > (qsl[1:] - qsl[:-1]).long()  # [B]
-        conv, recurrent = linear_state.read(self.linear_idx)
+        conv, recurrent = state_cache.read(self.linear_idx, batch)
         out, conv, recurrent = self.linear_attn(
             x, qsl, conv, recurrent, has_initial_state, recurrent=batch.max_query_len == 1,  # decode: per token
         )
-        linear_state.write(self.linear_idx, conv, recurrent)
+        state_cache.write(self.linear_idx, batch, conv, recurrent)
         return out
 
 
@@ -88,9 +84,6 @@ class Qwen3_5MoeForCausalLM(MoECausalLM):
     def make_moe(self, spec: ModelSpec, moe_idx: int) -> nn.Module:
         return SharedExpertMoE(shared_intermediate_size=spec.shared_expert_intermediate_size,
                                **self.moe_kwargs(spec, moe_idx))
-
-    def forward(self, batch: ForwardBatch, linear_state: LinearAttentionState | None = None) -> Tensor:
-        return super().forward(batch, linear_state)
 
     @staticmethod
     def _check_supported(spec: ModelSpec) -> None:

@@ -11,6 +11,7 @@ from rimuru.models.expert_provider import ExpertProvider
 from rimuru.models.mixtral import MixtralForCausalLM
 from rimuru.models.olmoe import OlmoeForCausalLM
 from rimuru.models.qwen2_moe import Qwen2MoeForCausalLM
+from rimuru.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from rimuru.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[MoECausalLM]] = {
@@ -18,19 +19,13 @@ MODEL_CLASSES: dict[str, type[MoECausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
     "olmoe": OlmoeForCausalLM,
+    # hybrids: gated DeltaNet layers whose per-request state lives in ssm and conv pages of the pool
+    "qwen3_5_moe": Qwen3_5MoeForCausalLM,  # the multimodal checkpoint, served as text only
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
 }
 
 
-# hybrid architectures whose layers are built (models/qwen3_5_moe.py) but whose recurrent state the engine cannot
-# hold yet: named in the error instead of "not supported"
-HYBRID_NOT_SERVED = ("qwen3_5_moe", "qwen3_5_moe_text")
-
-
 def model_class(model_type: str) -> type[MoECausalLM]:
-    if model_type in HYBRID_NOT_SERVED:
-        raise ValueError(f"model_type {model_type!r} is a hybrid model (gated DeltaNet layers): its layers are "
-                         "built, but the engine does not yet keep their recurrent state in the page pool, so it "
-                         "cannot be served yet")
     if model_type not in MODEL_CLASSES:
         supported = ", ".join(sorted(MODEL_CLASSES))
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {supported}")
@@ -48,7 +43,7 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
 
 def build_model_of_class(cls: type[MoECausalLM], spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
                          kv_cache: Tensor, experts: ExpertProvider | None = None) -> MoECausalLM:
-    """`build_model` for a given class, registered or not (an architecture the engine cannot serve yet)."""
+    """`build_model` for a given class, registered or not."""
     with torch.device("meta"):
         model = cls(spec, kv_cache)
     # dtype first, still on meta: materialising in float32 and casting after held a float32 copy of every

@@ -34,6 +34,7 @@ GAUGES = {
     "free_bytes": ("pool_free_bytes", "Free bytes in the page pool."),
     "kv_bytes_used": ("kv_bytes_used", "Pool bytes held by KV-cache pages."),
     "expert_bytes_used": ("expert_bytes_used", "Pool bytes held by expert pages (resident experts, load buffers)."),
+    "state_bytes_used": ("state_bytes_used", "Pool bytes held by hybrid models' per-request state pages (ssm, conv)."),
     "resident_experts": ("resident_experts", "Routed experts resident in the pool (all layers)."),
     "total_experts": ("total_experts", "Routed experts of the model (all layers)."),
     "peak_running": ("num_requests_running_peak", "Most requests ever running at once."),

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rimuru.config import EngineConfig, add_renamed_flags, format_bytes, parse_bytes
+from rimuru.config import OFFLOAD_ACCESS, EngineConfig, add_renamed_flags, format_bytes, parse_bytes
 from rimuru.experts.adjuster import AdjusterConfig
 from rimuru.experts.popularity import ExpertPopularity
 from rimuru.experts.runtime_builders import slo_config
@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-offload-limit", type=int,
                    help="the most experts one layer may offload (default as rimuru serve: fixed E - resident, "
                         "elastic E / 6)")
+    p.add_argument("--offload-access", default=EngineConfig.offload_access, choices=OFFLOAD_ACCESS,
+                   help="fixed and elastic: direct (the MoE kernel reads offloaded experts in host memory; default, "
+                        "as rimuru serve) | copy (load buffers, piecewise graphs)")
     p.add_argument("--adjuster", default=EngineConfig.adjuster, help="elastic mode's adjuster(s): cost | paper | "
                    "paper,cost (each one runs; sections 'elastic' for paper, 'elastic-cost' for cost)")
     p.add_argument("--slo-ttft-p99-ms", type=float, help="cost adjuster: TTFT target, as rimuru serve")
@@ -168,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,
                      adjuster=AdjusterConfig(), cost=cost_cfg, resident_experts=args.resident_experts,
                      expert_offload_limit=args.expert_offload_limit, max_num_seqs=args.max_num_seqs,
-                     max_num_batched_tokens=args.max_num_batched_tokens)
+                     max_num_batched_tokens=args.max_num_batched_tokens, offload_access=args.offload_access)
     rates = [float(r) for r in args.sweep_rates.split(",") if r.strip()]
     sections: dict[str, dict[str, Any]] = {}
     print(f"{args.model}: {len(pairs)} requests at {args.request_rate} req/s, budget "

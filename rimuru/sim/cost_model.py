@@ -8,6 +8,11 @@
     step    = step_overhead + compute + max(0, copies - copy_overlap * compute) + piecewise
     piecewise = piecewise_overhead_per_layer * MoE layers when any expert is offloaded (the engine then replays
                 piecewise CUDA graphs, cut at every MoE layer, instead of whole ones), else 0
+  direct access (offload_access="direct": the MoE kernel reads activated offloaded experts in host memory):
+    reads   = activated offloaded experts' bytes / pcie_bandwidth, inside the kernel: not hidden behind compute
+              (benchmarks/bench_direct_host_moe.py: each routed host-read expert adds its full read time)
+    step    = step_overhead + compute + reads + max(0, grow copies - copy_overlap * compute); whole graphs, so no
+              piecewise overhead
 
 FLOPs: 2 per weight per token for every non-embedding weight a token passes through (attention, shared
 expert, router, its top-k routed experts; lm_head only for rows that are sampled) plus attention scores
@@ -102,6 +107,7 @@ class StepCost:
     activated_experts: float  # expected, all layers
     offloaded_activated: float  # expected, all layers
     piecewise_s: float = 0.0  # the piecewise-graph overhead in time_s (experts offloaded)
+    read_s: float = 0.0  # direct access: the kernel's reads of offloaded experts over PCIe, in time_s
 
 
 class CostModel:
@@ -122,6 +128,12 @@ class CostModel:
         self.kv_bytes_per_token = spec.kv_bytes_per_token(dtype)
         self.attn_width = spec.num_attention_heads * spec.head_dim
         self.num_attn_layers = len(spec.attention_layer_ids)
+        # hybrid models: every scheduled sequence reads and writes its whole state once per step, and each token
+        # updates and reads every linear layer's [Hv, dk, dv] state (about 6 flops per element: decay, S^T k,
+        # the rank-1 update, S^T q)
+        self.state_bytes_per_request = spec.state_bytes_per_request(dtype)
+        self.state_flops_per_token = 6.0 * len(spec.linear_layer_ids) * (
+            spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim)
         self.top_k = spec.num_experts_per_tok
         self.q = np.minimum(1.0, self.top_k * np.asarray(probabilities, dtype=np.float64))  # [L, E]
         self._log_miss = np.log1p(-np.minimum(self.q, 1.0 - 1e-12))  # log(1 - q), finite
@@ -131,8 +143,9 @@ class CostModel:
         return -np.expm1(num_tokens * self._log_miss)
 
     def step(self, chunks: Sequence[tuple[int, int]], num_sampled: int, resident: np.ndarray,
-             grown: int = 0) -> StepCost:
-        """`chunks`: (tokens computed before, new tokens) per scheduled sequence; `resident`: [L, E] bool."""
+             grown: int = 0, direct: bool = False) -> StepCost:
+        """`chunks`: (tokens computed before, new tokens) per scheduled sequence; `resident`: [L, E] bool;
+        `direct`: offloaded experts are read by the kernel in host memory, not copied first."""
         T = sum(n for _, n in chunks)
         pairs = sum(n * (start + (n + 1) / 2) for start, n in chunks)  # causal (query, key) pairs
         context = sum(start + n for start, n in chunks)
@@ -141,20 +154,23 @@ class CostModel:
         offloaded = float(act[~resident].sum())
         flops = 2.0 * T * (self.dense_params + self.spec.num_moe_layers * self.top_k * self.expert_params)
         flops += 2.0 * num_sampled * self.lm_head_params
-        flops += 4.0 * self.attn_width * pairs * self.num_attn_layers
+        flops += 4.0 * self.attn_width * pairs * self.num_attn_layers + T * self.state_flops_per_token
         hbm = (self.non_expert_bytes + (activated - offloaded) * self.expert_bytes
-               + context * self.kv_bytes_per_token + T * self.kv_bytes_per_token)
+               + context * self.kv_bytes_per_token + T * self.kv_bytes_per_token
+               + 2 * len(chunks) * self.state_bytes_per_request)
         pcie = (offloaded + grown) * self.expert_bytes
         hw = self.hw
         flop_s = flops / (hw.peak_flops * hw.flops_efficiency)
         byte_s = hbm / (hw.hbm_bandwidth * hw.bandwidth_efficiency)
         compute = ((flop_s + byte_s) if hw.compute_plus_memory else max(flop_s, byte_s)) \
             + hw.layer_overhead_s * self.spec.num_hidden_layers
-        copy = pcie / hw.pcie_bandwidth
-        piecewise = self.piecewise_overhead_s if not resident.all() else 0.0
-        time = hw.step_overhead_s + compute + max(0.0, copy - hw.copy_overlap * compute) + piecewise
+        read = offloaded * self.expert_bytes / hw.pcie_bandwidth if direct else 0.0
+        copy = (grown * self.expert_bytes if direct else pcie) / hw.pcie_bandwidth
+        piecewise = self.piecewise_overhead_s if not (direct or resident.all()) else 0.0
+        time = hw.step_overhead_s + compute + read + max(0.0, copy - hw.copy_overlap * compute) + piecewise
         return StepCost(time_s=time, compute_s=compute, copy_s=copy, flops=flops, hbm_bytes=hbm, pcie_bytes=pcie,
-                        activated_experts=activated, offloaded_activated=offloaded, piecewise_s=piecewise)
+                        activated_experts=activated, offloaded_activated=offloaded, piecewise_s=piecewise,
+                        read_s=read)
 
     @property
     def piecewise_overhead_s(self) -> float:

@@ -8,6 +8,9 @@ One loop iteration is one engine step (engine/llm_engine.py), with the GPU repla
   3. the clock advances by the cost model's step time (evictees still readable, grows copied meanwhile);
   4. computed tokens are counted, sampled tokens appended, requests that reached their output length
      finish (EOS ignored) and free their pages; the core's after_pass, then the allocator's complete_forward.
+A hybrid model's requests hold their state pages (ssm and conv kinds) from admission to the end, through the
+engine's own state manager (engine/state_cache_manager.py), so admission, the shortfall and the adjuster count
+them as in the engine.
 The budget is split, the modes start and requests are admitted as in the engine (engine/setup.py
 `plan_memory`, experts/runtime_builders.py, `max_kv_pages`); copy costs come from the hardware profile.
 """
@@ -21,13 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from rimuru.config import EngineConfig, format_bytes
+from rimuru.config import OFFLOAD_ACCESS, EngineConfig, format_bytes
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
 from rimuru.engine.recent_tpot import recent_p99
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler
 from rimuru.engine.setup import workspace_bytes
+from rimuru.engine.state_cache_manager import StateCacheManager
 from rimuru.experts.adjuster import Adjuster, AdjusterConfig
 from rimuru.experts.cache import resolve_offload_limit, resolve_resident_count
 from rimuru.experts.cost_adjuster import CostAdjusterConfig
@@ -49,7 +53,7 @@ from rimuru.experts.residency import (
 from rimuru.experts.runtime import StepDemand
 from rimuru.experts.runtime_builders import build_adjuster
 from rimuru.memory.allocator import PageAllocator
-from rimuru.memory.geometry import PageGeometry
+from rimuru.memory.geometry import CONV, SSM, PageGeometry
 from rimuru.model_spec import ModelSpec
 from rimuru.sim.cost_model import CostModel, HardwareConfig
 
@@ -83,10 +87,14 @@ class SimConfig:
     max_num_batched_tokens: int = 4096
     block_size: int = 16
     dtype: str = "bfloat16"
+    offload_access: str = "direct"  # fixed, elastic: direct (the kernel reads the host store) | copy (load buffers)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.offload_access not in OFFLOAD_ACCESS:
+            raise ValueError(f"offload_access must be one of {', '.join(OFFLOAD_ACCESS)}, got "
+                             f"{self.offload_access!r}")
         if self.adjuster_kind not in ADJUSTERS:
             raise ValueError(f"adjuster_kind must be one of {', '.join(ADJUSTERS)}, got {self.adjuster_kind!r}")
         if self.dtype not in _TORCH_DTYPES:
@@ -168,16 +176,20 @@ class Simulation:
         g = self.mem.geometry
         self.allocator = PageAllocator(g, self.mem.num_huge_pages)
         self.kv = KVCacheManager(self.allocator, len(spec.attention_layer_ids), cfg.block_size)
+        self.state: StateCacheManager | None = None  # hybrid models: requests' ssm and conv pages
+        if spec.is_hybrid:
+            self.state = StateCacheManager(self.allocator, len(spec.linear_layer_ids), g.size(KV))
         self.residency = ExpertResidency(self.allocator, spec.num_moe_layers, spec.num_experts,
                                          ranking=popularity.rankings.tolist())
         self.cost = CostModel(spec, popularity.probabilities, cfg.hardware, cfg.dtype)
+        self.direct = cfg.offload_access == "direct"  # no load buffers, no piecewise graphs (experts/direct_runtime)
         self.smalls_per_mid = g.smalls_per_mid(KV, EXPERT)
         self.core: ElasticCore | None = None
         self.fixed_buffer_pages: list[int] = []  # fixed mode's load buffers, held for good
         if cfg.mode == "elastic":
             self.core = self._elastic_core(adjuster)
         self._place_experts()
-        if self.core is not None and adjuster is None:
+        if self.core is not None and adjuster is None and not self.direct:
             # the engine measures the piecewise overhead after capture where it also captured whole graphs, i.e.
             # where every expert could be resident at once (ElasticRuntime.graph_plan); elsewhere every pass is
             # piecewise and nothing is charged
@@ -186,12 +198,14 @@ class Simulation:
             self.core.adjuster.set_piecewise_overhead(self.cost.piecewise_overhead_s if can_all_fit else 0.0)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    reclaimable=self.core.reclaimable_kv_pages if self.core else None,
-                                   admission_reserve=self.core.admission_reserve_kv_pages if self.core else None)
+                                   admission_reserve=self.core.admission_reserve_kv_pages if self.core else None,
+                                   state=self.state)
         # what requests could ever get, as the engine's add_request checks it
         self.max_kv_pages = self.kv.capacity_pages() + (self.core.evictable_kv_pages() if self.core else 0)
         self.memory = {"budget": self.mem.budget, "non_expert_weights": self.mem.non_expert_weights,
                        "workspace": self.mem.workspace, "pool": self.mem.pool,
                        "expert_page": g.size(EXPERT), "kv_page": g.size(KV),
+                       "state_bytes_per_request": self.state.request_bytes if self.state is not None else 0,
                        "initial_expert_bytes": self.allocator.num_used(EXPERT) * g.size(EXPERT),
                        "initial_resident_per_layer": min(self.residency.resident_per_layer())}
 
@@ -209,9 +223,9 @@ class Simulation:
             adjuster, costs = build_adjuster(cfg.adjuster_kind, int(self.cost.expert_bytes), spec.num_experts_per_tok,
                                              cost, cfg.adjuster)
         limit = resolve_elastic_limit(cfg.expert_offload_limit, spec.num_moe_layers, spec.num_experts,
-                                      self.allocator.mid_capacity(EXPERT))
+                                      self.allocator.mid_capacity(EXPERT), load_buffers=not self.direct)
         return ElasticCore(self.residency, adjuster, OnlinePopularity(self.popularity), limit, self.smalls_per_mid,
-                           costs)
+                           costs, load_buffers=not self.direct)
 
     def _place_experts(self) -> None:
         """The engine's start-up per mode (experts/runtime_builders.py): the same resolvers, rule and checks."""
@@ -224,8 +238,11 @@ class Simulation:
             slots = resolve_offload_limit(self.cfg.expert_offload_limit, E, k)  # 0 with nothing offloaded
         else:
             limit = self.core.offload_limit if self.core is not None else 0
-            k = elastic_start_resident(L, E, self.allocator.mid_capacity(EXPERT), limit)
+            k = elastic_start_resident(L, E, self.allocator.mid_capacity(EXPERT), limit,
+                                       load_buffers=not self.direct)
             slots = start_buffer_slots(L, E - k, limit)
+        if self.direct:
+            slots = 0  # the kernel reads offloaded experts in host memory: no load buffers
         buffers = load_buffer_pages(slots)
         if PAGES_PER_EXPERT * L * k + buffers > self.allocator.mid_capacity(EXPERT):
             self._too_small(mode, k, buffers)
@@ -253,7 +270,7 @@ class Simulation:
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         live: dict[int, SimRequest] = {}
         cols: dict[str, list[float]] = {k: [] for k in ("t", "running", "waiting", "kv_bytes", "expert_bytes",
-                                                        "free_bytes", "step_s", "pcie_bytes")}
+                                                        "state_bytes", "free_bytes", "step_s", "pcie_bytes")}
         g, clock, nxt, idle_steps = self.mem.geometry, 0.0, 0, 0
         core = self.core
         while nxt < len(order) or self.scheduler.has_unfinished():
@@ -292,13 +309,16 @@ class Simulation:
             idle_steps = 0
             chunks = [(s.start, s.num_new_tokens) for s in out.scheduled]
             sampled = sum(s.samples for s in out.scheduled)
-            cost = self.cost.step(chunks, sampled, self.residency.in_tables, grown)
+            cost = self.cost.step(chunks, sampled, self.residency.in_tables, grown, direct=self.direct)
             clock += cost.time_s
             if core is not None and core.step_cost is not None:
-                # as the engine measures it: the pass's time without the piecewise overhead, the copies issued, and
-                # the offloaded experts routed and copied (the simulated loader copies exactly the routed ones)
-                core.step_cost.observe_forward(cost.time_s - cost.piecewise_s, cost.copy_s, out.num_tokens)
-                core.step_cost.observe_loads(round(cost.offloaded_activated), round(cost.offloaded_activated))
+                # as the engine measures it: the pass's time without the piecewise overhead, the bytes it moved over
+                # PCIe (copies, and direct access's reads), and the offloaded experts routed and copied (the
+                # simulated loader copies exactly the routed ones; direct access copies none)
+                core.step_cost.observe_forward(cost.time_s - cost.piecewise_s, cost.copy_s + cost.read_s,
+                                               out.num_tokens)
+                loaded = 0 if self.direct else round(cost.offloaded_activated)
+                core.step_cost.observe_loads(loaded, loaded)
             result.forward_steps += 1
             result.pcie_bytes += cost.pcie_bytes
             for s in out.scheduled:
@@ -306,10 +326,11 @@ class Simulation:
             self._end_step(after_step)
             expert_bytes = self.allocator.num_used(EXPERT) * g.size(EXPERT)
             kv_bytes = self.kv.pages_in_use * g.size(KV)
+            state_bytes = self.state.bytes_in_use if self.state is not None else 0
             for k, v in (("t", clock), ("running", len(self.scheduler.running)),
                          ("waiting", len(self.scheduler.waiting)),
-                         ("kv_bytes", kv_bytes), ("expert_bytes", expert_bytes),
-                         ("free_bytes", self.mem.pool - kv_bytes - expert_bytes), ("step_s", cost.time_s),
+                         ("kv_bytes", kv_bytes), ("expert_bytes", expert_bytes), ("state_bytes", state_bytes),
+                         ("free_bytes", self.mem.pool - kv_bytes - expert_bytes - state_bytes), ("step_s", cost.time_s),
                          ("pcie_bytes", cost.pcie_bytes)):
                 cols[k].append(v)
         first = requests[order[0]].arrival_s if requests else 0.0
@@ -330,9 +351,11 @@ class Simulation:
 
     def _admit(self, idx: int, r: SimRequest, live: dict[int, SimRequest]) -> None:
         need = self.kv.blocks_for(r.prompt_len + r.output_len) * self.kv.num_layers
-        if need > self.max_kv_pages:
-            raise SimulationError(f"request {idx} needs {need} KV pages ({r.prompt_len} + {r.output_len} tokens), "
-                                  f"the pool can never hold more than {self.max_kv_pages}")
+        state = self.state.kv_pages if self.state is not None else 0  # its state pages, in KV pages
+        if need + state > self.max_kv_pages:
+            what = f" and its state {state}" if state else ""
+            raise SimulationError(f"request {idx} needs {need} KV pages ({r.prompt_len} + {r.output_len} tokens)"
+                                  f"{what}, the pool can never hold more than {self.max_kv_pages}")
         req = Request(request_id=str(idx), seq_id=idx, prompt=None, prompt_token_ids=[0] * r.prompt_len,
                       params=SamplingParams(max_tokens=r.output_len, ignore_eos=True), max_tokens=r.output_len,
                       eos_token_id=None, arrival_time=r.arrival_s)
@@ -358,15 +381,21 @@ class Simulation:
             del live[req.seq_id]
 
     def page_accounting(self) -> dict[str, int]:
-        """Every pool byte at the end: expert pages + KV pages + free = pool (checked by the allocator too)."""
+        """Every pool byte at the end: expert pages + KV pages + state pages + free = pool (checked by the allocator
+        too)."""
         self.allocator.check_invariants()
         self.residency.check()
+        if self.state is not None:
+            self.state.check()
         st = self.allocator.stats()
         g = self.mem.geometry
         buffers = len(self.core.buffer_pages if self.core is not None else self.fixed_buffer_pages)
         return {"pool_bytes": self.mem.pool, "expert_pages": st.used_pages.get(EXPERT, 0),
                 "expert_pages_tracked": self.residency.num_pages + buffers, "kv_pages": st.used_pages.get(KV, 0),
-                "kv_pages_tracked": self.kv.pages_in_use, "free_bytes": st.total_free_bytes,
+                "kv_pages_tracked": self.kv.pages_in_use,
+                "state_pages": st.used_pages.get(SSM, 0) + st.used_pages.get(CONV, 0),
+                "state_pages_tracked": self.state.pages_in_use if self.state is not None else 0,
+                "free_bytes": st.total_free_bytes,
                 "used_bytes": st.total_used_bytes, "pending_deferred": st.pending_deferred,
                 "expert_page_bytes": g.size(EXPERT)}
 

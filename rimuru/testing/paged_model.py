@@ -1,7 +1,9 @@
 """A model over hand-built paged batches, for tests against transformers: the page bookkeeping an engine would do.
 
-Experts sit at shuffled pages of a NaN-filled expert view and every attention layer's KV at shuffled pages of a
-NaN-filled KV cache, so a wrong page id or an unwritten slot shows up as NaN or a mismatch.
+Experts sit at shuffled pages of a NaN-filled expert view, every attention layer's KV at shuffled pages of a
+NaN-filled KV cache and, for hybrid models, every linear-attention layer's state at shuffled pages of NaN-filled
+ssm and conv views, so a wrong page id, an unwritten slot or a fresh state read instead of selected as zero shows
+up as NaN or a mismatch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.loader import load_checkpoint, write_expert_to_pages
 from rimuru.models.registry import build_model, build_model_of_class
+from rimuru.models.state_cache import LinearStateCache
 
 BLOCK = 16
 
@@ -25,7 +28,7 @@ class PagedModel:
     """A Rimuru model (of `model_cls`, else the registry's class for the checkpoint) and its pages."""
 
     def __init__(self, ckpt: Path, seed: int = 0, num_kv_pages: int = 64, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", model_cls: type[MoECausalLM] | None = None) -> None:
+                 device: str = "cpu", model_cls: type[MoECausalLM] | None = None, num_state_pages: int = 24) -> None:
         g = torch.Generator().manual_seed(seed)
         spec = ModelSpec.from_pretrained(ckpt)
         L, E = spec.num_moe_layers, spec.num_experts
@@ -49,6 +52,17 @@ class PagedModel:
         self.free_pages = torch.randperm(num_kv_pages, generator=g).tolist()
         self.pages: dict[int, list[list[int]]] = {}  # seq -> per attention layer, its page ids
         self.lens: dict[int, int] = {}
+        # hybrid models: seq -> per linear-attention layer, its (ssm page, conv page)
+        self.state_pages: dict[int, list[tuple[int, int]]] = {}
+        if spec.is_hybrid:
+            rec = (spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim)
+            conv = (spec.linear_conv_dim, spec.linear_conv_kernel_dim - 1)
+            nan = float("nan")
+            self.model.bind_state_cache(LinearStateCache(
+                torch.full((num_state_pages, *rec), nan, dtype=torch.float32, device=device),
+                torch.full((num_state_pages, *conv), nan, dtype=dtype, device=device)))
+            self.free_ssm = torch.randperm(num_state_pages, generator=g).tolist()
+            self.free_conv = torch.randperm(num_state_pages, generator=g).tolist()
 
     def _sink(self, moe_layer: int, expert: int, w1: Tensor, w3: Tensor, w2: Tensor) -> None:
         self.loaded.add((moe_layer, expert))
@@ -79,6 +93,14 @@ class PagedModel:
             for a in range(n_attn):
                 tables[a, b, : len(self.pages[seq][a])] = torch.tensor(self.pages[seq][a])
         T, dev = len(ids), self.device
+        ssm_pages = conv_pages = None
+        if self.spec.is_hybrid:
+            n_lin = len(self.spec.linear_layer_ids)
+            for seq, _ in chunks:
+                if seq not in self.state_pages:
+                    self.state_pages[seq] = [(self.free_ssm.pop(), self.free_conv.pop()) for _ in range(n_lin)]
+            state = torch.tensor([self.state_pages[seq] for seq, _ in chunks], dtype=torch.int64)  # [B, L_lin, 2]
+            ssm_pages, conv_pages = state[..., 0].T.contiguous().to(dev), state[..., 1].T.contiguous().to(dev)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -89,6 +111,8 @@ class PagedModel:
             logits_indices=torch.arange(T, dtype=torch.int64, device=dev),
             max_query_len=max(len(t) for _, t in chunks),
             max_seq_len=max(seq_lens),
+            ssm_pages=ssm_pages,
+            conv_pages=conv_pages,
         )
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[Tensor]:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
-# Architectures with a tiny maker that the engine cannot serve yet (not in ARCHS, which engine tests sweep).
+# Hybrid architectures (gated DeltaNet layers with state pages): their engine tests are their own
+# (tests/test_hybrid_engine.py), so they are not in ARCHS, which the other engine tests sweep.
 HYBRID_ARCHS = ("qwen3_5_moe_text",)
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

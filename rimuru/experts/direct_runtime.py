@@ -1,0 +1,129 @@
+"""Offloaded experts read by the MoE kernel in host memory (offload_access="direct"): no load buffers, no copies
+for a pass, no decision on the host.
+
+The tables name an offloaded expert by its rows in the pinned host store (ExpertCache.read_absent_from,
+kernels/fused_moe.py); the kernel reads those rows over PCIe while it reads the resident experts from the pool. A
+routed offloaded expert costs its bytes over PCIe once per pass (per group of M blocks), the same bytes a copy
+would move, but nothing waits on the host: no routing read, no piecewise graphs; the whole pass is one CUDA graph,
+through evictions and grows (the tables change in place between passes).
+
+    fixed    DirectRuntime          the first K of each layer's ranking resident, the rest read from the store
+    elastic  DirectElasticRuntime   elastic_runtime.py's decisions and grow copies; evicted experts are named by
+                                    their host rows instead of leaving the tables
+
+Bytes read from host memory are counted from the routing counts (elastic: the counter it keeps anyway); fixed mode
+keeps no counter, and counts none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rimuru.experts.cache import ExpertCache
+from rimuru.experts.elastic_core import ElasticCore
+from rimuru.experts.elastic_runtime import ElasticRuntime
+from rimuru.experts.host_store import HostExpertStore
+from rimuru.experts.host_tier import no_tier_stats
+from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.routing_counter import RoutingCounter
+from rimuru.experts.runtime import FixedResidency, GraphPlan
+from rimuru.experts.static_provider import StaticExpertProvider
+
+
+class DirectRuntime(FixedResidency):
+    """`fixed` mode with direct access: the split never moves, and nothing is copied after start-up."""
+
+    def __init__(self, cache: ExpertCache, store: HostExpertStore, host_rows: Sequence[torch.Tensor]) -> None:
+        self.mode = "fixed"
+        self.cache = cache
+        self.store = store
+        self.provider = StaticExpertProvider(cache.expert_view, cache.tables, host_rows=host_rows)
+
+    def graph_plan(self) -> GraphPlan:
+        return GraphPlan(counter=self.provider.counter)
+
+    def write_expert(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
+        self.store.write(layer, expert, w1, w3, w2)
+        self.cache.write_if_resident(layer, expert, w1, w3, w2)
+
+    def fill_random_experts(self, seed: int) -> None:
+        # the same draws as static mode's pages (HostExpertStore.fill_random), so every mode serves one model
+        self.store.fill_random(seed=seed, device=self.cache.tables.device)
+        self.cache.load_from_store(self.store)
+
+    def swap_routing_counter(self, counter: RoutingCounter | None) -> RoutingCounter | None:
+        previous, self.provider.counter = self.provider.counter, counter
+        return previous
+
+    def pass_reads_routing(self, num_tokens: int) -> bool:
+        return False
+
+    def before_pass(self, num_tokens: int) -> None:
+        return None
+
+    @property
+    def bytes_loaded(self) -> int:
+        return 0
+
+    @property
+    def expert_wait_s(self) -> float | None:
+        return None
+
+    def memory_split(self) -> dict[str, int]:
+        return {"experts_resident": 3 * self.cache.num_resident * self.cache.expert_page_bytes,
+                "load_buffers": 0, "host_experts": self.store.nbytes}
+
+    def stats(self) -> dict[str, float]:
+        return {"expert_bytes_loaded": 0, "prefetch_hits": 0, "prefetch_misses": 0, "expert_evictions": 0,
+                "expert_grows": 0, "expert_reranks": 0, **no_tier_stats()}
+
+
+class DirectElasticRuntime(ElasticRuntime):
+    """`elastic` mode with direct access: the core's moves and grow copies as in ElasticRuntime (its loader holds no
+    buffer pages: it only copies grows), whole graphs over the live tables for every pass."""
+
+    def __init__(self, core: ElasticCore, cache: ExpertCache, store: HostExpertStore, loader: ExpertLoader,
+                 provider: StaticExpertProvider, counter: RoutingCounter, pcie_bandwidth: float,
+                 async_steps: bool) -> None:
+        super().__init__(core, cache, store, loader, provider, counter, pcie_bandwidth,  # type: ignore[arg-type]
+                         async_steps)
+        self.direct_bytes = 0  # bytes passes read from host memory so far (routing counts x offloaded experts)
+
+    def graph_plan(self) -> GraphPlan:
+        return GraphPlan(counter=self.counter)
+
+    def pass_reads_routing(self, num_tokens: int) -> bool:
+        return False
+
+    def before_pass(self, num_tokens: int) -> None:
+        self._tokens = num_tokens
+        if num_tokens == 0:
+            self._forward_start = None
+
+    def _absent_during_pass(self) -> np.ndarray | None:
+        return (self.cache.host_tables[:, :, 0] < 0).numpy()  # [L, E]
+
+    def _read_from_host(self, counts: np.ndarray, absent: np.ndarray | None) -> int:
+        if absent is None:
+            return 0
+        read = int(np.count_nonzero((counts > 0) & absent)) * self.store.expert_bytes
+        self.direct_bytes += read
+        return read
+
+    @property
+    def host_tier(self) -> None:
+        return None  # the kernel reads offloaded experts itself: the host tier acts on the copy path only
+
+    @property
+    def bytes_loaded(self) -> int:
+        return self.loader.counters.bytes_loaded + self.direct_bytes
+
+    @property
+    def expert_wait_s(self) -> float | None:
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), "expert_bytes_loaded": self.bytes_loaded, "expert_bytes_direct": self.direct_bytes}

@@ -1,0 +1,63 @@
+"""The per-request state of linear-attention layers in pool pages, and the one place that reads and writes it.
+
+    ssm      [n_ssm_pages, Hv, dk, dv]       fp32         view of the pool's ssm pages (memory/pool.py ssm_view)
+    conv     [n_conv_pages, conv_dim, K-1]   model dtype  view of the pool's conv pages (conv_view)
+    batch.ssm_pages, batch.conv_pages  [L_lin, B] int64   page of sequence b in linear-attention layer l
+
+L_lin counts linear-attention layers (indexed by their ordinal among them, as attention layers index block
+tables). A request holds one ssm and one conv page per linear-attention layer from its admission until it ends
+(engine/state_cache_manager.py). A pass gathers its sequences' states by page id, runs the layer, and scatters
+the final states back into the same pages; a sequence with no context before this pass starts from zero,
+SELECTED inside GatedDeltaNet (a page's previous bytes are garbage: another request's state, an expert's
+weights, NaN), so what a fresh request's page held never matters. A page id < 0 is a padding row: it reads
+page 0 (its state is not used) and writes nothing.
+
+This gather/scatter is the CPU reference path. A GPU path replaces `read` / `write` with kernels that index the
+pages directly (fla-core's kernels take a dense initial state, so they gather and scatter around them; a decode
+kernel of ours can read and write the state in place through the page index).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rimuru.models.forward_batch import ForwardBatch
+
+
+class LinearStateCache:
+    def __init__(self, ssm: Tensor, conv: Tensor) -> None:
+        if ssm.dim() != 4 or conv.dim() != 3:
+            raise ValueError(f"ssm view must be [pages, Hv, dk, dv] and conv view [pages, conv_dim, K-1], got "
+                             f"{tuple(ssm.shape)} and {tuple(conv.shape)}")
+        self.ssm = ssm  # [n_ssm_pages, Hv, dk, dv] fp32
+        self.conv = conv  # [n_conv_pages, conv_dim, K-1] model dtype
+
+    @staticmethod
+    def _pages(batch: ForwardBatch, linear_idx: int) -> tuple[Tensor, Tensor]:
+        if batch.ssm_pages is None or batch.conv_pages is None:
+            raise ValueError("a hybrid model's batch needs ssm_pages and conv_pages for its linear-attention layers")
+        ssm, conv = batch.ssm_pages[linear_idx], batch.conv_pages[linear_idx]  # [B] each
+        if ssm.shape[0] != batch.num_seqs or conv.shape[0] != batch.num_seqs:
+            raise ValueError(f"the batch names state pages for {ssm.shape[0]} / {conv.shape[0]} sequences, it has "
+                             f"{batch.num_seqs}")
+        return ssm, conv
+
+    def read(self, linear_idx: int, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        """This pass's (conv [B, conv_dim, K-1], recurrent [B, Hv, dk, dv]) states of one layer: gathered copies."""
+        ssm, conv = self._pages(batch, linear_idx)
+        return self.conv[conv.clamp(min=0)], self.ssm[ssm.clamp(min=0)]
+
+    def write(self, linear_idx: int, batch: ForwardBatch, conv: Tensor, recurrent: Tensor) -> None:
+        """Stores one layer's final states [B, ...] of this pass into the sequences' pages (padding rows: nowhere)."""
+        ssm_ids, conv_ids = self._pages(batch, linear_idx)
+        if bool((ssm_ids < 0).any()):
+            keep = ssm_ids >= 0
+            ssm_ids, conv_ids, conv, recurrent = ssm_ids[keep], conv_ids[keep], conv[keep], recurrent[keep]
+        self.conv.index_copy_(0, conv_ids, conv.to(self.conv.dtype))
+        self.ssm.index_copy_(0, ssm_ids, recurrent.to(self.ssm.dtype))
+
+
+def no_state_cache(device: torch.device | str, dtype: torch.dtype) -> LinearStateCache:
+    """A cache of no pages, for a model whose pool does not exist yet (as `torch.empty(0)` stands for its KV)."""
+    return LinearStateCache(torch.empty(0, 1, 1, 1, device=device), torch.empty(0, 1, 1, dtype=dtype, device=device))

@@ -1,0 +1,111 @@
+"""Direct access (offload_access="direct"): the MoE kernel reads offloaded experts from the host store.
+
+Greedy tokens equal transformers' (fixed mode, every K) and static mode's (elastic mode through evictions and
+grows); no load buffer is ever taken, the tables name offloaded experts by their host rows, the bytes read from
+host memory are counted from the routing, and no page leaks. On the GPU the same with CUDA graphs: every pass
+replays a whole graph (no piecewise graphs, no host wait) through the moves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_elastic import prompts, tight_budget
+
+from rimuru import LLM, SamplingParams
+from rimuru.experts.direct_runtime import DirectElasticRuntime, DirectRuntime
+from rimuru.experts.residency import EXPERT
+from rimuru.kernels.fused_moe import host_row_code
+from rimuru.testing.reference import hf_greedy, random_prompts, run_greedy
+from rimuru.testing.tiny_models import ARCHS
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def ckpt(request: pytest.FixtureRequest, parity_checkpoints: dict[str, Path]) -> Path:
+    return parity_checkpoints[request.param]
+
+
+def absent_rows_name_host_rows(llm: LLM) -> bool:
+    """Every expert out of the residency is named in both tables by its host-row codes."""
+    cache = llm.engine.runtime.cache
+    codes = torch.tensor([[host_row_code(e, j) for j in range(3)] for e in range(cache.num_experts)],
+                         dtype=torch.int32)
+    for layer in range(cache.num_layers):
+        for e in range(cache.num_experts):
+            if not cache.residency.is_resident(layer, e):
+                if not (torch.equal(cache.host_tables[layer, e], codes[e])
+                        and torch.equal(cache.tables[layer, e].cpu(), codes[e])):
+                    return False
+    return True
+
+
+def test_fixed_mode_reads_offloaded_experts_in_host_memory(ckpt: Path) -> None:
+    lens = (5, 17, 33)
+    ref = hf_greedy(ckpt, random_prompts(lens), STEPS)
+    for resident in (4, 1):
+        llm = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu", offload_mode="fixed", resident_experts=resident)
+        engine = llm.engine
+        assert isinstance(engine.runtime, DirectRuntime) and engine.budget_split["load_buffers"] == 0
+        L = engine.spec.num_moe_layers
+        assert engine.pool.allocator.num_used(EXPERT) == 3 * L * resident  # no load buffer
+        assert absent_rows_name_host_rows(llm)
+        assert run_greedy(llm, random_prompts(lens), STEPS) == ref, f"K={resident}"
+        assert llm.stats()["kv_pages_used"] == 0
+
+
+def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(ckpt: Path) -> None:
+    limit = 5
+    budget = tight_budget(ckpt, kv_blocks=10, limit=limit, load_buffers=False)
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
+              expert_offload_limit=limit, max_num_batched_tokens=64)
+    engine = llm.engine
+    runtime = engine.runtime
+    assert isinstance(runtime, DirectElasticRuntime) and runtime.loader.buffer_pages == []
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    batches = [prompts(6, seed=1), prompts(2, seed=2)]
+    got = [[o.outputs[0].token_ids for o in llm.generate(b, params)] for b in batches]
+    st = llm.stats()
+    assert st["expert_evictions"] > 0 and st["expert_grows"] > 0, st
+    assert st["expert_bytes_direct"] > 0 and st["prefetch_hits"] + st["prefetch_misses"] == 0, st
+    expert_bytes = runtime.store.expert_bytes
+    assert st["expert_bytes_direct"] % expert_bytes == 0
+    assert st["expert_bytes_loaded"] == st["expert_bytes_direct"] + st["expert_grows"] * expert_bytes
+    assert absent_rows_name_host_rows(llm)
+    alloc = engine.pool.allocator
+    assert st["kv_pages_used"] == 0 and alloc.num_used(EXPERT) == 3 * runtime.cache.num_resident  # no page leaked
+    static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cpu", max_num_batched_tokens=64)
+    assert [[o.outputs[0].token_ids for o in static.generate(b, params)] for b in batches] == got
+
+
+def test_bad_offload_access_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="offload_access must be one of direct, copy"):
+        LLM("unused", device="cpu", offload_access="zero-copy")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_elastic_direct_replays_whole_graphs_through_moves(ckpt: Path) -> None:
+    """Evictions and grows change the tables in place between passes; every pass replays a whole CUDA graph that
+    reads the offloaded experts from pinned host memory. Greedy tokens equal static mode run eagerly, float32."""
+    limit = 5
+    budget = tight_budget(ckpt, kv_blocks=10, limit=limit, load_buffers=False, device="cuda", dtype="float32",
+                          offload_access="direct")
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
+              adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64)
+    engine, runner = llm.engine, llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.boundaries is None  # whole graphs only
+    assert engine.runtime.store.pinned
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    batches = [prompts(6, seed=1), prompts(2, seed=2), prompts(1, seed=3)]
+    got = [[o.outputs[0].token_ids for o in llm.generate(b, params)] for b in batches]
+    st = llm.stats()
+    assert st["expert_evictions"] > 0 and st["expert_grows"] > 0 and st["expert_bytes_direct"] > 0, st
+    assert runner.graph_steps == engine.forward_steps  # every step replayed a graph
+    assert st["kv_pages_used"] == 0 and engine.pool.allocator.pending_deferred == 0
+    static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", enforce_eager=True,
+                 max_num_batched_tokens=64)
+    assert [[o.outputs[0].token_ids for o in static.generate(b, params)] for b in batches] == got

@@ -1,0 +1,113 @@
+"""Per-request state pages on a real allocator: exact page ids, all-or-nothing admission, merge-back on free,
+and the scheduler's admission, shortfall, preemption and finish counting them (CPU, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rimuru.engine.kv_cache_manager import KVCacheManager
+from rimuru.engine.request import Request, RequestStatus
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.engine.scheduler import Scheduler
+from rimuru.engine.state_cache_manager import StateCacheManager
+from rimuru.memory.allocator import PageAllocator
+from rimuru.memory.geometry import CONV, SSM, PageGeometry
+
+# huge = expert = 64 B; ssm 32 B (2 per huge); kv 16 B; conv 12 B padded to 16 (4 per mid)
+GEO = PageGeometry.custom(mid_sizes={"expert": 64, SSM: 32}, small_sizes={"kv": 16, CONV: 12})
+LIN = 3  # linear-attention layers: 3 ssm + 3 conv pages per request = 3 x (32 + 16) B = 144 B = 9 KV pages
+
+
+def request(seq: int, prompt: int = 8, max_tokens: int = 4) -> Request:
+    return Request(request_id=str(seq), seq_id=seq, prompt=None, prompt_token_ids=[5] * prompt,
+                   params=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens, eos_token_id=None)
+
+
+def test_pages_ids_and_merge_back() -> None:
+    alloc = PageAllocator(GEO, num_huge_pages=6)
+    state = StateCacheManager(alloc, LIN, kv_page_bytes=16)
+    assert state.request_bytes == 144 and state.kv_pages == 9
+    a, b = request(0), request(1)
+    assert state.pages_needed(a) == 9
+    assert state.allocate(a) and a.ssm_pages == [0, 1, 2]  # huge 0 and 1 split into ssm pages 0-3
+    # the conv pages: ssm page 3 (the free half of huge 1) split into conv pages 6, 7, then huge 2 split into
+    # expert-kind mids, mid 2 of them into conv pages 8-11
+    assert a.conv_pages == [6, 7, 8] and state.pages_needed(a) == 0 and state.allocate(a)  # held: nothing more
+    assert state.allocate(b) and b.ssm_pages == [6, 7, 8]  # huge 3 and 4
+    assert b.conv_pages == [9, 10, 11]  # the rest of mid 2
+    assert alloc.num_used(SSM) == 6 and alloc.num_used(CONV) == 6 and state.pages_in_use == 12
+    state.check()
+    alloc.check_invariants()
+    state.free(a)
+    state.free(b)
+    state.free(b)  # a request without pages: nothing to do
+    assert a.ssm_pages == a.conv_pages == [] and state.num_holders == 0
+    alloc.check_invariants()
+    assert alloc.num_free_huge == 6  # every split merged back
+
+
+def test_allocation_is_all_or_nothing() -> None:
+    alloc = PageAllocator(GEO, num_huge_pages=2)  # 4 ssm pages, or 3 ssm + 2 conv...
+    state = StateCacheManager(alloc, LIN, kv_page_bytes=16)
+    r = request(0)
+    # 3 ssm pages fit (huge 0, 1), 3 conv pages need 48 B more than the free ssm half (32 B) gives
+    assert alloc.mid_capacity(SSM) == 4 and alloc.small_capacity(CONV) == 8
+    assert not state.allocate(r)
+    assert r.ssm_pages == [] and alloc.num_used(SSM) == alloc.num_used(CONV) == 0 and alloc.num_free_huge == 2
+    alloc.check_invariants()
+    # kind by kind each fits, together they do not: no kind-wise shortfall
+    assert state.missing_kv_pages(r) == 0
+    small = PageAllocator(GEO, num_huge_pages=1)
+    assert StateCacheManager(small, LIN, 16).missing_kv_pages(r) == (3 - 2) * 2 + 0  # one ssm page short
+
+
+@pytest.mark.parametrize("reserve", [0, 5])
+def test_scheduler_counts_state_in_admission_and_shortfall(reserve: int) -> None:
+    alloc = PageAllocator(GEO, num_huge_pages=4)  # 256 B = 16 KV pages
+    kv = KVCacheManager(alloc, num_attention_layers=1, block_size=4)
+    state = StateCacheManager(alloc, LIN, kv_page_bytes=16)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, admission_reserve=lambda: reserve, state=state)
+    reqs = [request(i, prompt=8) for i in range(3)]  # each: 9 state + 2 KV pages
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    # one admitted (11 of 16 pages, within 16 - reserve); the second needs its state and KV, 11 KV pages, and 2 are
+    # left: the 3 free conv pages beside request 0's count only for conv pages. Short with or without the reserve.
+    assert [s.request for s in out.scheduled] == reqs[:1]
+    assert out.shortfall_pages == 11 - 2 and kv.capacity_pages() == 2
+    assert reqs[0].ssm_pages and not reqs[1].ssm_pages
+    state.check()
+    # the running request's decode never asks for state; finishing frees its state with its KV
+    for s in out.scheduled:
+        s.request.num_computed_tokens = s.start + s.num_new_tokens
+    sched.finish(reqs[0], RequestStatus.FINISHED_ABORTED)
+    assert alloc.num_used(SSM) == alloc.num_used(CONV) == alloc.num_used("kv") == 0
+    out = sched.schedule()
+    assert [s.request for s in out.scheduled] == reqs[1:2]
+
+
+def test_preemption_frees_the_state_and_readmission_takes_it_again() -> None:
+    alloc = PageAllocator(GEO, num_huge_pages=6)  # 24 KV pages: two requests' state (18) + 6 KV pages
+    kv = KVCacheManager(alloc, num_attention_layers=1, block_size=4)
+    state = StateCacheManager(alloc, LIN, kv_page_bytes=16)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, state=state)
+    a, b = request(0, prompt=8, max_tokens=20), request(1, prompt=4, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert len(out.scheduled) == 2 and state.num_holders == 2
+    preempted = []
+    for _ in range(12):  # decode until the pool cannot grow both
+        for s in out.scheduled:
+            r = s.request
+            r.num_computed_tokens = s.start + s.num_new_tokens
+            if s.samples:
+                r.output_token_ids.append(7)
+        out = sched.schedule()
+        preempted += out.preempted
+        if preempted:
+            break
+    assert preempted == [b] and b.ssm_pages == [] and b.num_computed_tokens == 0
+    assert state.num_holders == 1 and sched.waiting[0] is b
+    state.check()
+    alloc.check_invariants()
