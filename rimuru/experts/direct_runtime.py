@@ -26,24 +26,20 @@ from rimuru.experts.cache import ExpertCache
 from rimuru.experts.elastic_core import ElasticCore
 from rimuru.experts.elastic_runtime import ElasticRuntime
 from rimuru.experts.host_store import HostExpertStore
-from rimuru.experts.host_tier import no_tier_stats
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.routing_counter import RoutingCounter
-from rimuru.experts.runtime import FixedResidency, GraphPlan
+from rimuru.experts.runtime import GraphPlan, StaticRuntime
 from rimuru.experts.static_provider import StaticExpertProvider
 
 
-class DirectRuntime(FixedResidency):
-    """`fixed` mode with direct access: the split never moves, and nothing is copied after start-up."""
+class DirectRuntime(StaticRuntime):
+    """`fixed` mode with direct access: the split never moves, and nothing is copied after start-up. Every answer is
+    static mode's (no decision reaches the host) except where the weights live: the host store holds every expert."""
 
     def __init__(self, cache: ExpertCache, store: HostExpertStore, host_rows: Sequence[torch.Tensor]) -> None:
-        self.mode = "fixed"
-        self.cache = cache
+        super().__init__(cache, mode="fixed")
         self.store = store
         self.provider = StaticExpertProvider(cache.expert_view, cache.tables, host_rows=host_rows)
-
-    def graph_plan(self) -> GraphPlan:
-        return GraphPlan(counter=self.provider.counter)
 
     def write_expert(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> None:
         self.store.write(layer, expert, w1, w3, w2)
@@ -54,31 +50,8 @@ class DirectRuntime(FixedResidency):
         self.store.fill_random(seed=seed, device=self.cache.tables.device)
         self.cache.load_from_store(self.store)
 
-    def swap_routing_counter(self, counter: RoutingCounter | None) -> RoutingCounter | None:
-        previous, self.provider.counter = self.provider.counter, counter
-        return previous
-
-    def pass_reads_routing(self, num_tokens: int) -> bool:
-        return False
-
-    def before_pass(self, num_tokens: int) -> None:
-        return None
-
-    @property
-    def bytes_loaded(self) -> int:
-        return 0
-
-    @property
-    def expert_wait_s(self) -> float | None:
-        return None
-
     def memory_split(self) -> dict[str, int]:
-        return {"experts_resident": 3 * self.cache.num_resident * self.cache.expert_page_bytes,
-                "load_buffers": 0, "host_experts": self.store.nbytes}
-
-    def stats(self) -> dict[str, float]:
-        return {"expert_bytes_loaded": 0, "prefetch_hits": 0, "prefetch_misses": 0, "expert_evictions": 0,
-                "expert_grows": 0, "expert_reranks": 0, **no_tier_stats()}
+        return {**super().memory_split(), "host_experts": self.store.nbytes}
 
 
 class DirectElasticRuntime(ElasticRuntime):
