@@ -70,8 +70,6 @@ def check_serve_args(args: argparse.Namespace) -> None:
     def bad(msg: str) -> None:
         raise SystemExit(f"rimuru bench serve: {msg}")
 
-    if args.num_prompts < 1:
-        bad(f"--num-prompts must be at least 1, got {args.num_prompts}")
     if args.shared_prefix_len is not None:
         if args.dataset != "shared-prefix":
             bad(f"--shared-prefix-len is for --dataset shared-prefix, not {args.dataset}")
