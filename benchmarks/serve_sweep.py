@@ -7,7 +7,10 @@ requests (same dataset, `--num-prompts`, `--seed`, EOS ignored): ours (`rimuru b
 default, or vLLM's own (`vllm bench serve --backend vllm`) with `--client vllm`. While a point runs,
 a poller samples the server's Prometheus `/metrics` (both `rimuru:` and `vllm:` names) for the peak
 running / waiting requests and a memory timeline; `/metrics` counters read before and after each point
-give the expert bytes copied over PCIe and the prefetch hit rate of that point alone.
+give the expert bytes copied over PCIe, the prefetch hit rate and the prefix-cache hit rate (prompt tokens
+the prefix cache had over those looked up: `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`, the names
+both engines expose) of that point alone. The prefix-caching workloads are the client's
+(`--client-args "--dataset shared-prefix"` or `"--dataset sharegpt-multiturn"`).
 
 The result is ONE JSON (run metadata from benchmarks/common.metadata: device, date, commit -- RIMURU_COMMIT
 on a machine without git history -- exact command; plus one row per (config, rate)), rewritten after
@@ -98,11 +101,16 @@ ROW_FIELDS = (
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "median_itl_ms", "p99_itl_ms", "peak_running", "peak_waiting", "expert_bytes_pcie", "prefetch_hits",
     "prefetch_misses", "prefetch_hit_rate", "preemptions", "forward_steps", "expert_evictions", "expert_grows",
-    "piecewise_overhead_ms", "kv_tokens_max", "workspace_bytes", "point_wall_s", "timeline",
+    "piecewise_overhead_ms", "kv_tokens_max", "workspace_bytes", "prefix_cache_queries", "prefix_cache_hits",
+    "prefix_cache_hit_rate", "total_input_tokens", "total_cached_tokens", "median_ttft_first_turn_ms",
+    "median_ttft_later_turns_ms", "p99_ttft_first_turn_ms", "p99_ttft_later_turns_ms", "point_wall_s", "timeline",
 )
 _SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
                  "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-                 "median_itl_ms", "p99_itl_ms")
+                 "median_itl_ms", "p99_itl_ms", "total_input_tokens",
+                 # our client: prefix-cache tokens the server reported, TTFT of first and later turns (multi-turn)
+                 "total_cached_tokens", "median_ttft_first_turn_ms", "median_ttft_later_turns_ms",
+                 "p99_ttft_first_turn_ms", "p99_ttft_later_turns_ms")
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -225,6 +233,12 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
 
     hits, misses = delta("rimuru:prefetch_hits"), delta("rimuru:prefetch_misses")
     rate = hits / (hits + misses) if hits is not None and misses is not None and hits + misses > 0 else None
+    # prompt tokens the prefix cache had over those looked up; a server with prefix caching off looks up none
+    # (both counters stay), which counts as a hit rate of 0
+    prefix_q = delta("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")  # the latter: older vLLM
+    prefix_h = delta("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+    prefix_rate = (None if prefix_q is None or prefix_h is None
+                   else prefix_h / prefix_q if prefix_q > 0 else 0.0)
     return {
         "expert_bytes_pcie": delta("rimuru:expert_bytes_loaded"),
         "prefetch_hits": hits,
@@ -238,6 +252,9 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "piecewise_overhead_ms": metric(after, "rimuru:piecewise_overhead_ms"),
         "kv_tokens_max": metric(after, "rimuru:kv_tokens_max"),
         "workspace_bytes": metric(after, "rimuru:workspace_bytes"),
+        "prefix_cache_queries": prefix_q,
+        "prefix_cache_hits": prefix_h,
+        "prefix_cache_hit_rate": prefix_rate,
     }
 
 
@@ -288,7 +305,7 @@ class Sweep:
             print(f"[sweep] {cfg.name} @ {rate:g} req/s: " + ", ".join(
                 f"{k} {_fmt(row[k])}" for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                                                 "p99_tpot_ms", "peak_running", "peak_waiting", "expert_bytes_pcie",
-                                                "prefetch_hit_rate")), flush=True)
+                                                "prefetch_hit_rate", "prefix_cache_hit_rate")), flush=True)
         else:
             print(f"[sweep] {cfg.name} @ {rate:g} req/s: {status}: {(error or '').splitlines()[0][:300]}", flush=True)
 

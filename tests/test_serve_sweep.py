@@ -232,3 +232,72 @@ def test_a_detached_server_that_exits_or_whose_pid_is_reused_counts_as_exited(tm
     me = process_start_ticks(os.getpid())
     assert me is not None and DetachedServer(os.getpid(), me).poll() is None
     assert DetachedServer(os.getpid(), me + 1).poll() == -1
+
+
+def test_prefix_cache_hit_rate_from_metrics_deltas() -> None:
+    # vLLM's names (prometheus_client adds _total to counters), summed over engine labels as any other
+    before = parse_prometheus('vllm:prefix_cache_queries_total{engine="0"} 100.0\n'
+                              'vllm:prefix_cache_hits_total{engine="0"} 10.0\n')
+    after = parse_prometheus('vllm:prefix_cache_queries_total{engine="0"} 500.0\n'
+                             'vllm:prefix_cache_hits_total{engine="0"} 310.0\n')
+    d = counter_deltas(before, after)
+    assert (d["prefix_cache_queries"], d["prefix_cache_hits"], d["prefix_cache_hit_rate"]) == (400.0, 300.0, 0.75)
+    assert counter_deltas(after, after)["prefix_cache_hit_rate"] == 0.0  # nothing looked up: caching off
+    assert counter_deltas({}, {})["prefix_cache_hit_rate"] is None  # a server without the counters
+    ours = normalise_result({"completed": 2, "total_input_tokens": 90, "total_cached_tokens": 32,
+                             "median_ttft_later_turns_ms": 3.0}, 2)
+    assert ours["total_cached_tokens"] == 32 and ours["median_ttft_later_turns_ms"] == 3.0
+    assert ours["median_ttft_first_turn_ms"] is None
+
+
+def _tiny_multiturn_sharegpt(path: Path, n: int = 4, turns: int = 3) -> Path:
+    words = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
+    recs = []
+    for i in range(n):
+        conv = []
+        for t in range(turns):
+            conv.append({"from": "human", "value": " ".join(words[(i + t + j) % len(words)] for j in range(8))})
+            conv.append({"from": "gpt", "value": " ".join(words[(2 * i + t + j) % len(words)] for j in range(5))})
+        recs.append({"id": f"m{i}", "conversations": conv})
+    path.write_text(json.dumps(recs))
+    return path
+
+
+@pytest.mark.parametrize("dataset", ["shared-prefix", "sharegpt-multiturn"])
+def test_prefix_caching_workloads_hit_with_caching_on_and_not_off(tiny_checkpoint, tmp_path: Path,
+                                                                  dataset: str) -> None:
+    """Both prefix-caching workloads through the sweep, one server with prefix caching on (the default) and one
+    with it off: the rows' hit rate from /metrics is > 0 on and 0 off, and the client's cached tokens agree."""
+    ckpt = tiny_checkpoint("qwen2_moe")
+    if dataset == "shared-prefix":
+        data = _tiny_sharegpt(tmp_path / "sharegpt.json")
+        client = "--dataset shared-prefix --shared-prefix-len 64 --max-prompt-len 60 --max-total-len 80"
+    else:
+        data = _tiny_multiturn_sharegpt(tmp_path / "multi.json")
+        client = "--dataset sharegpt-multiturn --endpoint chat --turn-think-time-s 0.01 --max-prompt-len 300 " \
+                 "--max-total-len 320"
+    out = tmp_path / "sweep.json"
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "serve_sweep.py"), "--model", str(ckpt), "--device", "cpu",
+        "--load-format", "auto", "--gpu-memory-budget", "64MiB", "--configs", "on,off",
+        "--define", "on=rimuru:--enable-prompt-tokens-details",
+        "--define", "off=rimuru:--no-enable-prefix-caching --enable-prompt-tokens-details",
+        "--rates", "20", "--num-prompts", "6", "--dataset-path", str(data),
+        "--client-args", f"{client} --max-output-len 4", "--profile-steps", "0",
+        "--poll-interval-s", "0.2", "--server-timeout-s", "60", "--point-timeout-s", "60", "--output-json", str(out),
+    ]
+    env = {"PYTHONPATH": str(REPO), "RIMURU_COMMIT": "test-commit", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    for r in rows.values():
+        assert r["status"] == "ok", r["error"]
+        assert r["completed"] == 6 and r["prefix_cache_queries"] is not None and r["total_input_tokens"] > 0
+    on, off = rows["on"], rows["off"]
+    assert on["prefix_cache_hit_rate"] > 0 and on["prefix_cache_hits"] > 0 and on["total_cached_tokens"] > 0
+    assert off["prefix_cache_hit_rate"] == 0.0 and off["total_cached_tokens"] == 0
+    if dataset == "sharegpt-multiturn":  # the TTFT of first and later turns, from the client's report
+        assert on["median_ttft_first_turn_ms"] > 0 and on["median_ttft_later_turns_ms"] > 0
+    else:
+        assert on["median_ttft_first_turn_ms"] is None

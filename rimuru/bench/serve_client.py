@@ -1,8 +1,14 @@
-"""Async serving benchmark client: replays requests against an OpenAI-compatible `/v1/completions`.
+"""Async serving benchmark client: replays requests against an OpenAI-compatible `/v1/completions` (a prompt:
+text or token ids) or `/v1/chat/completions` (the request's messages).
 
 It streams every request (`stream_options.include_usage`, `ignore_eos`, as vLLM's client does) and
 measures on the client: TTFT = first chunk carrying a choice, ITL = gaps between such chunks,
-TPOT = (latency - TTFT) / (output tokens - 1) with the output tokens taken from the usage chunk.
+TPOT = (latency - TTFT) / (output tokens - 1) with the output tokens taken from the usage chunk, and the
+prompt tokens the server's prefix cache gave (`usage.prompt_tokens_details.cached_tokens`) where the server
+reports them (vLLM's and ours with `--enable-prompt-tokens-details`).
+
+Requests of one conversation (multi-turn) go one after another: the first turn at the conversation's arrival,
+each next turn once the previous one finished (plus a think time).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import httpx
 import numpy as np
 from tqdm.asyncio import tqdm
 
-from rimuru.bench.workload import SampleRequest
+from rimuru.bench.workload import SampleRequest, conversation_indices
 
 
 @dataclass
@@ -30,6 +36,10 @@ class RequestResult:
     error: str = ""
     status: int | None = None
     start: float = 0.0
+    end: float = 0.0  # when the response ended (perf_counter), success or not
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, None where not reported
+    conversation: int | None = None
+    turn: int = 0
 
 
 @dataclass
@@ -44,27 +54,41 @@ class BenchConfig:
     temperature: float = 0.0
     seed: int = 0
     timeout_s: float = 6 * 3600
+    endpoint: str = "completions"  # completions | chat
+    think_time_s: float = 0.0  # multi-turn: pause between a turn's end and the next turn's send
 
 
-async def send_one(client: httpx.AsyncClient, cfg: BenchConfig, req: SampleRequest) -> RequestResult:
-    prompt: str | list[int] = req.prompt if cfg.prompt_format == "text" else req.prompt_token_ids
-    payload = {
-        "model": cfg.model,
-        "prompt": prompt,
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def request_payload(cfg: BenchConfig, req: SampleRequest) -> dict:
+    """The JSON body of `req`: chat messages (the request's, or one user message holding its prompt) for the
+    chat endpoint, the prompt as text or token ids for completions."""
+    payload: dict = {"model": cfg.model}
+    if cfg.endpoint == "chat":
+        payload["messages"] = list(req.messages) if req.messages else [{"role": "user", "content": req.prompt}]
+    else:
+        payload["prompt"] = req.prompt if cfg.prompt_format == "text" else req.prompt_token_ids
+    payload.update({
         "max_tokens": req.output_len,
         "temperature": cfg.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": cfg.ignore_eos,
-    }
+    })
+    return payload
+
+
+async def send_one(client: httpx.AsyncClient, cfg: BenchConfig, req: SampleRequest) -> RequestResult:
+    payload = request_payload(cfg, req)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    res = RequestResult(prompt_len=req.prompt_len)
+    res = RequestResult(prompt_len=req.prompt_len, conversation=req.conversation, turn=req.turn)
     st = time.perf_counter()
     res.start = st
     last = st
     got_first = False
     try:
-        async with client.stream("POST", cfg.base_url.rstrip("/") + "/v1/completions", json=payload,
+        async with client.stream("POST", cfg.base_url.rstrip("/") + ENDPOINTS[cfg.endpoint], json=payload,
                                  headers=headers) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
@@ -90,20 +114,30 @@ async def send_one(client: httpx.AsyncClient, cfg: BenchConfig, req: SampleReque
                         res.itl.append(now - last)
                     last = now
                 elif chunk.get("usage"):
-                    res.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
-                    res.prompt_len = int(chunk["usage"].get("prompt_tokens") or res.prompt_len)
+                    usage = chunk["usage"]
+                    res.output_tokens = int(usage.get("completion_tokens") or 0)
+                    res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    res.cached_tokens = int(cached) if cached is not None else None
         res.latency = last - st
         res.success = got_first
         if not got_first:
             res.error = "no token chunk received"
     except Exception as exc:  # network errors count as failed requests, not crashes
         res.error = f"{type(exc).__name__}: {exc}"
+    res.end = time.perf_counter()
     return res
 
 
 async def run_benchmark(cfg: BenchConfig, requests: list[SampleRequest], arrivals: list[float],
                         show_progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Sends each request at its arrival offset (bounded by max_concurrency); returns results and duration."""
+    """Sends the requests, bounded by max_concurrency; returns their results (in `requests`' order) and the
+    duration. `arrivals` holds one send offset per conversation (`conversation_indices`' order; a request
+    without a conversation is one): its first turn is sent then, every next turn `think_time_s` after the previous
+    turn's response ended."""
+    convs = conversation_indices(requests)
+    if len(arrivals) != len(convs):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(convs)} conversations")
     limits = httpx.Limits(max_connections=cfg.max_concurrency or 10_000, max_keepalive_connections=256)
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     pbar = tqdm(total=len(requests), desc="requests", disable=not show_progress)
@@ -111,10 +145,7 @@ async def run_benchmark(cfg: BenchConfig, requests: list[SampleRequest], arrival
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
         start = time.perf_counter()
 
-        async def one(req: SampleRequest, at: float) -> RequestResult:
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        async def send(req: SampleRequest) -> RequestResult:
             if sem is None:
                 res = await send_one(client, cfg, req)
             else:
@@ -123,10 +154,21 @@ async def run_benchmark(cfg: BenchConfig, requests: list[SampleRequest], arrival
             pbar.update(1)
             return res
 
-        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, arrivals, strict=True)))
+        results: list[RequestResult | None] = [None] * len(requests)
+
+        async def conversation(turns: list[int], at: float) -> None:
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for n, i in enumerate(turns):
+                if n and cfg.think_time_s > 0:
+                    await asyncio.sleep(cfg.think_time_s)
+                results[i] = await send(requests[i])
+
+        await asyncio.gather(*(conversation(c, t) for c, t in zip(convs, arrivals, strict=True)))
         duration = time.perf_counter() - start
     pbar.close()
-    return list(results), duration
+    return [r for r in results if r is not None], duration
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -157,7 +199,18 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "output_throughput": total_out / duration if duration > 0 else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
     }
-    for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)):
+    # prompt tokens the server's prefix cache gave, over the successful requests whose usage reported them
+    reported = [r for r in ok if r.cached_tokens is not None]
+    out["cached_tokens_reported"] = len(reported)
+    out["total_cached_tokens"] = sum(r.cached_tokens or 0 for r in reported) if reported else None
+    reported_in = sum(r.prompt_len for r in reported)
+    out["cached_token_fraction"] = out["total_cached_tokens"] / reported_in if reported and reported_in else None
+    series = [("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2e)]
+    if any(r.conversation is not None for r in results):  # multi-turn: first turns against later turns
+        series += [("ttft_first_turn", [r.ttft * 1e3 for r in ok if r.turn == 0]),
+                   ("ttft_later_turns", [r.ttft * 1e3 for r in ok if r.turn > 0])]
+        out["conversations"] = len({r.conversation for r in results})
+    for name, vals in series:
         out[f"mean_{name}_ms"] = float(np.mean(vals)) if vals else 0.0
         out[f"median_{name}_ms"] = _pct(vals, 50)
         out[f"p99_{name}_ms"] = _pct(vals, 99)
@@ -179,6 +232,12 @@ def format_summary(s: dict) -> str:
         rows += [(f"Mean {title} (ms)", f"{s[f'mean_{name}_ms']:.2f}"),
                  (f"Median {title} (ms)", f"{s[f'median_{name}_ms']:.2f}"),
                  (f"P99 {title} (ms)", f"{s[f'p99_{name}_ms']:.2f}")]
+    if s.get("total_cached_tokens") is not None:
+        rows.append(("Total cached prompt tokens", f"{s['total_cached_tokens']}"))
+    if "mean_ttft_first_turn_ms" in s:
+        rows += [("Conversations", f"{s['conversations']}"),
+                 ("Median TTFT, first turns (ms)", f"{s['median_ttft_first_turn_ms']:.2f}"),
+                 ("Median TTFT, later turns (ms)", f"{s['median_ttft_later_turns_ms']:.2f}")]
     width = max(len(k) for k, _ in rows) + 4
     lines = ["{:=^{w}}".format(" Serving Benchmark Result ", w=width + 12)]
     lines += [f"{k:<{width}}{v:>12}" for k, v in rows]
