@@ -410,7 +410,7 @@ def test_cuda_kernels_match_references_at_qwen35_shapes(dtype: torch.dtype, B: i
     y = causal_conv1d_update(cc["x"][:, :, 0].contiguous(), b, cc["weight"], cc["conv_pages"], cc["has_state"])
     torch.cuda.synchronize()
     assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())  # copies, exact
-    assert _rel(y, y_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert _rel(y, y_ref) < (1e-5 if dtype == torch.float32 else 2e-2)  # bf16: a few ulps (two roundings each)
 
 
 @pytest.mark.gpu
@@ -494,6 +494,11 @@ def test_cuda_layer_decode_paged_equals_forward() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_decodes_the_cpu_paths_tokens(hybrid_ckpt: Path) -> None:
+    from rimuru.testing.reference import assert_greedy_matches, random_prompts
+
     want = hybrid_greedy(hybrid_ckpt, "cpu", None)  # gather -> recurrent_gated_delta_rule -> scatter
     got = hybrid_greedy(hybrid_ckpt, "cuda", None, dtype="float32", enforce_eager=True)  # the default: kernels
-    assert got == want
+    gathered = hybrid_greedy(hybrid_ckpt, "cuda", False, dtype="float32", enforce_eager=True)
+    assert got == gathered, "the kernels and the gather path on the same GPU decode different tokens"
+    assert_greedy_matches(hybrid_ckpt, random_prompts(HYBRID_PROMPTS, seed=31), got, HYBRID_STEPS)
+    assert got == want, "the GPU's tokens differ from the CPU path's"
