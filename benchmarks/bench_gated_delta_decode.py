@@ -1,7 +1,6 @@
 """One gated DeltaNet layer's decode step on the GPU: the paged kernels against the bytes they must move.
 
-    PYTHONPATH=. python benchmarks/bench_gated_delta_decode.py \
-        --output-json benchmarks/results/gated_delta_decode_h200.json
+    PYTHONPATH=. python benchmarks/bench_gated_delta_decode.py --output-json benchmarks/results/gdn_decode_h200.json
 
 Shapes from a preset (default qwen3.5-35b-a3b: Hk 16, Hv 32, dk = dv = 128, conv_dim 8,192, kernel 4, hidden
 2,048), model dtype bf16; B sequences decode one token each, their states on distinct shuffled pages of a pool.
