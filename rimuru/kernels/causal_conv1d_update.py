@@ -62,7 +62,7 @@ def causal_conv1d_update_reference(
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["num_seqs"])
+    @triton.jit
     def _causal_conv1d_update_kernel(
         x_ptr,  # [B, C]
         conv_ptr,  # [P, C, K-1], updated in place
@@ -70,7 +70,6 @@ if triton is not None:
         pages_ptr,  # [B] int32 / int64
         has_state_ptr,  # [B] int32
         y_ptr,  # [B, C], contiguous, x's dtype
-        num_seqs,
         stride_x_b,
         stride_c_page, stride_c_ch,
         stride_w_ch,
@@ -119,7 +118,7 @@ def causal_conv1d_update_triton(
     pages = conv_pages if conv_pages.is_contiguous() else conv_pages.contiguous()
     block_c = min(next_pow2(C), 1024)
     _causal_conv1d_update_kernel[(B, -(-C // block_c))](
-        x, conv, weight, pages, has_state.to(torch.int32), y, B,
+        x, conv, weight, pages, has_state.to(torch.int32), y,
         x.stride(0), conv.stride(0), conv.stride(1), weight.stride(0),
         C=C, K=K, BLOCK_C=block_c, num_warps=4,
     )  # fmt: skip

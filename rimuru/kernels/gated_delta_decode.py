@@ -91,7 +91,7 @@ def gated_delta_decode_reference(
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["num_seqs"])
+    @triton.jit
     def _gated_delta_decode_kernel(
         q_ptr,  # [B, Hk, dk]
         k_ptr,  # [B, Hk, dk]
@@ -102,7 +102,6 @@ if triton is not None:
         pages_ptr,  # [B] int32 / int64
         has_state_ptr,  # [B] int32
         o_ptr,  # [B, Hv, dv] fp32, contiguous
-        num_seqs,
         stride_q_b, stride_q_h,
         stride_k_b, stride_k_h,
         stride_v_b, stride_v_h,
@@ -186,7 +185,7 @@ def gated_delta_decode_triton(
     block_k = next_pow2(dk)
     grid = (B * Hv, -(-dv // bv))
     _gated_delta_decode_kernel[grid](
-        q, k, v, g, beta, ssm, pages, flags, o, B,
+        q, k, v, g, beta, ssm, pages, flags, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), ssm.stride(0), ssm.stride(1), ssm.stride(2),
         NUM_V_HEADS=Hv, GROUP=Hv // Hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=bv,
