@@ -368,9 +368,13 @@ _INTERPRET_SCRIPT = textwrap.dedent(
 )
 
 
-def test_triton_interpreter_matches_references(hybrid_ckpt: Path) -> None:
+def test_triton_interpreter_matches_references(request: pytest.FixtureRequest) -> None:
     pytest.importorskip("triton")
-    run_under_interpreter(_INTERPRET_SCRIPT.format(tests=str(REPO / "tests"), ckpt=str(hybrid_ckpt)), timeout=600)
+    try:  # the tiny model's part needs transformers to build its checkpoint; the kernels' part does not
+        ckpt = str(request.getfixturevalue("hybrid_ckpt"))
+    except pytest.skip.Exception:
+        ckpt = ""
+    run_under_interpreter(_INTERPRET_SCRIPT.format(tests=str(REPO / "tests"), ckpt=ckpt), timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
