@@ -28,6 +28,10 @@ state is SELECTED with `torch.where`, never made by multiplying with a mask (NaN
 Tokens come flattened as in ForwardBatch: sequence b owns rows query_start_loc[b] : query_start_loc[b+1].
 Inside, sequences are padded to the longest one; padded steps get beta = 0 and g = 0, which leave the
 state unchanged, so the state after the padding is the state at the sequence's end.
+
+`GatedDeltaNet.decode_paged` is the decode step (one token per sequence) with the states read from and written
+to their pool pages in place by the paged kernels (kernels/causal_conv1d_update.py, kernels/gated_delta_decode.py):
+no gather, no scatter, no host sync. models/state_cache.py decides which passes take it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from rimuru.kernels.causal_conv1d_update import causal_conv1d_update
+from rimuru.kernels.gated_delta_decode import gated_delta_decode
 
 
 class RMSNormGated(nn.Module):
@@ -246,3 +253,30 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(T, Hv, dv)  # [T, Hv, dv]
         y = self.norm(o, z).reshape(T, self.value_dim)  # [T, Hv*dv]
         return self.out_proj(y), conv_final.to(conv_state.dtype), state  # [T, hidden]
+
+    def decode_paged(
+        self,
+        x: Tensor,  # [B, hidden]: one token per sequence
+        conv: Tensor,  # [n_conv_pages, conv_dim, K-1] model dtype: the pool's conv view, updated in place
+        conv_pages: Tensor,  # [B] int: page of each sequence's conv state; < 0 = padding row (writes nothing)
+        ssm: Tensor,  # [n_ssm_pages, Hv, dk, dv] fp32: the pool's ssm view, updated in place
+        ssm_pages: Tensor,  # [B] int: page of each sequence's recurrent state; < 0 = padding row
+        has_initial_state: Tensor,  # [B] bool: False = fresh (zero states selected, the pages' bytes unread)
+    ) -> Tensor:
+        """One decode step of B sequences: `forward(..., recurrent=True)` for one token each plus the write of both
+        final states into their pages, by the paged kernels. Returns [B, hidden] (padding rows: unspecified)."""
+        B = x.shape[0]
+        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        mixed = self.in_proj_qkv(x)  # [B, conv_dim]
+        conv_out = causal_conv1d_update(mixed, conv, self.conv1d.weight.squeeze(1), conv_pages,
+                                        has_initial_state)  # [B, conv_dim] x's dtype, SiLU applied
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.reshape(B, Hk, dk).float()) * dk**-0.5  # [B, Hk, dk]: key heads, grouped in the kernel
+        k = l2_normalize(k.reshape(B, Hk, dk).float())
+        v = v.reshape(B, Hv, dv)  # read as fp32 by the kernel
+        beta = self.in_proj_b(x).sigmoid().float()  # [B, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [B, Hv]
+        o = gated_delta_decode(q, k, v, g, beta, ssm, ssm_pages, has_initial_state).to(x.dtype)  # [B, Hv, dv]
+        z = self.in_proj_z(x).view(B, Hv, dv)
+        y = self.norm(o, z).reshape(B, self.value_dim)  # [B, Hv*dv]
+        return self.out_proj(y)  # [B, hidden]

@@ -52,6 +52,8 @@ class LinearAttentionDecoderLayer(DecoderLayer):
         # A sequence with context before this pass continues its state; one without starts from zero
         # (no prefix caching for hybrid models, so no context means a fresh request).
         has_initial_state = batch.seq_lens.long() > (qsl[1:] - qsl[:-1]).long()  # [B]
+        if state_cache.decodes_in_place(batch):  # pure decode on the GPU: the paged kernels, states in place
+            return state_cache.decode(self.linear_attn, self.linear_idx, batch, x, has_initial_state)
         conv, recurrent = state_cache.read(self.linear_idx, batch)
         out, conv, recurrent = self.linear_attn(
             x, qsl, conv, recurrent, has_initial_state, recurrent=batch.max_query_len == 1,  # decode: per token

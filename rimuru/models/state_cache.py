@@ -12,26 +12,44 @@ SELECTED inside GatedDeltaNet (a page's previous bytes are garbage: another requ
 weights, NaN), so what a fresh request's page held never matters. A page id < 0 is a padding row: it reads
 page 0 (its state is not used) and writes nothing.
 
-This gather/scatter is the CPU reference path. A GPU path replaces `read` / `write` with kernels that index the
-pages directly (fla-core's kernels take a dense initial state, so they gather and scatter around them; a decode
-kernel of ours can read and write the state in place through the page index).
+This gather/scatter is the CPU path, and the path of every pass with a prefill chunk. A pure-decode pass (one token
+per sequence) on CUDA with Triton takes `decode` instead: GatedDeltaNet.decode_paged, whose conv and recurrent
+kernels read and write each sequence's state in its pages in place through the page ids (no gather, no scatter;
+the recurrent state's read and write of its [Hv, dk, dv] fp32 page is the whole memory cost of the step there).
+`decodes_in_place` is the one test that picks it.
+
+CUDA graphs: that decode has no host sync and no data-dependent branch on the host (launch grids depend on B and
+the shapes only; fresh sequences and padding rows are decided on the device from `has_initial_state` and the page
+ids), so it can be captured. What capturing hybrid decode steps still needs is outside this module: the graphs'
+batches must carry `ssm_pages` / `conv_pages` as static [L_lin, B_graph] buffers updated in place each step, with
+-1 in padding rows (the kernels neither read nor write their pages), and the workspace profile's scratch pool must
+capture them too.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
+from rimuru.kernels.triton_import import triton
 from rimuru.models.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from rimuru.models.gated_deltanet import GatedDeltaNet
 
 
 class LinearStateCache:
-    def __init__(self, ssm: Tensor, conv: Tensor) -> None:
+    def __init__(self, ssm: Tensor, conv: Tensor, in_place_decode: bool | None = None) -> None:
         if ssm.dim() != 4 or conv.dim() != 3:
             raise ValueError(f"ssm view must be [pages, Hv, dk, dv] and conv view [pages, conv_dim, K-1], got "
                              f"{tuple(ssm.shape)} and {tuple(conv.shape)}")
         self.ssm = ssm  # [n_ssm_pages, Hv, dk, dv] fp32
         self.conv = conv  # [n_conv_pages, conv_dim, K-1] model dtype
+        # pure-decode passes through the paged kernels: by default on CUDA with Triton (the tests force it on the
+        # CPU, where the kernels' dispatchers run their torch references, or Triton's interpreter when patched)
+        self.in_place_decode = (ssm.is_cuda and triton is not None) if in_place_decode is None else in_place_decode
 
     @staticmethod
     def _pages(batch: ForwardBatch, linear_idx: int) -> tuple[Tensor, Tensor]:
@@ -47,6 +65,17 @@ class LinearStateCache:
         """This pass's (conv [B, conv_dim, K-1], recurrent [B, Hv, dk, dv]) states of one layer: gathered copies."""
         ssm, conv = self._pages(batch, linear_idx)
         return self.conv[conv.clamp(min=0)], self.ssm[ssm.clamp(min=0)]
+
+    def decodes_in_place(self, batch: ForwardBatch) -> bool:
+        """True when this pass is pure decode (every sequence one token; host ints only, no sync) and the paged
+        decode kernels run: the layer then calls `decode` instead of read -> forward -> write."""
+        return self.in_place_decode and batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
+
+    def decode(self, layer: GatedDeltaNet, linear_idx: int, batch: ForwardBatch, x: Tensor,
+               has_initial_state: Tensor) -> Tensor:
+        """One decode step of `layer` (x [B, hidden], token b = sequence b), its states updated in their pages."""
+        ssm, conv = self._pages(batch, linear_idx)
+        return layer.decode_paged(x, self.conv, conv, self.ssm, ssm, has_initial_state)
 
     def write(self, linear_idx: int, batch: ForwardBatch, conv: Tensor, recurrent: Tensor) -> None:
         """Stores one layer's final states [B, ...] of this pass into the sequences' pages (padding rows: nowhere)."""
