@@ -261,7 +261,8 @@ def test_50_streams_third_disconnect(server: Server) -> None:
         n = 0
         async for chunk in stream:
             n += len(chunk.choices)
-            if i % 6 == 3 and n >= 2:  # gone mid-stream
+            # gone mid-stream, after its first chunk (under load the server may put several tokens in one chunk)
+            if i % 6 == 3 and n >= 1:
                 await stream.close()
                 return "mid"
         return f"done:{n}"
