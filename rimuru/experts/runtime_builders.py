@@ -98,11 +98,12 @@ def needs_host_store(settings: RuntimeSettings, spec: ModelSpec) -> bool:
     return resolve_offload_limit(settings.expert_offload_limit, spec.num_experts, resident) > 0
 
 
-def build_host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> HostExpertStore:
-    """The home copy of every routed expert, pinned for a GPU. The engine makes it before the pool is sized: its
-    device-side mappings are memory the workspace profile has to see."""
-    return HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size, spec.hidden_size,
-                           dtype, pin=device.type == "cuda")
+def build_host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> HostExpertStore:
+    """The home copy of every routed expert, pinned for a GPU: under tensor parallelism this rank's f / tp_size slice
+    of each, as its pages hold. The engine makes it before the pool is sized: its device-side mappings are memory the
+    workspace profile has to see."""
+    return HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size // tp_size,
+                           spec.hidden_size, dtype, pin=device.type == "cuda")
 
 
 def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
@@ -111,7 +112,7 @@ def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype
     """The runtime of `settings.mode`; `store` is the host store of a mode that needs one (made here when not
     given)."""
     if store is None and needs_host_store(settings, spec):
-        store = build_host_store(spec, dtype, pool.device)
+        store = build_host_store(spec, dtype, pool.device, pool.geometry.tp_size)
     residency = ExpertResidency(pool.allocator, spec.num_moe_layers, spec.num_experts,
                                 ranking=[popularity.ranking(layer) for layer in range(spec.num_moe_layers)])
     cache = ExpertCache(residency, pool.expert_view(dtype), pool.device)
