@@ -79,6 +79,8 @@ class TensorParallelWorkers:
     def __init__(self, config: EngineConfig) -> None:
         size = config.tensor_parallel_size
         self.device = rank_device(config, 0)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         port = free_port()
         ctx = mp.get_context("spawn")
         self._errors: Any = ctx.Queue()
