@@ -21,7 +21,10 @@ from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.tp_workers import PassPlan, WorkerFailed
 from rimuru.memory.geometry import PageGeometry
 from rimuru.model_spec import load_model_spec
-from rimuru.models.parallel_linear import Shard, kv_head_shard, rank_shard
+from rimuru.models.layers import MergedLinear
+from rimuru.models.loader import init_dummy_weights
+from rimuru.models.parallel_linear import Shard, kv_head_shard, param_shards, rank_shard
+from rimuru.models.registry import build_model
 from rimuru.testing.reference import assert_greedy_matches, random_prompts, run_greedy
 from rimuru.testing.tiny_models import ARCHS
 
@@ -74,6 +77,28 @@ def test_unsupported_combinations_are_refused_by_name(tiny_checkpoint) -> None:
     # refused before any worker starts
     with pytest.raises(ValueError, match="not supported for qwen3_5_moe_text"):
         LLM(str(tiny_checkpoint("qwen3_5_moe_text")), device="cpu", tensor_parallel_size=2)
+
+
+def test_dummy_weights_of_a_rank_are_its_slice_of_one_ranks(parity_checkpoints: dict[str, Path]) -> None:
+    """Dummy weights draw each full tensor and keep the rank's slice: replicated weights agree on every rank, and
+    cut ones are the single-rank model's (no process group is needed to build and fill a rank's model)."""
+    spec = load_model_spec(str(parity_checkpoints["qwen2_moe"]))
+    kv = torch.empty(0)
+    one = build_model(spec, torch.float32, "cpu", kv)
+    init_dummy_weights(one, seed=3)
+    rank = build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=1, size=2))
+    init_dummy_weights(rank, seed=3)
+    full = dict(one.named_parameters())
+    cuts = param_shards(rank)
+    merged = {f"{n}.{s}": m for n, m in rank.named_modules() if isinstance(m, MergedLinear) for s in ("weight", "bias")}
+    for name, p in rank.named_parameters():
+        want = full[name]
+        if name in cuts:
+            want = cuts[name].take(want)
+        elif name in merged:
+            want = merged[name].local_of_full(want)
+        assert torch.equal(p, want), name
+    assert rank.model.layers[0].self_attn.num_heads == 2 and rank.lm_head.weight.shape[0] == spec.vocab_size // 2
 
 
 # ---------------------------------------------------------------- two ranks

@@ -202,3 +202,5 @@ def _worker_main(rank: int, config: EngineConfig, port: int, errors: Any) -> Non
     engine.shutdown()
     if tp is not None:
         destroy_tensor_parallel(tp)
+    # no interpreter teardown: the communication library's threads would be torn down under it (and say so on stderr)
+    os._exit(0)
