@@ -137,8 +137,12 @@ class EngineConfig:
             if kind not in ("uniform", "zipf") or (kind == "zipf" and not _is_float(exponent)):
                 raise ValueError(f"dummy_routing must be 'uniform' or 'zipf:S' (S a number >= 0), "
                                  f"got {self.dummy_routing!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet (page geometry already carries it)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.offload_access == "copy":
+            raise ValueError("offload_access='copy' is not supported with tensor_parallel_size > 1 yet (its load "
+                             "buffers' on-demand copies are decided during a pass on one rank); use the default "
+                             "offload_access='direct'")
         if self.gpu_memory_budget is not None:
             parse_bytes(self.gpu_memory_budget)
         if self.gpu_memory_utilization is not None:

@@ -4,7 +4,7 @@ Layers, lowest first; a package imports packages of lower layers and of its own 
 higher one:
 
     0  config, model_spec
-    1  memory, kernels
+    1  memory, kernels, distributed
     2  models
     3  experts
     4  engine
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rimuru"
 
 LAYERS: list[set[str]] = [
     {"config", "model_spec"},
-    {"memory", "kernels"},
+    {"memory", "kernels", "distributed"},
     {"models"},
     {"experts"},
     {"engine"},

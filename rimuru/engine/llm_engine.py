@@ -16,6 +16,10 @@ works while the GPU runs; when the next pass would stop the host at an offloaded
 drained first so its tokens reach clients a pass earlier. The step profiler and the step metrics watch the step
 (`StepTrace`, `StepMetricsRing`); they never change it. `add_request` and `abort_request` may be called from
 another thread (the server); they only queue.
+
+With `tensor_parallel_size` N > 1 this process is rank 0 of N (engine/tp_workers.py): it starts the other ranks,
+which build the same engine over their shards, and sends them every pass; only rank 0 schedules, plans and
+samples. Such an engine runs every pass eagerly and without async scheduling.
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from rimuru.config import EngineConfig, format_bytes
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.engine.cuda_graphs import capture_step_graphs
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
-from rimuru.engine.model_runner import ModelRunner, SampledTokens
+from rimuru.engine.model_runner import HostBatch, ModelRunner, SampledTokens
 from rimuru.engine.output_processor import OutputProcessor, final_output
 from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.recent_tpot import RecentTpot
@@ -55,6 +61,7 @@ from rimuru.engine.setup import (
 from rimuru.engine.state_cache_manager import StateCacheManager
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import NULL_TRACE, StepProfiler, StepTrace
+from rimuru.engine.tp_workers import PassPlan, TensorParallelWorkers, WorkerFailed, rank_device
 from rimuru.engine.workspace_profile import DeviceMemoryMark, WorkspaceProfile, profile_workspace
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.host_store import HostExpertStore
@@ -64,7 +71,7 @@ from rimuru.experts.runtime_builders import RuntimeSettings, build_host_store, b
 from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pass_fence import PassFence
 from rimuru.memory.pool import PagePool
-from rimuru.model_spec import load_model_spec
+from rimuru.model_spec import ModelSpec, load_model_spec
 from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.moe import NO_EXPERTS
 from rimuru.models.registry import build_model
@@ -76,10 +83,35 @@ InFlight = tuple[SchedulerOutput, SampledTokens]  # a launched pass whose tokens
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        """`tp`: this rank's group, for the engines of ranks > 0 (their worker processes make them); rank 0's engine
+        is made without it and starts the other ranks itself when config.tensor_parallel_size > 1."""
         self.config = config
         spec = self.spec = load_model_spec(config.model)
-        device = self.device = resolve_device(config.device)
+        self.workers: TensorParallelWorkers | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            if spec.is_hybrid:
+                raise ValueError(f"tensor_parallel_size > 1 is not supported for {spec.model_type} yet (its hybrid "
+                                 "gated DeltaNet layers are not sharded); use tensor_parallel_size=1")
+            self.workers = TensorParallelWorkers(config)
+            tp = self.workers.tp
+        self.tp = tp if tp is not None else SINGLE
+        try:
+            self._build(config, spec)
+        except BaseException as e:
+            if self.workers is not None:
+                if isinstance(e, RuntimeError) and not isinstance(e, WorkerFailed):  # a collective with a lost peer
+                    failure = self.workers.failed(e)
+                    self.workers.stop()
+                    raise failure from e
+                self.workers.stop()
+            raise
+
+    def _build(self, config: EngineConfig, spec: ModelSpec) -> None:
+        tp = self.tp
+        device = self.device = resolve_device(config.device) if tp.size == 1 else rank_device(config, tp.rank)
+        if device.type == "cuda" and tp.size > 1:
+            torch.cuda.set_device(device)
         start_memory = DeviceMemoryMark.now(device) if device.type == "cuda" else None
         dtype = resolve_dtype(config.dtype, spec, device)
         self.tokenizer = load_tokenizer(config.tokenizer or (config.model if os.path.isdir(config.model) else None))
@@ -88,12 +120,15 @@ class LLMEngine:
                                           tp_size=config.tensor_parallel_size)
         self.geometry = geometry
         # non-expert weights first: the workspace is measured with them, before the pool exists
-        model = build_model(spec, dtype, device, torch.empty(0, device=device))
+        model = build_model(spec, dtype, device, torch.empty(0, device=device), tp=tp)
         self.workspace_profile: WorkspaceProfile | None = None  # measured on a GPU
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device.type == "cuda")
+        if tp.size > 1 and self.async_scheduling:  # the other ranks get each pass's input tokens from the host
+            logger.info("async scheduling is off under tensor parallelism")
+            self.async_scheduling = False
         self._host_store: HostExpertStore | None = None  # made before the pool where the mode needs one
-        memory = self._plan_memory(model, geometry, dtype, start_memory)
+        memory = self._agree(self._plan_memory(model, geometry, dtype, start_memory))
         self.pool = PagePool(geometry, memory.pool_bytes, device)
         num_attn = len(spec.attention_layer_ids)
         model.bind_kv_cache(self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size),
@@ -131,10 +166,13 @@ class LLMEngine:
                                    reclaimable=self.runtime.reclaimable_kv_pages,
                                    admission_reserve=self.runtime.admission_reserve_kv_pages, state=self.state)
         self.runner = ModelRunner(model, device, num_attn, config.block_size, Sampler(device, config.seed),
-                                  num_linear_layers=len(spec.linear_layer_ids))
+                                  num_linear_layers=len(spec.linear_layer_ids),
+                                  peers=self._send_pass if self.workers is not None else None)
         self.piecewise_overhead_s: float | None = None  # measured after capture where whole graphs exist too
         if device.type == "cuda" and not config.enforce_eager:
-            if spec.is_hybrid:  # the graphs' batches carry no state page ids yet
+            if tp.size > 1:  # the other ranks would have to replay each graph with rank 0
+                logger.info("CUDA graphs are not captured under tensor parallelism: every step runs eager")
+            elif spec.is_hybrid:  # the graphs' batches carry no state page ids yet
                 logger.info("CUDA graphs are not captured for hybrid models (%s): every step runs eager",
                             spec.model_type)
             else:
@@ -173,7 +211,21 @@ class LLMEngine:
         """Pins the host expert store of an offloading mode before the graph profile: its device-side mappings
         (hundreds of MB for a 58 GB store) are memory outside torch the workspace must hold."""
         if needs_host_store(self._runtime_settings(mode), self.spec):
-            self._host_store = build_host_store(self.spec, dtype, self.device)
+            self._host_store = build_host_store(self.spec, dtype, self.device, self.tp.size)
+
+    def _agree(self, memory: MemoryPlan) -> MemoryPlan:
+        """Tensor parallelism: rank 0's mode and split, with the smallest pool of any rank, so that every rank's
+        pool has the same pages."""
+        if self.tp.size == 1:
+            return memory
+        plan: MemoryPlan = self.tp.broadcast_object(memory)
+        return replace(plan, pool_bytes=self.tp.min_int(memory.pool_bytes))
+
+    def _send_pass(self, h: HostBatch, sample: bool) -> None:
+        """Rank 0: the pass about to run, to every other rank (with the expert tables where they move)."""
+        assert self.workers is not None
+        tables = self.runtime.cache.host_tables.numpy().copy() if self.runtime.mode == "elastic" else None
+        self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables))
 
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:
@@ -318,6 +370,8 @@ class LLMEngine:
         trace = self.trace
         trace.begin(t0)
         loaded0, graph_steps0 = self.runtime.bytes_loaded, self.runner.graph_steps
+        if self.workers is not None:
+            self.workers.check()
         outputs = self._take_inbox()
         self.runtime.begin_step()
         sched = self.scheduler.schedule()
@@ -333,7 +387,14 @@ class LLMEngine:
             outputs += self._drain(previous)
             previous = None
             sched.scheduled = [s for s in sched.scheduled if not s.request.status.finished]
-        launched = self._launch(sched)
+        try:
+            launched = self._launch(sched)
+        except WorkerFailed:
+            raise
+        except RuntimeError as e:
+            if self.workers is None:
+                raise
+            raise self.workers.failed(e) from e  # a collective with a lost peer
         if self.async_scheduling:  # pass n+1 is queued behind pass n on the device: read pass n meanwhile
             self._in_flight = launched
         else:
@@ -437,6 +498,9 @@ class LLMEngine:
         self.disable_step_profiler()
         self.model.attach_experts(NO_EXPERTS)
         self.pool.allocator.reclaimer = None
+        if self.workers is not None:  # the other ranks exit, and this process leaves the group
+            workers, self.workers = self.workers, None
+            workers.stop()
 
     def step_profile_report(self) -> dict[str, Any] | None:
         """The step profiler's report (engine/step_profiler.py), None when it was never enabled."""

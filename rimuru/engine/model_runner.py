@@ -20,6 +20,7 @@ On a GPU all inputs travel in ONE host->device copy (`InputStager`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,10 +163,17 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+# Tensor parallelism, rank 0: sends each eager pass's host arrays (and whether it samples) to the other ranks before
+# running it (engine/tp_workers.py)
+PassSender = Callable[[HostBatch, bool], None]
+
+
 class ModelRunner:
     def __init__(self, model: MoECausalLM, device: torch.device, num_attention_layers: int,
-                 block_size: int, sampler: Sampler, num_linear_layers: int = 0) -> None:
+                 block_size: int, sampler: Sampler, num_linear_layers: int = 0,
+                 peers: PassSender | None = None) -> None:
         self.model = model
+        self.peers = peers
         self.device = device
         self.num_layers = num_attention_layers
         self.num_linear_layers = num_linear_layers  # hybrid models: linear-attention layers, each with state pages
@@ -330,13 +338,28 @@ class ModelRunner:
         return self.stager.stage(h.fields())
 
     def prepare(self, sched: SchedulerOutput) -> ForwardBatch:
-        h = self.host_arrays(sched)
+        return self.device_batch(self.host_arrays(sched))
+
+    def device_batch(self, h: HostBatch) -> ForwardBatch:
         ids, pos, qsl, seq_lens, bt, slots, li, *state = self.to_device(h)
         self._fill_pending(ids, h)
         ssm_pages, conv_pages = state if state else (None, None)
         return ForwardBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
                             slot_mapping=slots, logits_indices=li, max_query_len=h.max_query_len,
                             max_seq_len=int(h.seq_lens.max()), ssm_pages=ssm_pages, conv_pages=conv_pages)
+
+    @torch.inference_mode()
+    def follow(self, arrays: list[np.ndarray], max_query_len: int, sample: bool) -> None:
+        """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample)."""
+        ids, pos, qsl, seq_lens, bt, slots, li, *state = arrays
+        ssm, conv = state if state else (None, None)
+        h = HostBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
+                      slot_mapping=slots, logits_indices=li, max_query_len=max_query_len, ssm_pages=ssm,
+                      conv_pages=conv)
+        batch = self.device_batch(h)
+        hidden = self.model(batch)  # [T, d]
+        if sample:
+            self.model.compute_logits(hidden[batch.logits_indices])
 
     # ---- the step --------------------------------------------------------------------------------------
     def _fill_pending(self, input_ids: torch.Tensor, h: HostBatch) -> None:
@@ -379,7 +402,10 @@ class ModelRunner:
             self.graph_steps += 1
             self.mixed_graph_steps += 1
         else:
-            batch = self.prepare(sched)
+            h = self.host_arrays(sched)
+            if self.peers is not None:
+                self.peers(h, bool(sampling))
+            batch = self.device_batch(h)
             trace.mark("prepare")
             trace.forward_begin()
             hidden = self.model(batch)  # [T, d]

@@ -197,7 +197,7 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, geometry: PageGeometry, d
             f"{format_bytes(non_expert)} and the activation workspace {format_bytes(workspace)}, leaving no page pool")
     mode = mode or config.offload_mode
     if mode is None:
-        expert_bytes = spec.routed_expert_bytes(dtype)
+        expert_bytes = spec.routed_expert_bytes(dtype) // geometry.tp_size  # this rank's slices
         whole_pool = pool_bytes // geometry.huge_size * geometry.huge_size
         mode = "static" if expert_bytes <= (1 - STATIC_KV_SHARE) * whole_pool else "elastic"
         logger.info("offload_mode not given: %s (routed experts %s, pool %s)", mode, format_bytes(expert_bytes),

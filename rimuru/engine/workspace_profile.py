@@ -184,7 +184,8 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     outside = engine_start.outside_torch_since(device)
     graphs = sampling = 0
     eager_beside = False
-    if not config.enforce_eager and not spec.is_hybrid:  # the engine captures no graphs for hybrids yet
+    # the engine captures no graphs for hybrids, nor under tensor parallelism, yet
+    if not config.enforce_eager and not spec.is_hybrid and config.tensor_parallel_size == 1:
         torch.cuda.empty_cache()
         before = _device_used(device)
         step_graphs = _capture_like_the_engine(model, scratch, mode, device, num_attn, config, max_model_len)

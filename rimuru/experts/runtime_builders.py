@@ -115,20 +115,21 @@ def needs_host_store(settings: RuntimeSettings, spec: ModelSpec) -> bool:
 HOST_MEMORY_HEADROOM = 2 * 2**30
 
 
-def build_host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> HostExpertStore:
-    """The home copy of every routed expert, pinned for a GPU. The engine makes it before the pool is sized: its
-    device-side mappings are memory the workspace profile has to see. Refused, before anything is pinned, where
-    the host's available memory cannot hold it and HOST_MEMORY_HEADROOM."""
-    need = spec.num_moe_layers * spec.num_experts * 3 * spec.moe_intermediate_size * spec.hidden_size \
-        * torch.empty((), dtype=dtype).element_size()
+def build_host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> HostExpertStore:
+    """The home copy of every routed expert, pinned for a GPU: under tensor parallelism this rank's f / tp_size slice
+    of each, as its pages hold. The engine makes it before the pool is sized: its device-side mappings are memory the
+    workspace profile has to see. Refused, before anything is pinned, where the host's available memory cannot hold
+    it and HOST_MEMORY_HEADROOM."""
+    f = spec.moe_intermediate_size // tp_size
+    element = torch.empty((), dtype=dtype).element_size()
+    need = spec.num_moe_layers * spec.num_experts * 3 * f * spec.hidden_size * element
     have = available_host_bytes()
     if need + HOST_MEMORY_HEADROOM > have:
         raise ValueError(f"the host expert store needs {format_bytes(need)} of host memory (every routed expert, "
                          f"{'pinned' if device.type == 'cuda' else 'in host memory'}) plus "
                          f"{format_bytes(HOST_MEMORY_HEADROOM)} of headroom, but only {format_bytes(have)} is "
                          "available; free host memory or use offload_mode='static' with a larger budget")
-    return HostExpertStore(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size, spec.hidden_size,
-                           dtype, pin=device.type == "cuda")
+    return HostExpertStore(spec.num_moe_layers, spec.num_experts, f, spec.hidden_size, dtype, pin=device.type == "cuda")
 
 
 def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
@@ -137,7 +138,7 @@ def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype
     """The runtime of `settings.mode`; `store` is the host store of a mode that needs one (made here when not
     given)."""
     if store is None and needs_host_store(settings, spec):
-        store = build_host_store(spec, dtype, pool.device)
+        store = build_host_store(spec, dtype, pool.device, pool.geometry.tp_size)
     residency = ExpertResidency(pool.allocator, spec.num_moe_layers, spec.num_experts,
                                 ranking=[popularity.ranking(layer) for layer in range(spec.num_moe_layers)])
     cache = ExpertCache(residency, pool.expert_view(dtype), pool.device)

@@ -3,16 +3,22 @@
 Every attention layer reads and writes its own pages of one shared KV view
 `kv_cache [n_pages, 2, block_size, Hkv, D]`, through its own block table and slot mapping
 (`batch.block_tables[attn_idx]`, `batch.slot_mapping[attn_idx]`).
+
+Tensor-parallel over N ranks: each rank holds Hq / N query heads and their KV heads (Hkv / N, or one KV head
+replicated on N / Hkv ranks when N > Hkv), so attention itself needs no communication; o_proj is row-parallel
+and its all-reduce sums the ranks' heads.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.kernels.paged_attention import paged_attention, write_kv
 from rimuru.kernels.rotary import apply_rotary_qk
 from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.layers import MergedLinear
+from rimuru.models.parallel_linear import RowParallelLinear, kv_head_shard, rank_shard
 
 
 class Attention(nn.Module):
@@ -27,20 +33,25 @@ class Attention(nn.Module):
         attn_idx: int,
         qkv_bias: bool = False,
         o_bias: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
             )
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.tp = tp
+        num_heads = tp.part(num_heads, "num_attention_heads")
+        num_kv_heads, kv_cut = kv_head_shard(tp, num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim  # this rank's
         self.attn_idx = attn_idx  # ordinal among attention layers: which block table / slot mapping
         self.scale = head_dim**-0.5
         # q, k and v in one GEMM; checkpoints' q_proj / k_proj / v_proj are its shards
         self.qkv_proj = MergedLinear(hidden_size, {"q_proj": num_heads * head_dim,
                                                    "k_proj": num_kv_heads * head_dim,
-                                                   "v_proj": num_kv_heads * head_dim}, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+                                                   "v_proj": num_kv_heads * head_dim}, bias=qkv_bias,
+                                     cuts={"q_proj": rank_shard(tp, 0), "k_proj": kv_cut, "v_proj": kv_cut})
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias, tp=tp)
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per-head q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] before rotary."""

@@ -25,12 +25,14 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.model_spec import FULL_ATTENTION, ModelSpec
 from rimuru.models.attention import Attention
 from rimuru.models.expert_provider import ExpertProvider
 from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.layers import GatedMLP, RMSNorm
 from rimuru.models.moe import SparseMoE
+from rimuru.models.parallel_linear import ColumnParallelLinear
 from rimuru.models.rotary import RotaryEmbedding, check_rope_config
 from rimuru.models.state_cache import LinearStateCache
 
@@ -91,10 +93,13 @@ class MoECausalLM(nn.Module):
     # The x_hat * (1 + w) form of every plain RMSNorm (input, post-attention, final) instead of x_hat * w.
     zero_centred_norms: bool = False
 
-    def __init__(self, spec: ModelSpec, kv_cache: Tensor) -> None:
+    def __init__(self, spec: ModelSpec, kv_cache: Tensor, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self._check_supported(spec)
         self.spec = spec
+        # this rank's group: attention by heads, MLPs by columns/rows, experts by f, the LM head by vocabulary rows;
+        # the embedding and the norms are replicated
+        self.tp = tp
         self.kv_cache = kv_cache  # [n_pages, 2, block, Hkv, D]; a view of the pool, not model state
         # hybrid models: the pool's ssm and conv views (bind_state_cache); None for the others
         self.state_cache: LinearStateCache | None = None
@@ -104,7 +109,10 @@ class MoECausalLM(nn.Module):
         self.rotary = RotaryEmbedding.from_factor(spec.head_dim, spec.rope_theta, spec.partial_rotary_factor)
         self.lm_head: nn.Linear | None = None
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = ColumnParallelLinear(spec.hidden_size, spec.vocab_size, bias=False, tp=tp,
+                                                what="vocab_size")
+        elif tp.size > 1:
+            tp.part(spec.vocab_size, "vocab_size")  # the tied head is cut from the embedding by vocabulary rows
 
     # ------------------------------------------------------------------ architecture hooks
 
@@ -123,15 +131,14 @@ class MoECausalLM(nn.Module):
         bias = spec.attention_bias
         return Attention(
             spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, attn_idx,
-            qkv_bias=bias, o_bias=bias,
+            qkv_bias=bias, o_bias=bias, tp=self.tp,
         )
 
-    @staticmethod
-    def moe_kwargs(spec: ModelSpec, moe_idx: int) -> dict:
+    def moe_kwargs(self, spec: ModelSpec, moe_idx: int) -> dict:
         """The routed-expert arguments every MoE block takes (SparseMoE and its subclasses)."""
         return dict(hidden_size=spec.hidden_size, num_experts=spec.num_experts, top_k=spec.num_experts_per_tok,
                     intermediate_size=spec.moe_intermediate_size, renormalize=spec.norm_topk_prob,
-                    moe_idx=moe_idx)
+                    moe_idx=moe_idx, tp=self.tp)
 
     def make_moe(self, spec: ModelSpec, moe_idx: int) -> nn.Module:
         return SparseMoE(**self.moe_kwargs(spec, moe_idx))
@@ -139,7 +146,7 @@ class MoECausalLM(nn.Module):
     def make_mlp(self, spec: ModelSpec) -> nn.Module:
         if spec.intermediate_size <= 0:
             raise ValueError(f"{spec.model_type}: a dense layer needs intermediate_size > 0")
-        return GatedMLP(spec.hidden_size, spec.intermediate_size)
+        return GatedMLP(spec.hidden_size, spec.intermediate_size, tp=self.tp)
 
     # ------------------------------------------------------------------ routed experts
 
@@ -183,8 +190,16 @@ class MoECausalLM(nn.Module):
         return self.model.norm.add_norm(h, residual)[0]  # [T, d]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [B', d]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, d]
-        return F.linear(hidden, weight).float()  # [B', V]
+        """[B', V] fp32 logits; tensor-parallel, each rank computes its V/N vocabulary rows and every rank gets all
+        of them (an all-gather)."""
+        if self.lm_head is not None:
+            weight = self.lm_head.weight  # [V/N, d]
+        else:  # tied: this rank's rows of the replicated embedding
+            weight = self.model.embed_tokens.weight  # [V, d]
+            if self.tp.size > 1:
+                n = weight.shape[0] // self.tp.size
+                weight = weight[self.tp.rank * n : (self.tp.rank + 1) * n]
+        return self.tp.all_gather(F.linear(hidden, weight).float(), dim=-1)  # [B', V]
 
     # ------------------------------------------------------------------ checks
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.kernels.activation import silu_and_mul
 from rimuru.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from rimuru.models.parallel_linear import RowParallelLinear, Shard, rank_shard
 
 
 class RMSNorm(nn.Module):
@@ -52,26 +54,48 @@ class MergedLinear(nn.Linear):
     Checkpoints keep one tensor per shard, named as the shard: the loader copies
     `<parent>.q_proj.weight` into rows [0, Hq*D) of `<parent>.qkv_proj.weight` (models/loader.py).
     `split(y)` returns the shards' outputs as views of the one output [T, sum(sizes)].
+
+    Column-parallel (tensor parallelism): `sizes` are this rank's rows and `cuts[name]` says which rows of the
+    checkpoint's shard they are (models/parallel_linear.py); a shard without a cut is whole on every rank.
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool,
+                 cuts: dict[str, Shard | None] | None = None) -> None:
         super().__init__(in_features, sum(shards.values()), bias=bias)
         self.shard_sizes = list(shards.values())
         offsets = [sum(self.shard_sizes[:i]) for i in range(len(shards))]
         self.shards = {name: (off, size) for (name, size), off in zip(shards.items(), offsets, strict=True)}
+        self.cuts: dict[str, Shard | None] = {name: (cuts or {}).get(name) for name in shards}
 
     def split(self, y: Tensor) -> tuple[Tensor, ...]:
         return y.split(self.shard_sizes, dim=-1)
 
+    def full_rows(self, name: str) -> int:
+        """Rows of shard `name` in the checkpoint (all ranks' together)."""
+        cut, rows = self.cuts[name], self.shards[name][1]
+        return rows if cut is None else rows * cut.chunks
+
+    def local_of_full(self, full: Tensor) -> Tensor:
+        """This rank's rows of a full merged tensor [sum(full rows), ...] (dummy weights draw the full one)."""
+        parts = full.split([self.full_rows(name) for name in self.shards], dim=0)
+        return torch.cat([p if cut is None else cut.take(p) for p, cut in zip(parts, self.cuts.values(),
+                                                                             strict=True)])
+
 
 class GatedMLP(nn.Module):
-    """down(SiLU(gate(x)) * up(x)): dense layers and the shared expert; gate and up are one GEMM."""
+    """down(SiLU(gate(x)) * up(x)): dense layers and the shared expert; gate and up are one GEMM.
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    Tensor-parallel: gate/up column-parallel, down row-parallel; `reduce=False` leaves the partial sum to the
+    caller (the shared expert, summed with the routed experts' part in one all-reduce)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE,
+                 reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size},
-                                         bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        f = tp.part(intermediate_size, "intermediate_size")
+        cut = rank_shard(tp, 0)
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": f, "up_proj": f}, bias=False,
+                                         cuts={"gate_proj": cut, "up_proj": cut})
+        self.down_proj = RowParallelLinear(f, hidden_size, bias=False, tp=tp, reduce=reduce)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # [T, f] views each

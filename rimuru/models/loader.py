@@ -17,6 +17,10 @@ the caller points at expert pages (see `write_expert_to_pages`). Two checkpoint 
 An architecture may rename checkpoint prefixes (`checkpoint_renames`, e.g. a multimodal wrapper's
 `model.language_model.`) and skip the parts it does not run (`checkpoint_skipped`).
 
+Tensor-parallel, a rank reads only its slice of each cut tensor (the parameter's `Shard`,
+models/parallel_linear.py) and of each expert: rows [r f/N, (r+1) f/N) of W1 and W3, those columns of W2, which
+the expert sink gets as [f/N, d], [f/N, d], [d, f/N].
+
 Tensors are read one at a time (per expert for fused tensors) from memory-mapped files, so the
 whole checkpoint is never resident at once.
 """
@@ -38,6 +42,7 @@ from torch import Tensor
 from rimuru.model_spec import ModelSpec
 from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.layers import MergedLinear
+from rimuru.models.parallel_linear import Shard, param_shards
 
 ExpertSink = Callable[[int, int, Tensor, Tensor, Tensor], None]
 
@@ -83,7 +88,8 @@ def load_checkpoint(
     names and shapes are checked before any data is read.
     """
     params = dict(model.named_parameters())
-    shard_of = _merged_shards(model)  # checkpoint-style name -> (merged parameter, row offset, rows)
+    cut_of = param_shards(model)  # parameter -> the slice of the checkpoint tensor it holds (tensor parallelism)
+    shard_of = _merged_shards(model)  # checkpoint-style name -> (merged parameter, row offset, rows, cut)
     moe_ordinal = {layer: i for i, layer in enumerate(spec.moe_layer_ids)}
     slot_of = {name: slot for slot, name in enumerate(model.expert_weight_names)}
     with ExitStack() as stack:
@@ -128,30 +134,40 @@ def load_checkpoint(
         missing += [p for p in params if p not in targets and p not in covered]
         if missing:
             raise CheckpointError(f"checkpoint {checkpoint_dir} lacks tensors: {missing[:8]}")
+        full_shapes: dict[str, tuple[int, ...]] = {}  # checkpoint name -> its shape as the model expects it
         for pname, cname in targets.items():
-            _check_shape(cname, handles[cname].get_slice(cname).get_shape(), tuple(params[pname].shape))
+            local = tuple(params[pname].shape)
+            full_shapes[cname] = cut_of[pname].full_shape(local) if pname in cut_of else local
         for sname, cname in shard_targets.items():
-            pname, _, rows = shard_of[sname]
-            _check_shape(cname, handles[cname].get_slice(cname).get_shape(), (rows, *params[pname].shape[1:]))
+            pname, _, rows, cut = shard_of[sname]
+            full_shapes[cname] = (rows * (cut.chunks if cut else 1), *params[pname].shape[1:])
+        for cname, want in full_shapes.items():
+            _check_shape(cname, handles[cname].get_slice(cname).get_shape(), want)
         plans = [
             _expert_plan(model, spec, moe_idx, experts.get(moe_idx, _LayerExperts()), handles)
             for moe_idx in range(spec.num_moe_layers)
         ]
 
+        def read(cname: str, cut: Shard | None) -> Tensor:
+            if cut is None:
+                return handles[cname].get_tensor(cname)
+            return cut.read(handles[cname].get_slice(cname), full_shapes[cname])
+
         with torch.no_grad():
             for pname, cname in targets.items():
-                params[pname].copy_(handles[cname].get_tensor(cname))
+                params[pname].copy_(read(cname, cut_of.get(pname)))
             for sname, cname in shard_targets.items():
-                pname, offset, rows = shard_of[sname]
-                params[pname][offset : offset + rows].copy_(handles[cname].get_tensor(cname))
+                pname, offset, rows, cut = shard_of[sname]
+                params[pname][offset : offset + rows].copy_(read(cname, cut))
             for moe_idx, read_expert in enumerate(plans):
                 for e in range(spec.num_experts):
                     expert_sink(moe_idx, e, *read_expert(e))
 
 
-def _merged_shards(model: MoECausalLM) -> dict[str, tuple[str, int, int]]:
-    """For every MergedLinear: `<parent>.<shard>.weight|bias` -> (`<module>.weight|bias`, row offset, rows)."""
-    out: dict[str, tuple[str, int, int]] = {}
+def _merged_shards(model: MoECausalLM) -> dict[str, tuple[str, int, int, Shard | None]]:
+    """For every MergedLinear: `<parent>.<shard>.weight|bias` -> (`<module>.weight|bias`, row offset, rows, the
+    rows of the checkpoint's tensor this rank holds)."""
+    out: dict[str, tuple[str, int, int, Shard | None]] = {}
     for mname, module in model.named_modules():
         if not isinstance(module, MergedLinear):
             continue
@@ -159,7 +175,7 @@ def _merged_shards(model: MoECausalLM) -> dict[str, tuple[str, int, int]]:
         for shard, (offset, rows) in module.shards.items():
             for suffix in ("weight", "bias") if module.bias is not None else ("weight",):
                 key = f"{parent}.{shard}.{suffix}" if parent else f"{shard}.{suffix}"
-                out[key] = (f"{mname}.{suffix}", offset, rows)
+                out[key] = (f"{mname}.{suffix}", offset, rows, module.cuts[shard])
     return out
 
 
@@ -171,8 +187,12 @@ def _check_shape(name: str, got: Sequence[int], want: tuple[int, ...]) -> None:
 def _expert_plan(
     model: MoECausalLM, spec: ModelSpec, moe_idx: int, layer: _LayerExperts, handles: dict[str, Any]
 ) -> Callable[[int], tuple[Tensor, Tensor, Tensor]]:
-    """Validate one MoE layer's expert tensors; return a reader of (w1, w3, w2) by expert id."""
+    """Validate one MoE layer's expert tensors; return a reader of (w1, w3, w2) by expert id: this rank's slice
+    along f under tensor parallelism."""
     E, f, d = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    tp = model.tp
+    fl = tp.part(f, "moe_intermediate_size")
+    lo, hi = tp.rank * fl, (tp.rank + 1) * fl  # this rank's rows of W1 / W3, columns of W2
     layer_id = spec.moe_layer_ids[moe_idx]
     if layer.per_expert and layer.fused:
         raise CheckpointError(
@@ -187,6 +207,9 @@ def _expert_plan(
         gate_up, down = layer.fused["gate_up_proj"], layer.fused["down_proj"]
 
         def read_fused(e: int) -> tuple[Tensor, Tensor, Tensor]:
+            if tp.size > 1:
+                w13, w2 = handles[gate_up].get_slice(gate_up), handles[down].get_slice(down)
+                return w13[e, lo:hi], w13[e, f + lo : f + hi], w2[e, :, lo:hi]  # [f/N, d], [f/N, d], [d, f/N]
             w13 = handles[gate_up].get_slice(gate_up)[e]  # [2f, d]
             return w13[:f], w13[f:], handles[down].get_slice(down)[e]  # [f, d], [f, d], [d, f]
 
@@ -207,6 +230,9 @@ def _expert_plan(
 
     def read_per_expert(e: int) -> tuple[Tensor, Tensor, Tensor]:
         w1, w3, w2 = (layer.per_expert[(e, slot)] for slot in range(3))
+        if tp.size > 1:
+            return (handles[w1].get_slice(w1)[lo:hi], handles[w3].get_slice(w3)[lo:hi],
+                    handles[w2].get_slice(w2)[:, lo:hi])
         return handles[w1].get_tensor(w1), handles[w3].get_tensor(w3), handles[w2].get_tensor(w2)
 
     return read_per_expert
@@ -237,6 +263,9 @@ def init_dummy_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) -> 
     `--load-format dummy`): N(0, std) everywhere, norm weights 1 (0 for zero-centred norms: also scale 1)."""
     generators: dict[torch.device, torch.Generator] = {}
     zero_centred = {f"{n}.weight" for n, m in model.named_modules() if getattr(m, "zero_centred", False)}
+    cuts = param_shards(model)
+    merged = {f"{n}.{s}": m for n, m in model.named_modules() if isinstance(m, MergedLinear)
+              for s in ("weight", "bias") if any(c is not None for c in m.cuts.values())}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -244,7 +273,16 @@ def init_dummy_weights(model: MoECausalLM, seed: int = 0, std: float = 0.02) -> 
                 continue
             if p.device not in generators:
                 generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-            p.normal_(0.0, std, generator=generators[p.device])
+            g = generators[p.device]
+            if name in cuts:  # a rank's slice: draw what the whole tensor would be, keep the slice
+                full = p.new_empty(cuts[name].full_shape(tuple(p.shape))).normal_(0.0, std, generator=g)
+                p.copy_(cuts[name].take(full))
+            elif name in merged:
+                m = merged[name]
+                rows = sum(m.full_rows(s) for s in m.shards)
+                p.copy_(m.local_of_full(p.new_empty(rows, *p.shape[1:]).normal_(0.0, std, generator=g)))
+            else:
+                p.normal_(0.0, std, generator=g)
 
 
 def init_dummy_expert_pages(

@@ -3,6 +3,11 @@
 Routed experts are not parameters of this module: their weights live in expert pages of the pool,
 which the ExpertProvider makes addressable and names in an expert table. The router (`gate`) and
 an optional shared expert are ordinary parameters.
+
+Tensor-parallel over N ranks: every rank routes the same tokens with the whole router (its hidden states are the
+same bits on every rank); each expert page holds the rank's f/N rows of W1 and W3 and columns of W2, so the fused
+MoE gives a partial sum that one all-reduce completes, after the shared expert's partial sum (row-parallel down
+projection) is added to it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.kernels.activation import sigmoid_mul_add
 from rimuru.kernels.fused_moe import fused_moe
 from rimuru.kernels.router import route_topk
@@ -51,11 +57,13 @@ class SparseMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         moe_idx: int,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.top_k = top_k
-        self.intermediate_size = intermediate_size
+        self.tp = tp
+        self.intermediate_size = tp.part(intermediate_size, "moe_intermediate_size")  # this rank's f
         self.renormalize = renormalize
         self.moe_idx = moe_idx  # ordinal among MoE layers: which expert table
         # a plain attribute, set by MoECausalLM.attach_experts: the provider's pages are not model state
@@ -88,7 +96,7 @@ class SparseMoE(nn.Module):
         """Top-k routing weights [T, k] fp32 and expert ids [T, k] int64 (one launch on CUDA)."""
         return route_topk(self.router_logits(x), self.router_bias, self.top_k, self.renormalize)
 
-    def forward(self, x: Tensor) -> Tensor:  # [T, d]
+    def routed(self, x: Tensor) -> Tensor:  # [T, d] -> [T, d], this rank's partial sum under tensor parallelism
         weights, ids = self.route(x)  # [T, k]
         provider = self.provider
         table = provider.table(self.moe_idx, ids)  # [E, 3] int32
@@ -98,6 +106,9 @@ class SparseMoE(nn.Module):
         # the host computes its experts while the device runs the kernel queued above, then adds them
         return out if host is None else host.join(out)
 
+    def forward(self, x: Tensor) -> Tensor:  # [T, d]
+        return self.tp.all_reduce(self.routed(x))
+
 
 class SharedExpertMoE(SparseMoE):
     """Routed experts plus one always-on shared expert scaled by a sigmoid gate (Qwen MoE family)."""
@@ -105,9 +116,10 @@ class SharedExpertMoE(SparseMoE):
     def __init__(self, shared_intermediate_size: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         hidden_size = self.gate.in_features
-        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, tp=self.tp, reduce=False)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:  # [T, d]
         gate_logit, shared = self.shared_expert_gate(x), self.shared_expert(x)  # [T, 1], [T, d]
-        return sigmoid_mul_add(gate_logit, shared, super().forward(x))  # routed + sigmoid(gate) * shared
+        # routed + sigmoid(gate) * shared: both partial sums under tensor parallelism, so one all-reduce of the two
+        return self.tp.all_reduce(sigmoid_mul_add(gate_logit, shared, self.routed(x)))

@@ -15,7 +15,7 @@ class Qwen2MoeForCausalLM(MoECausalLM):
         qkv_bias = bool(spec.hf_config.get("qkv_bias", True))  # older configs have no flag: bias on
         return Attention(
             spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, attn_idx,
-            qkv_bias=qkv_bias, o_bias=False,
+            qkv_bias=qkv_bias, o_bias=False, tp=self.tp,
         )
 
     def make_moe(self, spec: ModelSpec, moe_idx: int) -> nn.Module:

@@ -69,6 +69,10 @@ class Qwen3_5MoeForCausalLM(MoECausalLM):
     zero_centred_norms = True
 
     def make_layer(self, spec: ModelSpec, layer_id: int) -> DecoderLayer:
+        if self.tp.size > 1:
+            raise NotImplementedError(f"{spec.model_type}: tensor parallelism is not built for the hybrid layers yet "
+                                      "(gated DeltaNet's fused in_proj_qkv and the [q | gate] heads need cutting "
+                                      "section by section); run it with tensor_parallel_size=1")
         if spec.layer_types[layer_id] == FULL_ATTENTION:
             return super().make_layer(spec, layer_id)
         linear = GatedDeltaNet(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.model_spec import ModelSpec
 from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.expert_provider import ExpertProvider
@@ -33,19 +34,21 @@ def model_class(model_type: str) -> type[MoECausalLM]:
 
 
 def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, kv_cache: Tensor,
-                experts: ExpertProvider | None = None) -> MoECausalLM:
+                experts: ExpertProvider | None = None, tp: TensorParallel = SINGLE) -> MoECausalLM:
     """The model with UNINITIALISED non-expert weights on `device`; fill them with
     `load_checkpoint` or `init_dummy_weights`. Built on the meta device first, so nothing is
     initialised twice and full-size models appear on the GPU without a host copy. Routed experts are
-    attached with `experts` here or `MoECausalLM.attach_experts` later."""
-    return build_model_of_class(model_class(spec.model_type), spec, dtype, device, kv_cache, experts)
+    attached with `experts` here or `MoECausalLM.attach_experts` later. With `tp` of size N the model holds this
+    rank's shard of every weight (models/parallel_linear.py)."""
+    return build_model_of_class(model_class(spec.model_type), spec, dtype, device, kv_cache, experts, tp)
 
 
 def build_model_of_class(cls: type[MoECausalLM], spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
-                         kv_cache: Tensor, experts: ExpertProvider | None = None) -> MoECausalLM:
+                         kv_cache: Tensor, experts: ExpertProvider | None = None,
+                         tp: TensorParallel = SINGLE) -> MoECausalLM:
     """`build_model` for a given class, registered or not."""
     with torch.device("meta"):
-        model = cls(spec, kv_cache)
+        model = cls(spec, kv_cache, tp)
     # dtype first, still on meta: materialising in float32 and casting after held a float32 copy of every
     # non-expert weight at once (2x their size: ~3.7 GB beyond the budget at the start for Qwen1.5-MoE)
     model = model.to(dtype).to_empty(device=device)

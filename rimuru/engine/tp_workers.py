@@ -1,0 +1,206 @@
+"""The ranks of a tensor-parallel engine: rank 0 is the engine's own process, ranks 1..N-1 are worker processes.
+
+Every rank builds the same engine from the same config (engine/llm_engine.py) with its own shard of the weights, its
+own pool of the same page count and its own slice of the host expert store, so that page ids mean the same bytes
+of every rank's slice. One decision, applied everywhere: only rank 0 schedules, adjusts and samples; per forward
+pass it sends a `PassPlan` and every rank runs the same pass, meeting in the collectives of the sharded layers:
+
+    rank 0                                              rank r > 0 (`_worker_main`)
+    schedule, plan (evictions, grows: its allocator)
+    PassPlan(batch arrays, expert tables) --broadcast-->  receive; new table rows: copy this rank's slice of the
+                                                          expert from its host store into the named pages
+    forward + LM head  <------- all-reduce / all-gather ------->  forward + LM head
+    sample, stream outputs                              (logits dropped)
+    ...
+    shutdown: None --broadcast-->                         exit
+
+Workers never allocate: their allocators stay as start-up left them, the ids all come from rank 0. The batch
+arrays already hold the input tokens (no async scheduling under tensor parallelism).
+
+Failure: a worker that raises reports its traceback on a queue and exits; one that dies closes its sockets. Either
+way the collective rank 0 is in fails within about a second (gloo), and the engine raises one `WorkerFailed`
+naming the rank and its error; every later step raises it again; `stop` ends the workers that are left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from rimuru.config import EngineConfig
+from rimuru.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, free_port, init_tensor_parallel
+
+if TYPE_CHECKING:
+    from rimuru.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("rimuru")
+
+# How long rank 0 waits, after a collective failed, for the failed worker's report to arrive.
+REPORT_WAIT_S = 3.0
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker died or raised: the engine cannot run another pass."""
+
+
+@dataclass
+class PassPlan:
+    """One forward pass, as rank 0 sends it to every rank."""
+
+    arrays: list[np.ndarray]  # HostBatch.fields(), in order
+    max_query_len: int
+    sample: bool  # the pass computes logits (every rank joins the LM head's all-gather)
+    expert_tables: np.ndarray | None = None  # [L_moe, E, 3] int32: the tables the pass reads (elastic mode)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: the r-th visible GPU (CUDA_VISIBLE_DEVICES decides which they are), or the CPU."""
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA GPU is available")
+    if torch.cuda.device_count() < config.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs as many GPUs; "
+                         f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)")
+    return torch.device("cuda", rank)
+
+
+class TensorParallelWorkers:
+    """Rank 0's handle on ranks 1..N-1: starts them, sends them each pass, notices when one is gone."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.tensor_parallel_size
+        self.device = rank_device(config, 0)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self._errors: Any = ctx.Queue()
+        self.failure: WorkerFailed | None = None
+        self.procs = [ctx.Process(target=_worker_main, args=(rank, config, port, self._errors), daemon=True,
+                                  name=f"rimuru-tp-rank{rank}") for rank in range(1, size)]
+        for p in self.procs:
+            p.start()
+        try:
+            self.tp = init_tensor_parallel(0, size, port, self.device)
+        except BaseException:
+            self.kill()
+            raise
+        logger.info("tensor parallelism: %d ranks (%s), workers %s", size, self.device.type,
+                    ", ".join(str(p.pid) for p in self.procs))
+
+    def send(self, plan: PassPlan | None) -> None:
+        self.check()
+        self.tp.broadcast_object(plan)
+
+    def check(self) -> None:
+        """Raises the failure already seen, or that of a worker found dead now."""
+        if self.failure is None and any(p.exitcode is not None for p in self.procs):
+            self.failure = self._failure(None)
+        if self.failure is not None:
+            raise self.failure
+
+    def failed(self, error: BaseException) -> WorkerFailed:
+        """The one error the engine raises for `error`, raised by a collective or a send of rank 0."""
+        if self.failure is None:
+            self.failure = self._failure(error)
+        return self.failure
+
+    def _failure(self, error: BaseException | None) -> WorkerFailed:
+        reports: list[tuple[int, str]] = []
+        try:
+            reports.append(self._errors.get(timeout=REPORT_WAIT_S))
+            while True:
+                reports.append(self._errors.get_nowait())
+        except queue.Empty:
+            pass
+        for p in self.procs:
+            p.join(timeout=0.5)
+        dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
+        lines = [f"rank {r} raised:\n{tb.rstrip()}" for r, tb in reports] + dead
+        if not lines:
+            lines = [f"a collective failed with every worker alive: {error}"]
+        self.kill()
+        return WorkerFailed("a tensor-parallel worker failed; the engine cannot run another pass:\n"
+                            + "\n".join(lines))
+
+    def stop(self) -> None:
+        """Tells the workers to exit and waits for them; kills those that do not."""
+        if self.failure is None and all(p.exitcode is None for p in self.procs):
+            try:
+                self.tp.broadcast_object(None)
+            except RuntimeError:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+        self.kill()
+        destroy_tensor_parallel(self.tp)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=5)
+
+
+def follow(engine: LLMEngine, plan: PassPlan) -> None:
+    """Runs rank 0's pass on this rank: its expert tables first, then the forward pass and the LM head."""
+    if plan.expert_tables is not None:
+        apply_expert_tables(engine, plan.expert_tables)
+    engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample)
+
+
+def apply_expert_tables(engine: LLMEngine, tables: np.ndarray) -> None:
+    """Rank 0's expert tables become this rank's: an expert that entered pages (a grow) gets its slice copied from
+    this rank's host store into them first. Pages a row names stop being read only when rank 0's tables stop naming
+    them, so this rank's copy lands before any pass reads it and after the last pass that read the pages before."""
+    cache = engine.runtime.cache
+    new = torch.from_numpy(tables)
+    changed = ((new != cache.host_tables).any(-1) & (new[..., 0] >= 0)).nonzero().tolist()
+    store = getattr(engine.runtime, "store", None)
+    for layer, expert in changed:
+        if store is None:
+            raise RuntimeError(f"rank 0 moved expert {expert} of MoE layer {layer} but this rank keeps no host store")
+        src = store.expert(layer, expert)  # [3, f/N * d]
+        for j, page in enumerate(new[layer, expert].tolist()):
+            cache.expert_view[page].copy_(src[j])
+    cache.host_tables.copy_(new)
+    cache.tables.copy_(new.to(cache.tables.device))
+
+
+def _worker_main(rank: int, config: EngineConfig, port: int, errors: Any) -> None:
+    """A worker's life: join the group, build this rank's engine, follow rank 0's passes until told to stop."""
+    from rimuru.engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(1)  # tiny per-rank work on shared cores; a GPU rank does its work on the device
+    tp: TensorParallel | None = None
+    try:
+        device = rank_device(config, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        tp = init_tensor_parallel(rank, config.tensor_parallel_size, port, device)
+        engine = LLMEngine(config, tp=tp)
+        while True:
+            plan = tp.broadcast_object()
+            if plan is None:
+                break
+            follow(engine, plan)
+    except BaseException:  # noqa: BLE001 - every failure goes to rank 0, then the process ends
+        errors.put((rank, traceback.format_exc()))
+        errors.close()
+        errors.join_thread()
+        os._exit(1)
+    engine.shutdown()
+    if tp is not None:
+        destroy_tensor_parallel(tp)
+    # no interpreter teardown: the communication library's threads would be torn down under it (and say so on stderr)
+    os._exit(0)
