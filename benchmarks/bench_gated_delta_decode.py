@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     metadata,
     print_header,
     rotation_sets,
+    table_cell,
     time_op,
     timing_fields,
     write_json,
@@ -154,8 +155,7 @@ HEADER = (f"{'B':>4} {'state MB':>9} {'kernels us':>10} {'GB/s':>7} {'%HBM':>5} 
 
 def format_row(r: dict[str, Any]) -> str:
     def cell(key: str, fmt: str, width: int) -> str:
-        v = r.get(key)
-        return f"{'-':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+        return table_cell(r, key, fmt, width)
 
     return (f"{r['B']:>4} {r['state_mb']:>9.1f} {cell('kernels_us', '.1f', 10)} {cell('gbps', '.0f', 7)} "
             f"{cell('pct_hbm', '.1f', 5)} {cell('kernels_eager_us', '.1f', 9)} {cell('paged_us', '.1f', 9)} "

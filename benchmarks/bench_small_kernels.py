@@ -34,6 +34,7 @@ from benchmarks.common import (  # noqa: E402
     metadata,
     print_header,
     rotation_sets,
+    table_cell,
     time_op,
     write_json,
     write_markdown,
@@ -181,8 +182,7 @@ TABLE_HEADER = (f"{'op':20} {'T':>5} {'torch us':>9} {'fused us':>9} {'x':>6} {'
 
 def format_row(r: dict[str, Any]) -> str:
     def cell(key: str, fmt: str, width: int) -> str:
-        v = r.get(key)
-        return f"{'-':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+        return table_cell(r, key, fmt, width)
 
     kernels = f"{r.get('torch_kernels')}->{r.get('fused_kernels')}"
     return (f"{r['op']:20} {r['T']:>5} {cell('torch_us', '.2f', 9)} {cell('fused_us', '.2f', 9)} "

@@ -225,3 +225,9 @@ __all__ = [
     "write_json",
     "write_markdown",
 ]
+
+
+def table_cell(row: dict[str, Any], key: str, fmt: str, width: int) -> str:
+    """`row[key]` formatted with `fmt` right-aligned in `width` columns, or '-' where it is None or missing."""
+    v = row.get(key)
+    return f"{'-':>{width}}" if v is None else f"{v:>{width}{fmt}}"
