@@ -7,7 +7,9 @@ dummy model (its hidden size, 128 experts, top-8; fewer layers and a small vocab
 `dummy_routing="zipf:S"` on a batch of decoding requests, greedy (the serving client's temperature 0) and sampled
 (temperature 1), and per decode pass counts how many of each layer's `--coldest` least popular experts (by the
 promised shares, the ones elastic mode offloads first) were routed, next to the formula with the promised shares
-and with the shares the run realised. Also: the distinct tokens a decode batch holds.
+and with the shares the run realised; and how often the `--coldest` experts
+that the prefill passes' counts rank lowest (as the engine's online popularity ranks them) are routed in decode.
+Also: the distinct tokens a decode batch holds.
 
     PYTHONPATH=. .venv/bin/python benchmarks/direct_read_union.py \
         --output-json benchmarks/results/2026-12-01-direct-read-union-qwen3-shape-cpu.json
