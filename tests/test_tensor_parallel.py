@@ -23,7 +23,15 @@ from rimuru.memory.geometry import PageGeometry
 from rimuru.model_spec import load_model_spec
 from rimuru.models.layers import MergedLinear
 from rimuru.models.loader import init_dummy_weights
-from rimuru.models.parallel_linear import Shard, kv_head_shard, param_shards, rank_shard
+from rimuru.models.parallel_linear import (
+    PaddedShard,
+    Shard,
+    VocabParallelEmbedding,
+    kv_head_shard,
+    param_shards,
+    rank_shard,
+    vocab_shard,
+)
 from rimuru.models.registry import build_model
 from rimuru.testing.reference import assert_greedy_matches, random_prompts, run_greedy
 from rimuru.testing.tiny_models import ARCHS
@@ -46,6 +54,56 @@ def test_a_shard_is_its_chunk_of_the_full_tensor() -> None:
     assert torch.equal(Shard(1, 3, 0).take(full), full[:, :2])
     assert Shard(1, 3, 0).full_shape((4, 2)) == (4, 6)
     assert rank_shard(SINGLE, 0) is None
+
+
+def test_a_padded_shard_ends_in_zero_rows() -> None:
+    full = torch.arange(10.0).view(5, 2)  # V = 5 rows on 2 ranks: 3 each, the last rank's third row padding
+    first, last = (PaddedShard(0, 2, r, size=5) for r in range(2))
+    assert torch.equal(first.take(full), full[:3])
+    assert torch.equal(last.take(full), torch.cat([full[3:], torch.zeros(1, 2)]))
+    assert last.full_shape((3, 2)) == (5, 2) and last.per_rank == 3
+    assert vocab_shard(SINGLE, 5) is None
+
+
+def test_a_ranks_embedding_is_its_vocabulary_rows(parity_checkpoints: dict[str, Path]) -> None:
+    """Rank 1 of 2 holds rows [V/2, V) of the embedding (the tied head's rows too), and before the all-reduce a token
+    of rank 0's half looks up zeros; the two ranks' lookups sum to the full embedding's."""
+    spec = load_model_spec(str(parity_checkpoints["qwen3_moe"]))  # tied embeddings
+    kv = torch.empty(0)
+    one = build_model(spec, torch.float32, "cpu", kv)
+    init_dummy_weights(one, seed=3)
+    ranks = [build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=r, size=2)) for r in range(2)]
+    for rank in ranks:
+        init_dummy_weights(rank, seed=3)
+    V, half = spec.vocab_size, spec.vocab_size // 2
+    full = one.model.embed_tokens.weight
+    emb = ranks[1].model.embed_tokens
+    assert isinstance(emb, VocabParallelEmbedding) and ranks[1].lm_head is None
+    assert torch.equal(emb.weight, full[half:]) and emb.vocab_start == half
+    ids = torch.tensor([0, half - 1, half, V - 1])
+    local = emb.local_lookup(ids)
+    assert torch.equal(local[:2], torch.zeros(2, spec.hidden_size))
+    assert torch.equal(local[2:], full[[half, V - 1]])
+    summed = ranks[0].model.embed_tokens.local_lookup(ids) + local
+    assert torch.equal(summed, one.model.embed_tokens(ids))
+
+
+def test_an_odd_vocabulary_is_padded_to_the_ranks(tiny_checkpoint) -> None:
+    """V = 301 on 2 ranks: 151 rows each, rank 1's last one zeros; the loader reads each rank's rows of the
+    embedding and of an untied LM head."""
+    from rimuru.models.loader import load_checkpoint
+
+    path = tiny_checkpoint("qwen2_moe", vocab_size=301)
+    spec = load_model_spec(str(path))
+    kv = torch.empty(0)
+    one = build_model(spec, torch.float32, "cpu", kv)
+    load_checkpoint(one, spec, path, lambda *a: None)
+    rank = build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=1, size=2))
+    load_checkpoint(rank, spec, path, lambda *a: None)
+    for got, want in ((rank.model.embed_tokens.weight, one.model.embed_tokens.weight),
+                      (rank.lm_head.weight, one.lm_head.weight)):
+        assert got.shape[0] == 151
+        assert torch.equal(got[:150], want[151:]) and torch.equal(got[150], torch.zeros(spec.hidden_size))
 
 
 def test_kv_heads_are_split_or_replicated() -> None:
@@ -74,9 +132,6 @@ def test_unsupported_combinations_are_refused_by_name(tiny_checkpoint) -> None:
         EngineConfig(model="unused", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="offload_access='copy' is not supported with tensor_parallel_size > 1"):
         EngineConfig(model="unused", tensor_parallel_size=2, offload_mode="fixed", offload_access="copy")
-    # refused before any worker starts
-    with pytest.raises(ValueError, match="not supported for qwen3_5_moe_text"):
-        LLM(str(tiny_checkpoint("qwen3_5_moe_text")), device="cpu", tensor_parallel_size=2)
 
 
 def test_dummy_weights_of_a_rank_are_its_slice_of_one_ranks(parity_checkpoints: dict[str, Path]) -> None:
@@ -99,6 +154,43 @@ def test_dummy_weights_of_a_rank_are_its_slice_of_one_ranks(parity_checkpoints: 
             want = merged[name].local_of_full(want)
         assert torch.equal(p, want), name
     assert rank.model.layers[0].self_attn.num_heads == 2 and rank.lm_head.weight.shape[0] == spec.vocab_size // 2
+
+
+def test_a_hybrid_ranks_weights_are_its_heads(tiny_checkpoint) -> None:
+    """Qwen3.5-MoE rank 1 of 2: gated DeltaNet's in_proj_qkv and conv channels hold the rank's q, k and v heads of
+    each section, z / b / a / A_log / dt_bias its value heads; the gated attention's q_proj its heads' [q | gate]
+    rows; the checkpoint's slices read by the loader equal the dummy weights' slices of the full tensors."""
+    from rimuru.models.loader import load_checkpoint
+
+    path = tiny_checkpoint("qwen3_5_moe_text", seed=3)
+    spec = load_model_spec(str(path))
+    kv = torch.empty(0)
+    one = build_model(spec, torch.float32, "cpu", kv)
+    load_checkpoint(one, spec, path, lambda *a: None)
+    rank = build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=1, size=2))
+    load_checkpoint(rank, spec, path, lambda *a: None)
+    full = dict(one.named_parameters())
+    cuts = param_shards(rank)
+    merged = {f"{n}.{s}": m for n, m in rank.named_modules() if isinstance(m, MergedLinear) for s in ("weight", "bias")}
+    for name, p in rank.named_parameters():
+        want = full[name]
+        if name in cuts:
+            want = cuts[name].take(want)
+        elif name in merged:
+            want = merged[name].local_of_full(want)
+        assert torch.equal(p, want), name
+    lin = spec.linear_layer_ids[0]
+    dn, dn1 = rank.model.layers[lin].linear_attn, one.model.layers[lin].linear_attn
+    kd, vd = dn1.key_dim, dn1.value_dim  # full widths: q and k [Hk*dk] each, v [Hv*dv]
+    w = dn1.in_proj_qkv.weight
+    want_qkv = torch.cat([w[kd // 2 : kd], w[kd + kd // 2 : 2 * kd], w[2 * kd + vd // 2 :]])
+    assert torch.equal(dn.in_proj_qkv.weight, want_qkv)
+    assert torch.equal(dn.A_log, dn1.A_log[dn1.num_v_heads // 2 :])
+    assert dn.state_shapes() == ((dn1.conv_dim // 2, 3), (dn1.num_v_heads // 2, dn1.head_k_dim, dn1.head_v_dim))
+    attn = spec.attention_layer_ids[0]
+    q1 = one.model.layers[attn].self_attn.qkv_proj.weight[: 2 * spec.num_attention_heads * spec.head_dim]
+    q = rank.model.layers[attn].self_attn.qkv_proj.weight[: q1.shape[0] // 2]
+    assert torch.equal(q, q1[q1.shape[0] // 2 :])  # heads 2 and 3, each [q | gate]
 
 
 # ---------------------------------------------------------------- two ranks
@@ -125,6 +217,27 @@ def test_two_ranks_serve_the_tokens_of_one_and_of_transformers(arch: str, parity
     """Static mode, every architecture (mixtral and olmoe checkpoints hold fused experts, the others per expert)."""
     path = parity_checkpoints[arch]
     want, got = serve_both(path, offload_mode="static")
+    assert got == want
+    assert_greedy_matches(path, prompts(), got, STEPS)
+
+
+@slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_an_odd_vocabulary_serves_the_tokens_of_one_rank(arch: str, tiny_checkpoint) -> None:
+    """V = 301 on two ranks (tied and untied heads): the padding row's logit never reaches the sampler."""
+    path = tiny_checkpoint(arch, vocab_size=301, seed=3)
+    want, got = serve_both(path)
+    assert got == want
+
+
+@slow
+@pytest.mark.parametrize("types", [None, ["full_attention", "linear_attention", "linear_attention"]],
+                         ids=["LLLF", "FLL"])
+def test_two_ranks_serve_a_hybrid_model_as_one(types: list[str] | None, tiny_checkpoint) -> None:
+    """Qwen3.5-MoE, static mode with chunked prefill: each rank's ssm and conv pages hold its DeltaNet heads."""
+    extra = {} if types is None else {"num_hidden_layers": len(types), "layer_types": types}
+    path = tiny_checkpoint("qwen3_5_moe_text", seed=3, **extra)
+    want, got = serve_both(path, offload_mode="static", max_num_batched_tokens=16)
     assert got == want
     assert_greedy_matches(path, prompts(), got, STEPS)
 

@@ -90,9 +90,6 @@ class LLMEngine:
         spec = self.spec = load_model_spec(config.model)
         self.workers: TensorParallelWorkers | None = None
         if tp is None and config.tensor_parallel_size > 1:
-            if spec.is_hybrid:
-                raise ValueError(f"tensor_parallel_size > 1 is not supported for {spec.model_type} yet (its hybrid "
-                                 "gated DeltaNet layers are not sharded); use tensor_parallel_size=1")
             self.workers = TensorParallelWorkers(config)
             tp = self.workers.tp
         self.tp = tp if tp is not None else SINGLE

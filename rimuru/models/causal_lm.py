@@ -32,7 +32,7 @@ from rimuru.models.expert_provider import ExpertProvider
 from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.layers import GatedMLP, RMSNorm
 from rimuru.models.moe import SparseMoE
-from rimuru.models.parallel_linear import ColumnParallelLinear
+from rimuru.models.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from rimuru.models.rotary import RotaryEmbedding, check_rope_config
 from rimuru.models.state_cache import LinearStateCache
 
@@ -74,10 +74,11 @@ class DecoderStack(nn.Module):
     """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, layers: list[DecoderLayer], eps: float, zero_centred: bool = False
+        self, vocab_size: int, hidden_size: int, layers: list[DecoderLayer], eps: float, zero_centred: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, tp=tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, eps, zero_centred=zero_centred)
 
@@ -97,22 +98,19 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self._check_supported(spec)
         self.spec = spec
-        # this rank's group: attention by heads, MLPs by columns/rows, experts by f, the LM head by vocabulary rows;
-        # the embedding and the norms are replicated
+        # this rank's group: attention by heads, MLPs by columns/rows, experts by f, the embedding and the LM head
+        # by vocabulary rows; the norms are replicated
         self.tp = tp
         self.kv_cache = kv_cache  # [n_pages, 2, block, Hkv, D]; a view of the pool, not model state
         # hybrid models: the pool's ssm and conv views (bind_state_cache); None for the others
         self.state_cache: LinearStateCache | None = None
         layers = [self.make_layer(spec, i) for i in range(spec.num_hidden_layers)]
         self.model = DecoderStack(spec.vocab_size, spec.hidden_size, layers, spec.rms_norm_eps,
-                                  zero_centred=self.zero_centred_norms)
+                                  zero_centred=self.zero_centred_norms, tp=tp)
         self.rotary = RotaryEmbedding.from_factor(spec.head_dim, spec.rope_theta, spec.partial_rotary_factor)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: ParallelLMHead | None = None  # None: tied, the embedding's weight is the head's
         if not spec.tie_word_embeddings:
-            self.lm_head = ColumnParallelLinear(spec.hidden_size, spec.vocab_size, bias=False, tp=tp,
-                                                what="vocab_size")
-        elif tp.size > 1:
-            tp.part(spec.vocab_size, "vocab_size")  # the tied head is cut from the embedding by vocabulary rows
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp=tp)
 
     # ------------------------------------------------------------------ architecture hooks
 
@@ -180,7 +178,7 @@ class MoECausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> Tensor:
         """Hidden states [T, d] after the final norm."""
-        h = self.model.embed_tokens(batch.input_ids)  # [T, d]
+        h = self.model.embed_tokens(batch.input_ids)  # [T, d]; tensor-parallel, the ranks' lookups all-reduced
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, D/2] each, shared by all layers
         residual: Tensor | None = None
         for layer in self.model.layers:
@@ -190,16 +188,13 @@ class MoECausalLM(nn.Module):
         return self.model.norm.add_norm(h, residual)[0]  # [T, d]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:  # [B', d]
-        """[B', V] fp32 logits; tensor-parallel, each rank computes its V/N vocabulary rows and every rank gets all
-        of them (an all-gather)."""
-        if self.lm_head is not None:
-            weight = self.lm_head.weight  # [V/N, d]
-        else:  # tied: this rank's rows of the replicated embedding
-            weight = self.model.embed_tokens.weight  # [V, d]
-            if self.tp.size > 1:
-                n = weight.shape[0] // self.tp.size
-                weight = weight[self.tp.rank * n : (self.tp.rank + 1) * n]
-        return self.tp.all_gather(F.linear(hidden, weight).float(), dim=-1)  # [B', V]
+        """[B', V] fp32 logits; tensor-parallel, each rank computes its Vp/N vocabulary rows (V padded to a multiple
+        of N) and every rank gets all of them (an all-gather), the padding rows' logits dropped."""
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens  # tied: the embedding's rows
+        logits = F.linear(hidden, head.weight).float()  # [B', Vp/N]: this rank's vocabulary rows
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[:, : self.spec.vocab_size]  # [B', V]: the padding rows dropped
 
     # ------------------------------------------------------------------ checks
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.kernels.paged_attention import paged_attention, write_kv
 from rimuru.models.attention import Attention
 from rimuru.models.forward_batch import ForwardBatch
@@ -24,13 +25,14 @@ from rimuru.models.rotary import rotate_qk
 class GatedAttention(Attention):
     def __init__(
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, attn_idx: int,
-        eps: float, bias: bool = False,
+        eps: float, bias: bool = False, tp: TensorParallel = SINGLE,
     ) -> None:  # fmt: skip
-        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, attn_idx, bias, bias)
-        # the q shard is twice as wide: each head's query and its output gate
-        self.qkv_proj = MergedLinear(hidden_size, {"q_proj": 2 * num_heads * head_dim,
-                                                   "k_proj": num_kv_heads * head_dim,
-                                                   "v_proj": num_kv_heads * head_dim}, bias=bias)
+        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, attn_idx, bias, bias, tp=tp)
+        # the q shard is twice as wide: each head's query and its output gate, adjacent rows, so a rank's 1/N of
+        # the rows is its heads' [q | gate] pairs; k and v are cut by KV heads as in Attention
+        H, Hkv = self.num_heads, self.num_kv_heads  # this rank's
+        self.qkv_proj = MergedLinear(hidden_size, {"q_proj": 2 * H * head_dim, "k_proj": Hkv * head_dim,
+                                                   "v_proj": Hkv * head_dim}, bias=bias, cuts=self.qkv_proj.cuts)
         self.q_norm = RMSNorm(head_dim, eps, zero_centred=True)
         self.k_norm = RMSNorm(head_dim, eps, zero_centred=True)
 

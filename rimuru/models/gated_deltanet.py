@@ -40,8 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.kernels.causal_conv1d_update import causal_conv1d_update
 from rimuru.kernels.gated_delta_decode import gated_delta_decode
+from rimuru.models.parallel_linear import RowParallelLinear, rank_shard, section_shard, set_shard
 
 
 class RMSNormGated(nn.Module):
@@ -178,11 +180,19 @@ class GatedDeltaNet(nn.Module):
         conv_kernel: int,
         eps: float,
         chunk_size: int = 64,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads={num_v_heads} is not a multiple of "
                              f"linear_num_key_heads={num_k_heads}")
+        # Tensor-parallel, rank r holds key heads [r Hk/N, (r+1) Hk/N) and the value heads that read them,
+        # [r Hv/N, (r+1) Hv/N): every size below is this rank's, the state pages hold its heads only
+        # (PageGeometry.ssm_shape, conv_shape), and out_proj sums the ranks' parts.
+        sections = (num_k_heads * head_k_dim, num_k_heads * head_k_dim, num_v_heads * head_v_dim)  # q, k, v
+        qkv_cut = section_shard(tp, 0, sections, "linear attention q/k/v heads")
+        num_k_heads = tp.part(num_k_heads, "linear_num_key_heads")
+        num_v_heads = tp.part(num_v_heads, "linear_num_value_heads")
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -197,8 +207,14 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = RMSNormGated(head_v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.norm = RMSNormGated(head_v_dim, eps)  # per head, over dv: replicated, no reduce
+        self.out_proj = RowParallelLinear(self.value_dim, hidden_size, bias=False, tp=tp)
+        set_shard(self.in_proj_qkv, "weight", qkv_cut)
+        set_shard(self.conv1d, "weight", qkv_cut)  # the conv's channels are in_proj_qkv's outputs
+        heads = rank_shard(tp, 0)
+        for module, name in ((self.in_proj_z, "weight"), (self.in_proj_b, "weight"), (self.in_proj_a, "weight"),
+                             (self, "dt_bias"), (self, "A_log")):
+            set_shard(module, name, heads)
 
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """Per-request (conv state [conv_dim, K-1] in the model dtype, recurrent state [Hv, dk, dv] fp32)."""

@@ -69,15 +69,11 @@ class Qwen3_5MoeForCausalLM(MoECausalLM):
     zero_centred_norms = True
 
     def make_layer(self, spec: ModelSpec, layer_id: int) -> DecoderLayer:
-        if self.tp.size > 1:
-            raise NotImplementedError(f"{spec.model_type}: tensor parallelism is not built for the hybrid layers yet "
-                                      "(gated DeltaNet's fused in_proj_qkv and the [q | gate] heads need cutting "
-                                      "section by section); run it with tensor_parallel_size=1")
         if spec.layer_types[layer_id] == FULL_ATTENTION:
             return super().make_layer(spec, layer_id)
         linear = GatedDeltaNet(
             spec.hidden_size, spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim,
-            spec.linear_value_head_dim, spec.linear_conv_kernel_dim, spec.rms_norm_eps,
+            spec.linear_value_head_dim, spec.linear_conv_kernel_dim, spec.rms_norm_eps, tp=self.tp,
         )
         return LinearAttentionDecoderLayer(linear, spec.linear_layer_ids.index(layer_id),
                                            self.make_channel_mixer(spec, layer_id), spec.hidden_size,
@@ -85,7 +81,7 @@ class Qwen3_5MoeForCausalLM(MoECausalLM):
 
     def make_attention(self, spec: ModelSpec, attn_idx: int) -> Attention:
         return GatedAttention(spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
-                              attn_idx, eps=spec.rms_norm_eps, bias=spec.attention_bias)
+                              attn_idx, eps=spec.rms_norm_eps, bias=spec.attention_bias, tp=self.tp)
 
     def make_moe(self, spec: ModelSpec, moe_idx: int) -> nn.Module:
         return SharedExpertMoE(shared_intermediate_size=spec.shared_expert_intermediate_size,
