@@ -18,6 +18,7 @@ import torch
 
 from rimuru import LLM, SamplingParams
 from rimuru.engine.llm_engine import LLMEngine
+from rimuru.engine.request import Request
 from rimuru.experts.direct_runtime import DirectRuntime
 from rimuru.experts.residency import EXPERT
 from rimuru.memory.geometry import CONV, SSM
@@ -48,10 +49,21 @@ def greedy(llm: LLM, prompts: list[list[int]], steps: int = STEPS) -> list[list[
 
 
 def assert_nothing_held(engine: LLMEngine) -> None:
-    """No request holds a page: KV, ssm and conv pages all back; only experts (and load buffers) remain."""
+    """No request holds a page: KV, ssm and conv pages are the prefix cache's alone (its cached KV blocks and state
+    snapshots), and after a reset all back; only experts (and load buffers) remain."""
     alloc = engine.pool.allocator
     alloc.check_invariants()
     assert alloc.pending_deferred == 0
+    assert engine.state is not None and engine.state.num_holders == 0
+    engine.kv.check()
+    engine.state.check()
+    assert engine.kv.pages_in_use == 0
+    assert alloc.num_used("kv") == engine.kv.num_cached_pages
+    assert alloc.num_used(SSM) + alloc.num_used(CONV) == engine.state.num_cached_pages
+    snaps = engine.state.snapshots
+    assert snaps is None or snaps.num_unreferenced == snaps.num_snapshots  # no request holds one
+    engine.reset_prefix_cache()
+    alloc.check_invariants()
     assert alloc.num_used("kv") == 0 and engine.kv.pages_in_use == 0
     assert alloc.num_used(SSM) == 0 and alloc.num_used(CONV) == 0
     assert engine.state is not None and engine.state.num_holders == 0
@@ -79,7 +91,7 @@ def tight_budget(ckpt: Path, requests: int, load_buffer_experts: int = 0, **args
 def test_static_chunked_prefill_matches_transformers(ckpt: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="rimuru"):
         llm = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu", max_num_batched_tokens=CHUNK)
-    assert "prefix caching is off" in caplog.text and llm.engine.kv.cache is None
+    assert llm.engine.kv.cache is not None and llm.engine.state is not None and llm.engine.state.snapshots is not None
     prompts = random_prompts((5, 17, 40, 70, 1), seed=21)  # one page, past a page, chunked, past a delta chunk
     got = greedy(llm, prompts)
     assert_greedy_matches(ckpt, prompts, got, STEPS)
@@ -205,3 +217,157 @@ def test_the_workspace_profiles_largest_step_runs_a_hybrid_model(ckpt: Path) -> 
     with torch.inference_mode():
         hidden = model(batch)
     assert hidden.shape == (48, spec.hidden_size) and bool(torch.isfinite(hidden).all())
+
+
+# ---------------------------------------------------------------------------------------------- prefix caching
+def shared_prefix_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    common = torch.randint(3, 300, (40,), generator=g).tolist()
+    exact = torch.randint(3, 300, (32,), generator=g).tolist()
+    return [common + torch.randint(3, 300, (k,), generator=g).tolist() for k in (3, 9, 25)] + [exact, exact,
+                                                                                               common[:20]]
+
+
+def one_by_one(llm: LLM, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
+    return [greedy(llm, [p], steps)[0] for p in prompts]
+
+
+class Counted:
+    """Prompt tokens the scheduler gave each request to compute (by prompt length), and every step's state copies."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.tokens: dict[int, int] = {}
+        self.copies: list[tuple[list[int], list[int], list[int], list[int]]] = []
+        self.first: dict[int, tuple[list[list[int]], list[int]]] = {}  # KV pages and ssm pages when first scheduled
+        sched = engine.scheduler
+        schedule = sched.schedule
+
+        def counted():  # noqa: ANN202
+            out = schedule()
+            for s in out.scheduled:
+                n = len(s.request.prompt_token_ids)
+                self.tokens[n] = self.tokens.get(n, 0) + max(0, min(s.start + s.num_new_tokens, n) - s.start)
+                self.first.setdefault(n, ([list(b) for b in s.request.kv_pages], list(s.request.ssm_pages)))
+            self.copies += out.state_copies
+            return out
+
+        sched.schedule = counted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefix_caching_keeps_the_tokens_and_hits_at_snapshotted_boundaries(ckpt: Path,
+                                                                             async_scheduling: bool) -> None:
+    args = {"gpu_memory_budget": "64MiB", "device": "cpu", "async_scheduling": async_scheduling}
+    off = LLM(str(ckpt), enable_prefix_caching=False, **args)
+    assert off.engine.state is not None and off.engine.state.snapshots is None
+    on = LLM(str(ckpt), **args)
+    ps = shared_prefix_prompts()  # lengths 43, 49, 65, 32, 32, 20: snapshot boundaries 32, 48, 64, 16, 16, 16
+    want = one_by_one(off, ps)
+    assert off.stats()["prefix_cache_hits"] == 0
+    assert_greedy_matches(ckpt, ps, want, STEPS)
+    counted = Counted(on.engine)
+    assert one_by_one(on, ps) == want
+    st = on.stats()
+    # the 2nd and 3rd prompts start at the 1st one's snapshot (32), the repeated one at its twin's (16: a hit
+    # leaves a token to compute); the common prefix's first 20 tokens reach no snapshotted boundary
+    assert st["prefix_cache_hits"] == 32 + 32 + 16
+    assert counted.tokens == {43: 43, 49: 49 - 32, 65: 65 - 32, 32: 32 + 16, 20: 20}
+    snaps = on.engine.state.snapshots
+    assert snaps is not None and snaps.num_snapshots == 5  # at 16, 32, 48 and 64 of the common prefix, 16 of exact
+    assert st["state_pages_cached"] == 5 * 2 * len(on.engine.spec.linear_layer_ids)
+    assert_nothing_held(on.engine)
+    # batched and chunked, sharing blocks and snapshots within a step
+    assert greedy(on, ps) == want
+    assert greedy(LLM(str(ckpt), max_num_batched_tokens=7, **args), ps) == want
+    assert_nothing_held(on.engine)
+
+
+def test_a_hit_takes_the_cached_blocks_and_a_copy_of_the_snapshot(ckpt: Path) -> None:
+    llm = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu")
+    eng = llm.engine
+    assert eng.state is not None and eng.state.snapshots is not None
+    a, other = random_prompts((40, 30), seed=24)
+    b = a[:32] + other[:10]  # shares a's first two blocks: a's snapshot boundary (32) is b's too
+    c = a[:20] + other[10:30]  # shares one block, short of any snapshotted boundary
+    counted = Counted(eng)
+    want = one_by_one(LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu", enable_prefix_caching=False),
+                      [a, b, c])
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": a}, params)[0]
+    assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == want[0]
+    assert counted.tokens[40] == 40
+    probe = Request("probe", 10**6, None, b, params, STEPS, None)
+    name = eng.kv.block_hashes(probe, 2)[-1]
+    snap = eng.state.snapshots.get(name)
+    assert snap is not None and snap.refs == 0 and snap.num_tokens == 32 and eng.state.snapshots.num_snapshots == 1
+    assert counted.copies == [(counted.first[40][1], snap.ssm_pages, counted.copies[0][2], snap.conv_pages)]
+    blocks = eng.kv.lookup(probe).blocks
+    assert len(blocks) == 2  # a's full blocks 0 and 1 (block 2 was partial)
+    second = llm.generate({"prompt_token_ids": b}, params)[0]
+    assert second.num_cached_tokens == 32 and second.outputs[0].token_ids == want[1]
+    assert counted.tokens[42] == 10
+    kv_b, ssm_b = counted.first[42]
+    assert kv_b[:2] == [list(blk.pages) for blk in blocks]  # the cached pages themselves
+    assert set(ssm_b).isdisjoint(snap.ssm_pages)  # own state pages: a copy, never shared
+    assert counted.copies[1] == (snap.ssm_pages, ssm_b, snap.conv_pages, counted.copies[1][3])
+    assert snap.refs == 0 and eng.state.snapshots.num_snapshots == 1  # b's boundary is a's: no second snapshot
+    third = llm.generate({"prompt_token_ids": c}, params)[0]
+    assert third.num_cached_tokens == 0 and counted.tokens[40] == 2 * 40 and third.outputs[0].token_ids == want[2]
+    assert eng.state.snapshots.num_snapshots == 2
+    assert_nothing_held(eng)
+    assert eng.state.snapshots.num_snapshots == 0 and eng.kv.num_cached_pages == 0
+
+
+@pytest.mark.parametrize("mode", ["static", "elastic"])
+def test_snapshots_are_reclaimed_under_pressure_and_nothing_leaks(ckpt: Path, mode: str) -> None:
+    # Room for about three requests (one in elastic mode, which then evicts experts): every prompt leaves a snapshot
+    # (one request's state) and KV blocks behind, so later requests' state and KV reclaim them, least recently used
+    # first, and the tokens stay the same.
+    args: dict[str, object] = {"offload_mode": mode, "max_num_batched_tokens": CHUNK, "device": "cpu"}
+    if mode == "elastic":
+        args.update(adjuster="paper", expert_offload_limit=5, offload_access="direct")
+    budget = tight_budget(ckpt, requests=3 if mode == "static" else 1)
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, **args)
+    off = LLM(str(ckpt), gpu_memory_budget=budget, enable_prefix_caching=False, **args)
+    eng = llm.engine
+    assert eng.state is not None and eng.state.snapshots is not None
+    prompts = random_prompts((33, 40, 21, 50, 37, 45, 29, 60), seed=25)
+    prompts += [prompts[0][:32] + [7, 8, 9], prompts[-1]]  # at the oldest snapshot's boundary, and the newest's
+    want = one_by_one(off, prompts)
+    created = 0
+    create = eng.state.snapshots.create
+
+    def counting(*a: object) -> object:
+        nonlocal created
+        created += 1
+        return create(*a)  # type: ignore[arg-type]
+
+    eng.state.snapshots.create = counting  # type: ignore[method-assign]
+    # a shortfall (what experts are evicted for) leaves no snapshot unheld but the one the blocked request would
+    # start from
+    sched, schedule, shortfalls = eng.scheduler, eng.scheduler.schedule, []
+
+    def checked():  # noqa: ANN202
+        out = schedule()
+        if out.shortfall_pages:
+            shortfalls.append(out.shortfall_pages)
+            hit = sched._state_prefix(sched.waiting[0], sched.kv.lookup(sched.waiting[0]))[1] if sched.waiting else None
+            assert all(s is hit for s in eng.state.snapshots._lru.values())
+        return out
+
+    sched.schedule = checked  # type: ignore[method-assign]
+    assert one_by_one(llm, prompts) == want
+    snaps = eng.state.snapshots
+    assert created >= len(prompts) - 2 and snaps.num_snapshots < created  # some were reclaimed
+    outs = [llm.generate({"prompt_token_ids": p}, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+            for p in (prompts[-1], prompts[0][:32] + [7, 8, 9])]
+    assert outs[0].num_cached_tokens == 48
+    assert_nothing_held(eng)
+    # batched under the same pressure: preemption, shared prefixes, snapshots taken and reclaimed in one run
+    batch = prompts + [p[:40] + [11, 12] for p in prompts[:4]]
+    assert greedy(llm, batch) == greedy(off, batch)
+    # (the three-layer model's elastic pool is never short: its case checks the tokens and the leaks only)
+    assert shortfalls or mode == "elastic"
+    if shortfalls and mode == "elastic":
+        assert llm.stats()["expert_evictions"] > 0
+    assert_nothing_held(eng)

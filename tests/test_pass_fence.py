@@ -101,7 +101,8 @@ def test_copy_stream_writes_wait_for_every_pass_that_could_read_their_pages(tiny
     assert checked["grow"] == st["expert_grows"] and checked["attach"] >= 1, checked
     assert fence.passes_launched == engine.forward_steps
     if engine.state is not None:  # state pages went back while passes ran, and the copy stream reused bytes
-        assert engine.state.num_holders == 0 and alloc.num_used("ssm") == 0
+        # what is left is the prefix cache's state snapshots
+        assert engine.state.num_holders == 0 and alloc.num_used("ssm") == engine.state.num_cached_pages // 2
 
 
 @pytest.mark.gpu

@@ -111,3 +111,95 @@ def test_preemption_frees_the_state_and_readmission_takes_it_again() -> None:
     assert state.num_holders == 1 and sched.waiting[0] is b
     state.check()
     alloc.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------- prefix caching
+def _launch(out) -> None:  # noqa: ANN001
+    for s in out.scheduled:
+        s.request.num_computed_tokens = s.start + s.num_new_tokens
+
+
+def test_snapshot_at_the_prompts_last_boundary_and_a_hit_that_copies_it() -> None:
+    alloc = PageAllocator(GEO, num_huge_pages=8)
+    kv = KVCacheManager(alloc, 1, 4, enable_prefix_caching=True)
+    state = StateCacheManager(alloc, LIN, kv_page_bytes=16, enable_prefix_caching=True)
+    snaps = state.snapshots
+    assert snaps is not None and alloc.reclaimer is not None
+    kv.spill = snaps.drop_lru
+    sched = Scheduler(kv, 4, 64, state=state)
+    r0 = request(0, prompt=9)  # blocks of 4: the boundary is 8, the last one before the prompt's last token
+    sched.add(r0)
+    out = sched.schedule()
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(0, 8)] and out.state_copies == []
+    _launch(out)
+    out = sched.schedule()  # from the boundary: the state after 8 tokens is copied before this pass
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(8, 1)]
+    [snap] = r0.state_snapshots
+    assert out.state_copies == [(r0.ssm_pages, snap.ssm_pages, r0.conv_pages, snap.conv_pages)]
+    assert snap.num_tokens == 8 and snap.name == r0.block_hashes[1] and snap.refs == 1
+    _launch(out)
+    r0_blocks = [list(b) for b in r0.kv_pages[:2]]
+    sched.finish(r0, RequestStatus.FINISHED_LENGTH)
+    assert snap.refs == 0 and snaps.num_unreferenced == 1 and state.num_cached_pages == 2 * LIN
+    assert alloc.num_used(SSM) == alloc.num_used(CONV) == LIN
+    state.check()
+    kv.check()
+    # the same prompt: both blocks and the snapshot at 8 are cached; it starts at 8 from a copy in its own pages
+    r1 = request(1, prompt=9)
+    sched.add(r1)
+    out = sched.schedule()
+    assert [(s.start, s.num_new_tokens, s.num_cached_writes) for s in out.scheduled] == [(8, 1, 0)]
+    assert r1.num_cached_tokens == 8 and r1.kv_pages[:2] == r0_blocks and snap.refs == 1
+    assert set(r1.ssm_pages).isdisjoint(snap.ssm_pages) and set(r1.conv_pages).isdisjoint(snap.conv_pages)
+    assert out.state_copies == [(snap.ssm_pages, r1.ssm_pages, snap.conv_pages, r1.conv_pages)]
+    _launch(out)
+    sched.finish(r1, RequestStatus.FINISHED_LENGTH)
+    # a prompt sharing the first block only: short of the snapshot's boundary, no hit
+    r2 = request(2, prompt=9)
+    r2.prompt_token_ids = [5] * 4 + [6] * 5
+    sched.add(r2)
+    out = sched.schedule()
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(0, 8)] and r2.num_cached_tokens == 0
+    sched.finish(r2, RequestStatus.FINISHED_ABORTED)  # no snapshot taken: it never ran from its boundary
+    assert snaps.num_snapshots == 1
+    # a KV allocation that the free pages and the cached blocks cannot serve drops the snapshot before failing
+    cap = kv.capacity_pages()
+    big = request(9, prompt=4 * (cap + 1))
+    assert kv.allocate(big, 4 * (cap + 1))
+    assert snaps.num_snapshots == 0 and alloc.num_used(SSM) == alloc.num_used(CONV) == 0
+    kv.free(big)
+    state.check()
+    kv.check()
+    alloc.check_invariants()
+    cached = alloc.num_used("kv")  # big's blocks, cached when it was freed
+    assert cached > 0 and kv.reset_prefix_cache() == cached
+    assert alloc.num_used("kv") == 0 and alloc.num_free_huge == 8
+
+
+def test_state_allocations_reclaim_snapshots_lru_and_a_reset_frees_them() -> None:
+    alloc = PageAllocator(GEO, num_huge_pages=6)  # room for two requests' state pages and a little KV
+    kv = KVCacheManager(alloc, 1, 4, enable_prefix_caching=True)
+    state = StateCacheManager(alloc, LIN, kv_page_bytes=16, enable_prefix_caching=True)
+    snaps = state.snapshots
+    assert snaps is not None
+    made = []
+    for i in range(3):  # each leaves a snapshot: the third request's state and snapshot need the first's pages
+        r = request(i, prompt=6)
+        r.prompt_token_ids = [10 + i] * 6
+        assert state.allocate(r)
+        assert kv.allocate(r, 6)
+        name = kv.block_hashes(r, 1)[0]
+        assert state.take_snapshot(r, name, 4)
+        made.append(name)
+        assert len(state.take_copies()) == 1
+        kv.free(r)
+        state.free(r)
+        state.check()
+        alloc.check_invariants()
+    assert snaps.get(made[0]) is None and snaps.get(made[2]) is not None  # the oldest went first
+    left = snaps.num_snapshots
+    assert left in (1, 2) and state.num_cached_pages == 2 * LIN * left
+    assert state.reset_prefix_cache() == 2 * LIN * left
+    assert snaps.num_snapshots == 0 and alloc.num_used(SSM) == alloc.num_used(CONV) == 0
+    kv.reset_prefix_cache()
+    assert alloc.num_free_huge == 6

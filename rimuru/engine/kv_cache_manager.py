@@ -15,6 +15,7 @@ cannot give) and are reclaimed, least recently used first, by any allocation tha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,9 @@ class KVCacheManager:
                 raise ValueError("the allocator already has a reclaimer: one prefix cache per page pool")
             self.cache = PrefixCache(allocator, num_attention_layers)
             allocator.reclaimer = self.cache
+        # hybrid models' state snapshots (engine/state_cache_manager.py): drops the least recently used one no request
+        # holds, False when there is none; a KV allocation that cannot be served otherwise calls it before failing
+        self.spill: Callable[[], bool] | None = None
         # vLLM's prefix-cache counters, in tokens: prompt tokens looked up at admission, and those found cached
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -90,6 +94,18 @@ class KVCacheManager:
         covered = len(blocks) * self.block_size
         unref = sum(len(b.pages) for b in blocks if b.refs == 0)
         return CachedPrefix(blocks, min(covered, n - 1), unref, covered)
+
+    def trim(self, prefix: CachedPrefix, num_blocks: int) -> CachedPrefix:
+        """The first `num_blocks` blocks of a `lookup`'s prefix, all their tokens skipped (none is the last)."""
+        if num_blocks == 0:
+            return NO_PREFIX
+        blocks = prefix.blocks[:num_blocks]
+        covered = num_blocks * self.block_size
+        return CachedPrefix(blocks, covered, sum(len(b.pages) for b in blocks if b.refs == 0), covered)
+
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The names of the request's first `num_blocks` blocks (all full and known)."""
+        return self._block_hashes(request, num_blocks)
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The names of the request's first `num_blocks` blocks (all full and known), extending its hash chain."""
@@ -128,8 +144,9 @@ class KVCacheManager:
         first = request.num_cached_tokens is None  # its admission (a preempted request is admitted again)
         if prefix.blocks:
             assert self.cache is not None and not request.kv_pages and not request.num_computed_tokens
-            if self.pages_needed(request, num_new_tokens, prefix) > self.capacity_pages():
-                return False
+            while self.pages_needed(request, num_new_tokens, prefix) > self.capacity_pages():
+                if self.spill is None or not self.spill():
+                    return False
             # taken before the new pages: the allocator would otherwise reclaim them for those
             self.cache.acquire(prefix.blocks)
             self.pages_in_use += prefix.num_unreferenced_pages
@@ -139,6 +156,8 @@ class KVCacheManager:
         n = self.pages_needed(request, num_new_tokens)
         if n:
             pages = self.allocator.allocate_small(KV, n, owner=request.seq_id)
+            while pages is None and self.spill is not None and self.spill():
+                pages = self.allocator.allocate_small(KV, n, owner=request.seq_id)
             if pages is None:
                 assert not prefix.blocks, "capacity was checked with the prefix taken into account"
                 return False

@@ -141,15 +141,14 @@ class LLMEngine:
             torch.cuda.empty_cache()
         self.model = model
         prefix_caching = config.enable_prefix_caching
-        if spec.is_hybrid and prefix_caching:
-            logger.info("prefix caching is off for %s: a cached prefix would need every linear-attention layer's "
-                        "recurrent state at its end, which is not kept", spec.model_type)
-            prefix_caching = False
         self.kv = KVCacheManager(self.pool.allocator, num_attn, config.block_size,
                                  enable_prefix_caching=prefix_caching)
         self.state: StateCacheManager | None = None  # hybrid models: requests' ssm and conv pages
-        if spec.is_hybrid:
-            self.state = StateCacheManager(self.pool.allocator, len(spec.linear_layer_ids), geometry.size(KV))
+        if spec.is_hybrid:  # with prefix caching, also the state snapshots at cached prefixes' ends
+            self.state = StateCacheManager(self.pool.allocator, len(spec.linear_layer_ids), geometry.size(KV),
+                                           enable_prefix_caching=prefix_caching)
+            if self.state.snapshots is not None:
+                self.kv.spill = self.state.snapshots.drop_lru
         self._max_kv_pages = self.kv.capacity_pages() + self.runtime.evictable_kv_pages()
         # the longest context one request can hold: a hybrid model's request also holds its state pages
         one_request = self._max_kv_pages - (self.state.kv_pages if self.state is not None else 0)
@@ -504,8 +503,10 @@ class LLMEngine:
         return self.profiler.report() if self.profiler is not None else None
 
     def reset_prefix_cache(self) -> int:
-        """Frees every prefix-cache page no request holds (vLLM's reset_prefix_cache); returns how many."""
-        return self.kv.reset_prefix_cache()
+        """Frees every prefix-cache page no request holds (vLLM's reset_prefix_cache), a hybrid model's state
+        snapshots included; returns how many."""
+        state = self.state.reset_prefix_cache() if self.state is not None else 0
+        return self.kv.reset_prefix_cache() + state
 
     def stats(self) -> dict[str, Any]:
         st = self.pool.allocator.stats()
@@ -529,7 +530,9 @@ class LLMEngine:
             "expert_bytes_used": st.used_bytes.get(EXPERT, 0),  # resident experts and the load buffers
             # hybrid models: requests' ssm + conv pages (0 for the others); in pool_bytes' split beside kv and experts
             "state_pages_used": self.state.pages_in_use if self.state is not None else 0,
-            "state_bytes_used": self.state.bytes_in_use if self.state is not None else 0,
+            "state_bytes_used": self.state.bytes_in_use if self.state is not None else 0,  # snapshots included
+            # hybrid models with prefix caching: ssm + conv pages of the state snapshots (held by requests or not)
+            "state_pages_cached": self.state.num_cached_pages if self.state is not None else 0,
             "trapped_bytes": st.trapped_bytes,
             "resident_experts": cache.num_resident,
             "total_experts": cache.total_experts,

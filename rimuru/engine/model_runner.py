@@ -381,6 +381,12 @@ class ModelRunner:
         host may schedule and launch the next step meanwhile (async scheduling). Rows of tokens that the
         previous launch sampled are filled on the device from its output."""
         sampling = [s.request for s in sched.scheduled if s.samples]
+        if sched.state_copies:  # prefix caching's state snapshots, behind the last pass on the same stream
+            assert self.peers is None, "state copies are not sent to tensor-parallel workers"
+            state_cache = self.model.state_cache
+            assert state_cache is not None
+            for copy in sched.state_copies:
+                state_cache.copy(*copy)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(sched):
             B = len(sched.scheduled)

@@ -10,8 +10,8 @@ The pages of one block move through these states (the allocator sees every one b
         free ─────────────────► private ─────────────────────────► cached ───────────────────► cached
          ▲                      (one request)                       refs >= 1 ◄──────────────── refs 0, in the LRU
          │                         │                                          lookup hit (refs 1)    │
-         ├── the request ends ─────┘ (a partial last block, or a name                                │
-         │                            cached already by another copy)                                │
+         ├── the request ends ─────┘ (a partial last block, or a name cached                         │
+         │                            already by another copy a request holds)                       │
          └──── reclaim: a KV allocation that free pages cannot serve (oldest block first), or ───────┘
                the expert runtime wanting whole mid pages (mid pages used by refs-0 blocks alone)
 
@@ -102,9 +102,14 @@ class PrefixCache:
 
     def offer(self, name: BlockHash, pages: Sequence[int]) -> bool:
         """Caches a request's full, computed block under `name`, held by that request (refs 1). False when the
-        name is cached already by another copy: then these pages stay the request's own."""
-        if name in self._blocks:
-            return False
+        name is cached already by another copy that a request holds: then these pages stay the request's own. A
+        copy no request holds is dropped for this one (it would be reclaimed before this one's chain, leaving
+        the chain a hole: a hybrid model's request that found no state snapshot computes blocks cached already)."""
+        old = self._blocks.get(name)
+        if old is not None:
+            if old.refs:
+                return False
+            self._drop(old)
         keys, counts = np.unique(self.allocator.parent_keys(KV, np.asarray(pages, dtype=np.int64)),
                                  return_counts=True)
         self._blocks[name] = CachedBlock(name, tuple(pages), tuple(zip(keys.tolist(), counts.tolist(), strict=True)))

@@ -53,6 +53,8 @@ class Request:
     # state (kind "ssm") and of its conv state (kind "conv"); empty while the request holds none
     ssm_pages: list[int] = field(default_factory=list)
     conv_pages: list[int] = field(default_factory=list)
+    # with prefix caching: the state snapshots the request holds (the one it took, the one it started from)
+    state_snapshots: list[Any] = field(default_factory=list)
     # prefix caching (engine/kv_cache_manager.py): the names of the full blocks of all_token_ids hashed so far, and
     # how many leading blocks of kv_pages were offered to the cache (each is then the cached block or a private copy)
     block_hashes: list[bytes] = field(default_factory=list)

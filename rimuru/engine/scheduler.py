@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from rimuru.engine.kv_cache_manager import CachedPrefix, KVCacheManager
 from rimuru.engine.request import Request, RequestStatus
-from rimuru.engine.state_cache_manager import StateCacheManager
+from rimuru.engine.state_cache_manager import StateCacheManager, StateCopy, StateSnapshot, snapshot_boundary
 
 
 @dataclass
@@ -56,6 +56,8 @@ class SchedulerOutput:
     stalled: list[Request] = field(default_factory=list)  # running, waiting this step for evictions' pages
     # kv pages the stalled requests, or else the first waiting request that could not be admitted, still lack
     shortfall_pages: int = 0
+    # hybrid models with prefix caching: state copies the pass runs before its forward, in order
+    state_copies: list[StateCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -98,11 +100,14 @@ class Scheduler:
         block_size = self.kv.block_size
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.state_snapshots:
+                assert self.state is not None
+                self.state.release_snapshots(req)  # their copies ran in a launched pass
             if req.num_pending_tokens and req.num_output_tokens + req.num_pending_tokens >= req.max_tokens:
                 i += 1  # its last token is in flight: it finishes when that is read
                 continue
             computed = req.num_computed_tokens
-            n = min(req.num_known_tokens - computed, budget)
+            n = self._to_boundary(req, computed, min(req.num_known_tokens - computed, budget))
             # the common decode case needs no new block: skip the allocator (same answer, no calls)
             got = computed + n <= len(req.kv_pages) * block_size or self.kv.allocate(req, n)
             while not got:
@@ -118,6 +123,7 @@ class Scheduler:
                     break
                 got = self.kv.allocate(req, n)
             if got:
+                self._maybe_snapshot(req)
                 out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
                 budget -= n
             if req.status == RequestStatus.RUNNING:
@@ -128,13 +134,20 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             assert not req.num_pending_tokens  # a preempted request's token is read in the step that preempted it
-            prefix = self.kv.lookup(req)
-            n = min(req.num_tokens - req.num_computed_tokens - prefix.num_tokens, budget)
-            need = self.kv.pages_needed(req, n, prefix) + (self.state.pages_needed(req) if self.state else 0)
+            while True:
+                prefix, snap = self._state_prefix(req, self.kv.lookup(req))
+                n = min(req.num_tokens - req.num_computed_tokens - prefix.num_tokens, budget)
+                n = self._to_boundary(req, req.num_computed_tokens + prefix.num_tokens, n)
+                need = self.kv.pages_needed(req, n, prefix) + (self.state.pages_needed(req) if self.state else 0)
+                # a hybrid model's state snapshots go before the reserve holds a request back (then look again:
+                # the one this request would start from may be gone)
+                if not (reserve and need > self.kv.capacity_pages() - reserve and self.kv.spill is not None
+                        and self.kv.spill()):
+                    break
             if reserve and need > self.kv.capacity_pages() - reserve:  # held back by the reserve alone: no shortfall
                 out.shortfall_pages = max(0, need - self.kv.capacity_pages())
                 break
-            if not self._admit_pages(req, n, prefix):
+            if not self._admit_pages(req, n, prefix, snap):
                 out.shortfall_pages = self._admission_shortfall(req, need)
                 break
             self.waiting.popleft()
@@ -142,13 +155,67 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n, prefix.num_cached_writes))
             budget -= n
+        if self.state is not None:
+            out.state_copies = self.state.take_copies()
         return out
 
-    def _admit_pages(self, req: Request, n: int, prefix: CachedPrefix) -> bool:
-        """A waiting request's state pages (hybrid models) and KV pages for its first `n` tokens, all or nothing."""
+    # ------------------------------------------------------------------ hybrid models' prefix caching
+    def _snapshots_on(self) -> bool:
+        return self.state is not None and self.state.snapshots is not None
+
+    def _to_boundary(self, req: Request, start: int, n: int) -> int:
+        """`n` tokens from `start`, or fewer so that the chunk ends at the request's snapshot boundary when it
+        crosses it and no snapshot of that prefix exists (engine/state_cache_manager.py)."""
+        if not self._snapshots_on():
+            return n
+        b = snapshot_boundary(req, self.kv.block_size)
+        if not start < b < start + n:
+            return n
+        assert self.state is not None and self.state.snapshots is not None
+        name = self.kv.block_hashes(req, b // self.kv.block_size)[-1]
+        return n if self.state.snapshots.get(name) is not None else b - start
+
+    def _maybe_snapshot(self, req: Request) -> None:
+        """A running request scheduled from its snapshot boundary: the last pass ended there, so its state pages
+        hold the state the snapshot keeps (copied before this step's forward)."""
+        if not self._snapshots_on():
+            return
+        assert self.state is not None and self.state.snapshots is not None
+        b = snapshot_boundary(req, self.kv.block_size)
+        if b == 0 or req.num_computed_tokens != b:
+            return
+        name = self.kv.block_hashes(req, b // self.kv.block_size)[-1]
+        if self.state.snapshots.get(name) is None:
+            self.state.take_snapshot(req, name, b)
+
+    def _state_prefix(self, req: Request, prefix: CachedPrefix) -> tuple[CachedPrefix, StateSnapshot | None]:
+        """A hybrid model's hit: the cached KV blocks up to the last boundary of `prefix` (leaving a token to
+        compute) that has a state snapshot, and that snapshot; no prefix when none has."""
+        if not self._snapshots_on() or not prefix.blocks:
+            return prefix, None
+        assert self.state is not None and self.state.snapshots is not None
+        k = min(len(prefix.blocks), (req.num_tokens - 1) // self.kv.block_size)
+        while k > 0:
+            snap = self.state.snapshots.get(prefix.blocks[k - 1].name)
+            if snap is not None:
+                return self.kv.trim(prefix, k), snap
+            k -= 1
+        return self.kv.trim(prefix, 0), None
+
+    def _admit_pages(self, req: Request, n: int, prefix: CachedPrefix, snap: StateSnapshot | None = None) -> bool:
+        """A waiting request's state pages (hybrid models) and KV pages for its first `n` tokens, all or nothing;
+        with a snapshot (a hybrid model's hit), taken first so that these allocations cannot reclaim it."""
+        if snap is not None:
+            assert self.state is not None and self.state.snapshots is not None
+            self.state.snapshots.acquire(snap)
+            req.state_snapshots.append(snap)
         if self.state is not None and not self.state.allocate(req):
+            self.state.free(req)  # gives the snapshot back
             return False
         if self.kv.allocate(req, n, prefix):
+            if snap is not None:
+                assert self.state is not None
+                self.state.restore(req, snap)
             return True
         if self.state is not None:
             self.state.free(req)  # no pass has seen them

@@ -15,17 +15,173 @@ its admission test and its shortfall, so the adjusters evict experts for a reque
 the ssm page is the expert page (Qwen3.5-35B-A3B) an evicted expert's page is one ssm page; where it is not, a
 freed expert page becomes ssm pages only once its whole huge page is free, so the shortfall is a lower bound and
 the next step reports what is still missing.
+
+Prefix caching (`StateSnapshots`): the state after a request's first `b` tokens, for the one boundary `b` per
+request that `snapshot_boundary` names (the last block boundary before its prompt's last token), is copied into
+state pages of the cache (a snapshot) named by the prefix cache's name of the block ending at `b`. The scheduler
+ends a prefill chunk at `b` when no snapshot of that name exists, and takes the snapshot when it schedules the
+request's next chunk: the copy runs at the start of that pass, behind the pass that wrote the state, on the same
+stream. A waiting request whose cached KV chain reaches a snapshotted boundary takes the KV blocks up to it and
+a copy of the snapshot into its own state pages (a snapshot is never written after its copy-in, so it is shared
+read-only like a cached KV block), and starts computing at the boundary. A snapshot is held (refs) by the request
+that took it and by every request that copied it, from the schedule that queues the copy to the request's next
+schedule (the copy's pass is launched by then) or its end; held by none, it waits in an LRU, reclaimable: the
+allocator's ssm and conv allocations reclaim it (`StateSnapshots` serves the reclaimer for those kinds; a
+request's state allocation that fails kind by kind drops snapshots one at a time and tries again), and a KV
+allocation that the free pages and the cached KV blocks cannot serve drops snapshots, oldest first, before it
+fails (so before experts are evicted for it).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+
 from rimuru.engine.request import Request
-from rimuru.memory.allocator import PageAllocator
+from rimuru.memory.allocator import PageAllocator, PageReclaimer
 from rimuru.memory.geometry import CONV, SSM
 
 
+@dataclass(eq=False)
+class StateSnapshot:
+    name: bytes  # the prefix cache's name of the block that ends at the snapshot's token position
+    num_tokens: int  # that position: the state after the first num_tokens tokens of the chain
+    ssm_pages: list[int]  # one per linear-attention layer
+    conv_pages: list[int]
+    refs: int = 1
+
+
+# (source ssm pages, destination ssm pages, source conv pages, destination conv pages): one state copy
+StateCopy = tuple[list[int], list[int], list[int], list[int]]
+
+
+class StateSnapshots:
+    """The cached state snapshots of one pool; the allocator's reclaimer for the ssm and conv kinds."""
+
+    def __init__(self, allocator: PageAllocator, num_layers: int) -> None:
+        self.allocator = allocator
+        self.num_layers = num_layers
+        self._snaps: dict[bytes, StateSnapshot] = {}
+        self._lru: OrderedDict[bytes, StateSnapshot] = OrderedDict()  # refs 0, least recently used first
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snaps)
+
+    @property
+    def num_unreferenced(self) -> int:
+        return len(self._lru)
+
+    def get(self, name: bytes) -> StateSnapshot | None:
+        return self._snaps.get(name)
+
+    def create(self, name: bytes, num_tokens: int) -> StateSnapshot | None:
+        """New snapshot pages under `name`, held by their taker (refs 1); None when the pool cannot give them."""
+        assert name not in self._snaps
+        a, L = self.allocator, self.num_layers
+        ssm = a.allocate_mid(SSM, L)
+        if ssm is None:
+            return None
+        conv = a.allocate_small(CONV, L)
+        if conv is None:
+            a.free_mid(SSM, ssm)
+            return None
+        snap = StateSnapshot(name, num_tokens, ssm, conv)
+        self._snaps[name] = snap
+        return snap
+
+    def acquire(self, snap: StateSnapshot) -> None:
+        if snap.refs == 0:
+            del self._lru[snap.name]
+        snap.refs += 1
+
+    def release(self, snap: StateSnapshot) -> None:
+        snap.refs -= 1
+        if snap.refs == 0:
+            self._lru[snap.name] = snap
+
+    def drop_lru(self) -> bool:
+        """Frees the least recently used snapshot no request holds; False when there is none."""
+        if not self._lru:
+            return False
+        _, snap = self._lru.popitem(last=False)
+        del self._snaps[snap.name]
+        self.allocator.free_mid(SSM, snap.ssm_pages)
+        self.allocator.free_small(CONV, snap.conv_pages)
+        return True
+
+    def clear(self) -> int:
+        """Drops every snapshot no request holds; returns the pages freed."""
+        n = 2 * self.num_layers * len(self._lru)
+        while self.drop_lru():
+            pass
+        return n
+
+    # the allocator's reclaimer, for the ssm (mid) and conv (small) kinds
+    def reclaimable_small(self, kind: str) -> int:
+        return self.num_layers * len(self._lru) if kind == CONV else 0
+
+    def reclaim_small(self, kind: str, count: int) -> None:
+        if kind != CONV:
+            return
+        target = self.allocator.free_small_capacity(kind) + count
+        while self.allocator.free_small_capacity(kind) < target and self.drop_lru():
+            pass
+
+    def reclaimable_mid(self, kind: str) -> int:
+        return self.num_layers * len(self._lru) if kind == SSM else 0
+
+    def reclaim_mid(self, kind: str, count: int) -> None:
+        if kind != SSM:
+            return
+        target = self.allocator.free_mid_capacity(kind) + count
+        while self.allocator.free_mid_capacity(kind) < target and self.drop_lru():
+            pass
+
+    def check(self) -> None:
+        assert all(s.refs >= 0 and s.name == n for n, s in self._snaps.items())
+        assert set(self._lru) == {n for n, s in self._snaps.items() if s.refs == 0}
+
+
+class Reclaimers:
+    """The allocator's one reclaimer over two: the state snapshots for the ssm and conv kinds (first), the prefix
+    cache's KV blocks for the rest (its KV pages, and whole mid pages of any mid kind emptied of refs-0 blocks)."""
+
+    def __init__(self, kv: PageReclaimer, state: StateSnapshots) -> None:
+        self.kv, self.state = kv, state
+
+    def reclaimable_small(self, kind: str) -> int:
+        return self.state.reclaimable_small(kind) + self.kv.reclaimable_small(kind)
+
+    def reclaim_small(self, kind: str, count: int) -> None:
+        a = self.state.allocator
+        target = a.free_small_capacity(kind) + count
+        self.state.reclaim_small(kind, count)
+        left = target - a.free_small_capacity(kind)
+        if left > 0 and self.kv.reclaimable_small(kind):
+            self.kv.reclaim_small(kind, left)
+
+    def reclaimable_mid(self, kind: str) -> int:
+        return self.state.reclaimable_mid(kind) + self.kv.reclaimable_mid(kind)
+
+    def reclaim_mid(self, kind: str, count: int) -> None:
+        a = self.state.allocator
+        target = a.free_mid_capacity(kind) + count
+        self.state.reclaim_mid(kind, count)
+        left = target - a.free_mid_capacity(kind)
+        if left > 0:
+            self.kv.reclaim_mid(kind, min(left, self.kv.reclaimable_mid(kind)))
+
+
+def snapshot_boundary(request: Request, block_size: int) -> int:
+    """The one token position whose state a request's prefill snapshots: the last block boundary before its
+    prompt's last token (0: none; a hit must leave at least one token to compute, for the first logits)."""
+    return (len(request.prompt_token_ids) - 1) // block_size * block_size
+
+
 class StateCacheManager:
-    def __init__(self, allocator: PageAllocator, num_linear_layers: int, kv_page_bytes: int) -> None:
+    def __init__(self, allocator: PageAllocator, num_linear_layers: int, kv_page_bytes: int,
+                 enable_prefix_caching: bool = False) -> None:
         if num_linear_layers < 1 or kv_page_bytes < 1:
             raise ValueError(f"need num_linear_layers >= 1 and kv_page_bytes >= 1, got {num_linear_layers}, "
                              f"{kv_page_bytes}")
@@ -37,6 +193,13 @@ class StateCacheManager:
         self.request_bytes = num_linear_layers * (g.size(SSM) + g.size(CONV))  # one request's state pages
         self.kv_pages = -(-self.request_bytes // kv_page_bytes)  # the same, in KV pages: the scheduler's unit
         self.num_holders = 0  # requests holding state pages
+        self.snapshots: StateSnapshots | None = None  # prefix caching: see the module docstring
+        self._copies: list[StateCopy] = []  # for the next pass, in order
+        if enable_prefix_caching:
+            if allocator.reclaimer is None:
+                raise ValueError("state snapshots need the prefix cache: enable it on the KV cache manager first")
+            self.snapshots = StateSnapshots(allocator, num_linear_layers)
+            allocator.reclaimer = Reclaimers(allocator.reclaimer, self.snapshots)
 
     def pages_needed(self, request: Request) -> int:
         """KV pages' worth of state `allocate(request)` takes: none when the request holds its state already."""
@@ -56,19 +219,62 @@ class StateCacheManager:
         if request.ssm_pages:
             return True
         a, L = self.allocator, self.num_layers
-        ssm = a.allocate_mid(SSM, L, owner=request.seq_id)
-        if ssm is None:
-            return False
-        conv = a.allocate_small(CONV, L, owner=request.seq_id)
-        if conv is None:
-            a.free_mid(SSM, ssm)  # no pass has seen them: back at once
-            return False
+        while True:
+            ssm = a.allocate_mid(SSM, L, owner=request.seq_id)
+            conv = a.allocate_small(CONV, L, owner=request.seq_id) if ssm is not None else None
+            if conv is not None:
+                break
+            if ssm is not None:
+                a.free_mid(SSM, ssm)  # no pass has seen them: back at once
+            # the snapshots' pages count as obtainable only kind by kind; freeing them may merge pages of others
+            if self.snapshots is None or not self.snapshots.drop_lru():
+                return False
         request.ssm_pages, request.conv_pages = ssm, conv
         self.num_holders += 1
         return True
 
+    # ------------------------------------------------------------------ prefix caching
+    def take_snapshot(self, request: Request, name: bytes, num_tokens: int) -> bool:
+        """Copies the request's state (after its first `num_tokens` tokens, the last pass's) into a new snapshot
+        named `name`, held by the request; False when the pool cannot give its pages (then there is none)."""
+        assert self.snapshots is not None and request.ssm_pages
+        snap = self.snapshots.create(name, num_tokens)
+        if snap is None:
+            return False
+        self._copies.append((request.ssm_pages, snap.ssm_pages, request.conv_pages, snap.conv_pages))
+        request.state_snapshots.append(snap)
+        return True
+
+    def restore(self, request: Request, snap: StateSnapshot) -> None:
+        """A hit: the request (holding its state pages and `snap`, acquired) starts from a copy of the snapshot."""
+        assert request.ssm_pages and snap in request.state_snapshots
+        self._copies.append((snap.ssm_pages, request.ssm_pages, snap.conv_pages, request.conv_pages))
+
+    def take_copies(self) -> list[StateCopy]:
+        """The state copies the next pass runs before its forward, in order (then forgotten here)."""
+        out, self._copies = self._copies, []
+        return out
+
+    def reset_prefix_cache(self) -> int:
+        return self.snapshots.clear() if self.snapshots is not None else 0
+
+    @property
+    def num_cached_pages(self) -> int:
+        """ssm + conv pages of every snapshot (held by requests or not)."""
+        return 2 * self.num_layers * self.snapshots.num_snapshots if self.snapshots is not None else 0
+
+    def release_snapshots(self, request: Request) -> None:
+        """Gives back the snapshots the request holds (their copies are queued or launched: nothing reclaims them
+        before that pass is ordered, by the stream or by the pass fence)."""
+        if self.snapshots is not None:
+            for snap in request.state_snapshots:
+                self.snapshots.release(snap)
+        request.state_snapshots = []
+
     def free(self, request: Request) -> None:
-        """The request ends or is preempted: its state pages go back to the pool (module docstring)."""
+        """The request ends or is preempted: its state pages go back to the pool (module docstring), the
+        snapshots it still holds to the cache."""
+        self.release_snapshots(request)
         if not request.ssm_pages:
             return
         self.allocator.free_mid(SSM, request.ssm_pages)
@@ -83,9 +289,15 @@ class StateCacheManager:
 
     @property
     def bytes_in_use(self) -> int:
-        return self.num_holders * self.request_bytes
+        """Bytes of requests' state pages and of the snapshots."""
+        snaps = self.snapshots.num_snapshots if self.snapshots is not None else 0
+        return (self.num_holders + snaps) * self.request_bytes
 
     def check(self) -> None:
-        """Every state page is held by a request: the allocator's counts = L per holder, for each kind."""
-        a, want = self.allocator, self.num_layers * self.num_holders
+        """Every state page is held by a request or a snapshot: the allocator's counts = L per holder and per
+        snapshot, for each kind."""
+        snaps = self.snapshots.num_snapshots if self.snapshots is not None else 0
+        a, want = self.allocator, self.num_layers * (self.num_holders + snaps)
         assert a.num_used(SSM) == want and a.num_used(CONV) == want, (a.num_used(SSM), a.num_used(CONV), want)
+        if self.snapshots is not None:
+            self.snapshots.check()

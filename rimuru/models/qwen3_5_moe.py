@@ -50,7 +50,7 @@ class LinearAttentionDecoderLayer(DecoderLayer):
             raise ValueError("a hybrid model needs its state pages bound (bind_state_cache) before a forward pass")
         qsl = batch.query_start_loc
         # A sequence with context before this pass continues its state; one without starts from zero
-        # (no prefix caching for hybrid models, so no context means a fresh request).
+        # (a prefix-cache hit has context: its pages hold a copy of the cached state, engine/state_cache_manager.py).
         has_initial_state = batch.seq_lens.long() > (qsl[1:] - qsl[:-1]).long()  # [B]
         if state_cache.decodes_in_place(batch):  # pure decode on the GPU: the paged kernels, states in place
             return state_cache.decode(self.linear_attn, self.linear_idx, batch, x, has_initial_state)

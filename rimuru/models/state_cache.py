@@ -77,6 +77,15 @@ class LinearStateCache:
         ssm, conv = self._pages(batch, linear_idx)
         return layer.decode_paged(x, self.conv, conv, self.ssm, ssm, has_initial_state)
 
+    def copy(self, src_ssm: list[int], dst_ssm: list[int], src_conv: list[int], dst_conv: list[int]) -> None:
+        """Copies whole states page to page, one ssm and one conv page per linear-attention layer (prefix caching:
+        a request's state into a snapshot, or a snapshot into a request's pages; engine/state_cache_manager.py)."""
+        dev = self.ssm.device
+        s = torch.tensor(src_ssm, dtype=torch.int64, device=dev)
+        c = torch.tensor(src_conv, dtype=torch.int64, device=dev)
+        self.ssm.index_copy_(0, torch.tensor(dst_ssm, dtype=torch.int64, device=dev), self.ssm[s])
+        self.conv.index_copy_(0, torch.tensor(dst_conv, dtype=torch.int64, device=dev), self.conv[c])
+
     def write(self, linear_idx: int, batch: ForwardBatch, conv: Tensor, recurrent: Tensor) -> None:
         """Stores one layer's final states [B, ...] of this pass into the sequences' pages (padding rows: nowhere)."""
         ssm_ids, conv_ids = self._pages(batch, linear_idx)
