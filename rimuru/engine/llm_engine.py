@@ -58,7 +58,7 @@ from rimuru.engine.setup import (
     resolve_max_model_len,
     workspace_bytes,
 )
-from rimuru.engine.state_cache_manager import StateCacheManager
+from rimuru.engine.state_cache_manager import StateCacheManager, StateCopy
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import NULL_TRACE, StepProfiler, StepTrace
 from rimuru.engine.tp_workers import PassPlan, TensorParallelWorkers, WorkerFailed, rank_device
@@ -217,11 +217,12 @@ class LLMEngine:
         plan: MemoryPlan = self.tp.broadcast_object(memory)
         return replace(plan, pool_bytes=self.tp.min_int(memory.pool_bytes))
 
-    def _send_pass(self, h: HostBatch, sample: bool) -> None:
-        """Rank 0: the pass about to run, to every other rank (with the expert tables where they move)."""
+    def _send_pass(self, h: HostBatch, sample: bool, state_copies: list[StateCopy]) -> None:
+        """Rank 0: the pass about to run, to every other rank (with the expert tables where they move, and the state
+        copies queued before it)."""
         assert self.workers is not None
         tables = self.runtime.cache.host_tables.numpy().copy() if self.runtime.mode == "elastic" else None
-        self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables))
+        self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies)))
 
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:

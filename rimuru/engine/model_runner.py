@@ -31,6 +31,7 @@ from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs,
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler, min_tokens_bans
 from rimuru.engine.scheduler import ScheduledRequest, SchedulerOutput
+from rimuru.engine.state_cache_manager import StateCopy
 from rimuru.engine.step_profiler import StepTrace
 from rimuru.kernels.paged_attention import q_tile_starts, tile_map_block_q
 from rimuru.models.causal_lm import MoECausalLM
@@ -165,7 +166,8 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
 
 # Tensor parallelism, rank 0: sends each eager pass's host arrays (and whether it samples) to the other ranks before
 # running it (engine/tp_workers.py)
-PassSender = Callable[[HostBatch, bool], None]
+# rank 0's pass to the other tensor-parallel ranks: the batch, whether it samples, and the state copies before it
+PassSender = Callable[[HostBatch, bool, list[StateCopy]], None]
 
 
 class ModelRunner:
@@ -349,8 +351,20 @@ class ModelRunner:
                             max_seq_len=int(h.seq_lens.max()), ssm_pages=ssm_pages, conv_pages=conv_pages)
 
     @torch.inference_mode()
-    def follow(self, arrays: list[np.ndarray], max_query_len: int, sample: bool) -> None:
-        """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample)."""
+    def copy_states(self, copies: list[StateCopy]) -> None:
+        """Prefix caching of a hybrid model: whole states copied page to page (a request's into a snapshot, or a
+        snapshot into a request's), queued before the pass on the stream that runs it."""
+        state_cache = self.model.state_cache
+        assert state_cache is not None
+        for copy in copies:
+            state_cache.copy(*copy)
+
+    def follow(self, arrays: list[np.ndarray], max_query_len: int, sample: bool,
+               state_copies: list[StateCopy] | None = None) -> None:
+        """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample),
+        after the state copies rank 0 queued before it (the same page ids in every rank's pool)."""
+        if state_copies:
+            self.copy_states(state_copies)
         ids, pos, qsl, seq_lens, bt, slots, li, *state = arrays
         ssm, conv = state if state else (None, None)
         h = HostBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
@@ -382,11 +396,7 @@ class ModelRunner:
         previous launch sampled are filled on the device from its output."""
         sampling = [s.request for s in sched.scheduled if s.samples]
         if sched.state_copies:  # prefix caching's state snapshots, behind the last pass on the same stream
-            assert self.peers is None, "state copies are not sent to tensor-parallel workers"
-            state_cache = self.model.state_cache
-            assert state_cache is not None
-            for copy in sched.state_copies:
-                state_cache.copy(*copy)
+            self.copy_states(sched.state_copies)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(sched):
             B = len(sched.scheduled)
@@ -410,7 +420,7 @@ class ModelRunner:
         else:
             h = self.host_arrays(sched)
             if self.peers is not None:
-                self.peers(h, bool(sampling))
+                self.peers(h, bool(sampling), sched.state_copies)
             batch = self.device_batch(h)
             trace.mark("prepare")
             trace.forward_begin()

@@ -28,7 +28,7 @@ import logging
 import os
 import queue
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 
 from rimuru.config import EngineConfig
 from rimuru.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, free_port, init_tensor_parallel
+from rimuru.engine.state_cache_manager import StateCopy
 
 if TYPE_CHECKING:
     from rimuru.engine.llm_engine import LLMEngine
@@ -59,6 +60,8 @@ class PassPlan:
     max_query_len: int
     sample: bool  # the pass computes logits (every rank joins the LM head's all-gather)
     expert_tables: np.ndarray | None = None  # [L_moe, E, 3] int32: the tables the pass reads (elastic mode)
+    # hybrid models' prefix caching: whole states copied page to page before the pass (engine/state_cache_manager.py)
+    state_copies: list[StateCopy] = field(default_factory=list)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -156,7 +159,7 @@ def follow(engine: LLMEngine, plan: PassPlan) -> None:
     """Runs rank 0's pass on this rank: its expert tables first, then the forward pass and the LM head."""
     if plan.expert_tables is not None:
         apply_expert_tables(engine, plan.expert_tables)
-    engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample)
+    engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies)
 
 
 def apply_expert_tables(engine: LLMEngine, tables: np.ndarray) -> None:
