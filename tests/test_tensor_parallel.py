@@ -134,15 +134,8 @@ def test_unsupported_combinations_are_refused_by_name(tiny_checkpoint) -> None:
         EngineConfig(model="unused", tensor_parallel_size=2, offload_mode="fixed", offload_access="copy")
 
 
-def test_dummy_weights_of_a_rank_are_its_slice_of_one_ranks(parity_checkpoints: dict[str, Path]) -> None:
-    """Dummy weights draw each full tensor and keep the rank's slice: replicated weights agree on every rank, and
-    cut ones are the single-rank model's (no process group is needed to build and fill a rank's model)."""
-    spec = load_model_spec(str(parity_checkpoints["qwen2_moe"]))
-    kv = torch.empty(0)
-    one = build_model(spec, torch.float32, "cpu", kv)
-    init_dummy_weights(one, seed=3)
-    rank = build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=1, size=2))
-    init_dummy_weights(rank, seed=3)
+def assert_rank_holds_its_slices(one: torch.nn.Module, rank: torch.nn.Module) -> None:
+    """Every parameter of the rank's model is its shard (or merged-section slice) of the one-rank model's."""
     full = dict(one.named_parameters())
     cuts = param_shards(rank)
     merged = {f"{n}.{s}": m for n, m in rank.named_modules() if isinstance(m, MergedLinear) for s in ("weight", "bias")}
@@ -153,6 +146,18 @@ def test_dummy_weights_of_a_rank_are_its_slice_of_one_ranks(parity_checkpoints: 
         elif name in merged:
             want = merged[name].local_of_full(want)
         assert torch.equal(p, want), name
+
+
+def test_dummy_weights_of_a_rank_are_its_slice_of_one_ranks(parity_checkpoints: dict[str, Path]) -> None:
+    """Dummy weights draw each full tensor and keep the rank's slice: replicated weights agree on every rank, and
+    cut ones are the single-rank model's (no process group is needed to build and fill a rank's model)."""
+    spec = load_model_spec(str(parity_checkpoints["qwen2_moe"]))
+    kv = torch.empty(0)
+    one = build_model(spec, torch.float32, "cpu", kv)
+    init_dummy_weights(one, seed=3)
+    rank = build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=1, size=2))
+    init_dummy_weights(rank, seed=3)
+    assert_rank_holds_its_slices(one, rank)
     assert rank.model.layers[0].self_attn.num_heads == 2 and rank.lm_head.weight.shape[0] == spec.vocab_size // 2
 
 
@@ -169,16 +174,7 @@ def test_a_hybrid_ranks_weights_are_its_heads(tiny_checkpoint) -> None:
     load_checkpoint(one, spec, path, lambda *a: None)
     rank = build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=1, size=2))
     load_checkpoint(rank, spec, path, lambda *a: None)
-    full = dict(one.named_parameters())
-    cuts = param_shards(rank)
-    merged = {f"{n}.{s}": m for n, m in rank.named_modules() if isinstance(m, MergedLinear) for s in ("weight", "bias")}
-    for name, p in rank.named_parameters():
-        want = full[name]
-        if name in cuts:
-            want = cuts[name].take(want)
-        elif name in merged:
-            want = merged[name].local_of_full(want)
-        assert torch.equal(p, want), name
+    assert_rank_holds_its_slices(one, rank)
     lin = spec.linear_layer_ids[0]
     dn, dn1 = rank.model.layers[lin].linear_attn, one.model.layers[lin].linear_attn
     kd, vd = dn1.key_dim, dn1.value_dim  # full widths: q and k [Hk*dk] each, v [Hv*dv]

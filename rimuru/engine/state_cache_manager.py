@@ -35,6 +35,7 @@ fails (so before experts are evicted for it).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rimuru.engine.request import Request
@@ -122,20 +123,20 @@ class StateSnapshots:
         return self.num_layers * len(self._lru) if kind == CONV else 0
 
     def reclaim_small(self, kind: str, count: int) -> None:
-        if kind != CONV:
-            return
-        target = self.allocator.free_small_capacity(kind) + count
-        while self.allocator.free_small_capacity(kind) < target and self.drop_lru():
-            pass
+        if kind == CONV:
+            self._drop_until(self.allocator.free_small_capacity, kind, count)
 
     def reclaimable_mid(self, kind: str) -> int:
         return self.num_layers * len(self._lru) if kind == SSM else 0
 
     def reclaim_mid(self, kind: str, count: int) -> None:
-        if kind != SSM:
-            return
-        target = self.allocator.free_mid_capacity(kind) + count
-        while self.allocator.free_mid_capacity(kind) < target and self.drop_lru():
+        if kind == SSM:
+            self._drop_until(self.allocator.free_mid_capacity, kind, count)
+
+    def _drop_until(self, free_capacity: Callable[[str], int], kind: str, count: int) -> None:
+        """Drops unheld snapshots, least recently used first, until `count` more pages of `kind` are free."""
+        target = free_capacity(kind) + count
+        while free_capacity(kind) < target and self.drop_lru():
             pass
 
     def check(self) -> None:
