@@ -72,6 +72,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (auto: the config's dtype on GPU, float32 on CPU)
     gpu_memory_budget: int | str | None = None  # bytes the engine may use in all; default: 90 % of the GPU
     gpu_memory_utilization: float | None = None  # vLLM's flag: the same budget as a share of the GPU's memory
+    # the page pool's bytes, given instead of a budget (vLLM's kv_cache_memory_bytes): the engine then holds the
+    # non-expert weights, the workspace it measures and exactly this pool
+    page_pool_memory_bytes: int | str | None = None
     offload_mode: str | None = None  # static | fixed | elastic; default static
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -151,6 +154,12 @@ class EngineConfig:
             if self.gpu_memory_budget is not None:
                 raise ValueError("give gpu_memory_budget or gpu_memory_utilization, not both (the same budget in "
                                  "bytes or as a share of the GPU's memory)")
+        if self.page_pool_memory_bytes is not None:
+            if parse_bytes(self.page_pool_memory_bytes) <= 0:
+                raise ValueError(f"page_pool_memory_bytes must be positive, got {self.page_pool_memory_bytes}")
+            if self.gpu_memory_budget is not None or self.gpu_memory_utilization is not None:
+                raise ValueError("give page_pool_memory_bytes or a budget (gpu_memory_budget, "
+                                 "gpu_memory_utilization), not both: the pool's size replaces the budget")
         if self.resident_experts is not None and self.resident_experts <= 0:
             raise ValueError(f"resident_experts must be positive, got {self.resident_experts}")
         if self.expert_offload_limit is not None and self.expert_offload_limit < 0:
@@ -186,6 +195,10 @@ class EngineConfig:
     def budget_bytes(self) -> int | None:
         return None if self.gpu_memory_budget is None else parse_bytes(self.gpu_memory_budget)
 
+    @property
+    def pool_bytes(self) -> int | None:
+        return None if self.page_pool_memory_bytes is None else parse_bytes(self.page_pool_memory_bytes)
+
     def with_(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)
 
@@ -206,6 +219,9 @@ _FLAG_HELP = {
     "dtype": "auto | bfloat16 | float16 | float32",
     "gpu_memory_budget": "bytes the engine may use on the device in all, e.g. 32GiB (default: 90%% of the GPU)",
     "gpu_memory_utilization": "the same budget as vLLM's share of the GPU's memory, e.g. 0.229 (default 0.9)",
+    "page_pool_memory_bytes": "the page pool's size, e.g. 20GiB, instead of a budget (vLLM's "
+                              "--kv-cache-memory-bytes): the engine takes the non-expert weights, its measured "
+                              "workspace and exactly this pool",
     "offload_mode": "static (all experts resident) | fixed | elastic",
     "load_format": "auto | safetensors | dummy (random weights of the real shapes)",
     "resident_experts": "fixed mode: resident experts per layer (>= 1) or a fraction (< 1)",
@@ -236,7 +252,7 @@ _FLAG_HELP = {
 
 _FLAG_TYPES: dict[str, Any] = {
     "tokenizer": str, "device": str, "dtype": str, "gpu_memory_budget": str, "gpu_memory_utilization": float,
-    "offload_mode": str,
+    "page_pool_memory_bytes": str, "offload_mode": str,
     "max_num_seqs": int, "max_model_len": int, "max_num_batched_tokens": int, "block_size": int,
     "max_cudagraph_capture_size": int,
     "load_format": str, "seed": int, "resident_experts": float, "expert_offload_limit": int, "offload_access": str,

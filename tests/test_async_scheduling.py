@@ -104,20 +104,20 @@ def test_async_abort_in_flight_leaks_nothing(parity_checkpoints) -> None:
 def test_async_offload_modes_match_sync(parity_checkpoints) -> None:
     """fixed (every routed expert through the load buffers) and elastic (evictions and grows while a pass is in
     flight; routing counts read one step late): the same tokens as the synchronous loop, nothing leaked."""
-    from test_elastic import prompts, tight_budget
+    from test_elastic import prompts, tight_pool
 
     path = parity_checkpoints["qwen2_moe"]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     heavy, light = prompts(6, seed=1), prompts(2, seed=2)
-    budget = tight_budget(path, kv_blocks=10, limit=5)
+    pool = tight_pool(path, kv_blocks=10, limit=5)
     outs = {}
     for async_scheduling in (False, True):
         fixed = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", offload_access="copy",
                     resident_experts=1,
                     async_scheduling=async_scheduling)
         got_fixed = [o.outputs[0].token_ids for o in fixed.generate(heavy, params)]
-        elastic = LLM(str(path), device="cpu", gpu_memory_budget=budget, offload_mode="elastic", offload_access="copy",
-                      adjuster="paper",
+        elastic = LLM(str(path), device="cpu", page_pool_memory_bytes=pool, offload_mode="elastic",
+                      offload_access="copy", adjuster="paper",
                       expert_offload_limit=5, max_num_batched_tokens=64, async_scheduling=async_scheduling)
         assert elastic.engine.async_scheduling is async_scheduling
         assert elastic.engine.runtime.async_steps is async_scheduling

@@ -361,7 +361,7 @@ def test_direct_access_has_no_host_tier(parity_checkpoints, references) -> None:
     """Direct access (the default): the kernel reads offloaded experts from the host store, nothing is copied, so
     the tier does not act (auto is off, the runtimes have no tier, its counters are 0) and `on` is refused."""
     from rimuru.experts.direct_runtime import DirectElasticRuntime, DirectRuntime
-    from tests.test_elastic import tight_budget
+    from tests.test_elastic import tight_pool
 
     path = parity_checkpoints["qwen3_moe"]
     fixed = LLM(str(path), device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", resident_experts=1,
@@ -369,8 +369,8 @@ def test_direct_access_has_no_host_tier(parity_checkpoints, references) -> None:
     assert isinstance(fixed.engine.runtime, DirectRuntime)
     assert run_greedy(fixed, prompts(), STEPS) == references["qwen3_moe"]
     assert fixed.stats()["cpu_experts_computed"] == 0 and fixed.stats()["cpu_expert_tokens"] == 0
-    budget = tight_budget(path, kv_blocks=10, limit=5, load_buffers=False, offload_access="direct")
-    elastic = LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", expert_offload_limit=5,
+    pool = tight_pool(path, kv_blocks=10, limit=5, load_buffers=False, offload_access="direct")
+    elastic = LLM(str(path), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", expert_offload_limit=5,
                   max_num_batched_tokens=64, cpu_expert_compute="auto")
     runtime = elastic.engine.runtime
     assert isinstance(runtime, DirectElasticRuntime) and runtime.host_tier is None
@@ -418,16 +418,16 @@ def test_elastic_mode_host_tier_on_equals_off_and_transformers(arch: str, parity
     """A budget that holds every expert but few KV blocks: evictions come under load, the host computes the
     evicted experts' few decode tokens, and tokens, pages and invariants are as with the tier off."""
     from tests.test_elastic import prompts as elastic_prompts
-    from tests.test_elastic import tight_budget
+    from tests.test_elastic import tight_pool
 
     path = parity_checkpoints[arch]
     limit = 5
-    budget = tight_budget(path, kv_blocks=10, limit=limit)
+    pool = tight_pool(path, kv_blocks=10, limit=limit)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     heavy = elastic_prompts(6, seed=1)
     got = {}
     for setting in ("off", "on"):
-        llm = LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+        llm = LLM(str(path), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", offload_access="copy",
                   adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64, cpu_expert_compute=setting)
         got[setting] = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]
         st = llm.stats()
@@ -449,11 +449,11 @@ def test_elastic_mode_host_tier_on_equals_off_and_transformers(arch: str, parity
 def test_elastic_cost_adjuster_sees_the_host_tier(parity_checkpoints) -> None:
     """With the cost adjuster, the tracker gets the start-up measurement and the host-computed experts."""
     from tests.test_elastic import prompts as elastic_prompts
-    from tests.test_elastic import tight_budget
+    from tests.test_elastic import tight_pool
 
     path = parity_checkpoints["qwen3_moe"]
-    budget = tight_budget(path, kv_blocks=10, limit=5)
-    llm = LLM(str(path), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+    pool = tight_pool(path, kv_blocks=10, limit=5)
+    llm = LLM(str(path), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", offload_access="copy",
               expert_offload_limit=5, max_num_batched_tokens=64, cpu_expert_compute="on")
     costs = llm.engine.runtime.core.step_cost
     assert costs is not None and costs.host_profile is not None and costs.expert_copy_s > 0
@@ -519,14 +519,14 @@ def test_cuda_bf16_host_tier_logits_close_to_copy_path(arch: str, parity_checkpo
 def test_cuda_elastic_host_tier_auto_measures_and_serves(parity_checkpoints) -> None:
     """auto on a GPU: the costs are measured at start (PCIe, host, round trip), tokens equal the tier off."""
     from tests.test_elastic import prompts as elastic_prompts
-    from tests.test_elastic import tight_budget
+    from tests.test_elastic import tight_pool
 
     path = parity_checkpoints["qwen3_moe"]
-    budget = tight_budget(path, kv_blocks=10, limit=5, device="cuda", dtype="float32")
+    pool = tight_pool(path, kv_blocks=10, limit=5, device="cuda", dtype="float32")
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     got = {}
     for setting in ("off", "auto"):
-        llm = LLM(str(path), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
+        llm = LLM(str(path), page_pool_memory_bytes=pool, device="cuda", dtype="float32", offload_mode="elastic",
                   offload_access="copy", expert_offload_limit=5, max_num_batched_tokens=64, enforce_eager=True,
                   cpu_expert_compute=setting)
         got[setting] = [o.outputs[0].token_ids for o in llm.generate(elastic_prompts(6, seed=1), params)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_elastic import prompts, tight_budget
+from test_elastic import prompts, tight_pool
 
 from rimuru import LLM, SamplingParams
 from rimuru.experts.direct_runtime import DirectElasticRuntime, DirectRuntime
@@ -59,8 +59,8 @@ def test_fixed_mode_reads_offloaded_experts_in_host_memory(ckpt: Path) -> None:
 
 def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(ckpt: Path) -> None:
     limit = 5
-    budget = tight_budget(ckpt, kv_blocks=10, limit=limit, load_buffers=False)
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
+    pool = tight_pool(ckpt, kv_blocks=10, limit=limit, load_buffers=False)
+    llm = LLM(str(ckpt), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", adjuster="paper",
               expert_offload_limit=limit, max_num_batched_tokens=64)
     engine = llm.engine
     runtime = engine.runtime
@@ -92,9 +92,9 @@ def test_cuda_elastic_direct_replays_whole_graphs_through_moves(ckpt: Path) -> N
     """Evictions and grows change the tables in place between passes; every pass replays a whole CUDA graph that
     reads the offloaded experts from pinned host memory. Greedy tokens equal static mode run eagerly, float32."""
     limit = 5
-    budget = tight_budget(ckpt, kv_blocks=10, limit=limit, load_buffers=False, device="cuda", dtype="float32",
+    pool = tight_pool(ckpt, kv_blocks=10, limit=limit, load_buffers=False, device="cuda", dtype="float32",
                           offload_access="direct")
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
+    llm = LLM(str(ckpt), page_pool_memory_bytes=pool, device="cuda", dtype="float32", offload_mode="elastic",
               adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.graphs is not None and runner.graphs.boundaries is None  # whole graphs only

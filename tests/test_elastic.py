@@ -36,31 +36,26 @@ def prompts(n: int, seed: int) -> list[dict]:
             for k in torch.randint(8, 40, (n,), generator=g)]
 
 
-def tight_budget(path: Path, kv_blocks: int, limit: int, load_buffers: bool = True, **engine_args: str | bool) -> int:
-    """A budget that holds every expert, the load buffers (unless not `load_buffers`) and `kv_blocks` KV blocks
-    (sizes from a probe engine with `engine_args`). On a GPU the workspace is measured, and it depends on the graphs
-    the mode captures and on which kernels are loaded already: the probe runs elastic with CUDA graphs as the engines
-    under test do, at a budget where everything fits, after a first engine has loaded the kernels."""
-    args = {"device": "cpu", **engine_args}
-    access = args.pop("offload_access", "copy")
-    mode = {"enforce_eager": True} if args["device"] == "cpu" else {
-        "offload_mode": "elastic", "offload_access": access, "adjuster": "paper", "expert_offload_limit": limit}
-    if args["device"] != "cpu":  # the first engine of a process also loads the kernels: the probe measures the second
-        LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, **mode, **args).shutdown()
-    probe = LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, **mode, **args)
-    split, geo = probe.engine.budget_split, probe.engine.geometry
+def tight_pool(path: Path, kv_blocks: int, limit: int, load_buffers: bool = True, **engine_args: str | bool) -> int:
+    """A page pool (bytes, for `page_pool_memory_bytes`) that holds every expert, the load buffers (unless not
+    `load_buffers`), `kv_blocks` KV blocks and one huge page of slack. Page sizes come from a CPU engine of the same
+    dtype (`engine_args`' dtype): the geometry does not depend on the device, and giving the pool's size instead of a
+    budget keeps the test independent of the workspace the engine measures on a GPU."""
+    dtype = engine_args.get("dtype", "auto")
+    probe = LLM(str(path), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, device="cpu",
+                dtype=dtype)
+    geo = probe.engine.geometry
     per_block = probe.engine.kv.num_layers * geo.size("kv")
     experts = 3 * probe.engine.runtime.cache.total_experts * geo.size("expert")
     buffers = 2 * 3 * limit * geo.size("expert") if load_buffers else 0
-    budget = split["non_expert_weights"] + split["workspace"] + experts + buffers + kv_blocks * per_block
-    del probe
-    return budget + geo.huge_size
+    probe.shutdown()
+    return experts + buffers + kv_blocks * per_block + geo.huge_size
 
 
 def test_elastic_evicts_and_grows_with_identical_tokens(ckpt: Path) -> None:
     limit = 5
-    budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+    pool = tight_pool(ckpt, kv_blocks=10, limit=limit)
+    llm = LLM(str(ckpt), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", offload_access="copy",
               adjuster="paper",
               expert_offload_limit=limit, max_num_batched_tokens=64)
     engine = llm.engine
@@ -106,8 +101,8 @@ def test_cost_adjuster_preempts_rather_than_offload_beyond_its_model(ckpt: Path)
     # offloaded expert, so a running request short of pages is preempted (as in static mode) instead of
     # sitting out for evictions that would cost copies every step. Tokens still equal static mode.
     limit = 5
-    budget = tight_budget(ckpt, kv_blocks=10, limit=limit)
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+    pool = tight_pool(ckpt, kv_blocks=10, limit=limit)
+    llm = LLM(str(ckpt), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", offload_access="copy",
               expert_offload_limit=limit,
               max_num_batched_tokens=64, adjuster="cost", slo_tpot_p99_ms=1e-6)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
@@ -176,8 +171,8 @@ def test_cuda_graphs_survive_evictions_and_grows(ckpt: Path) -> None:
     loads of offloaded experts and grows (tables change in place; the host decides between the pieces). Greedy
     tokens equal static mode run eagerly, in float32."""
     limit = 5
-    budget = tight_budget(ckpt, kv_blocks=10, limit=limit, device="cuda", dtype="float32")
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cuda", dtype="float32", offload_mode="elastic",
+    pool = tight_pool(ckpt, kv_blocks=10, limit=limit, device="cuda", dtype="float32")
+    llm = LLM(str(ckpt), page_pool_memory_bytes=pool, device="cuda", dtype="float32", offload_mode="elastic",
               offload_access="copy", adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=64)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.graphs is not None and runner.graphs.boundaries is not None
@@ -395,8 +390,8 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
     limit = 2
     args = {"device": device, "dtype": "float32"} if device == "cuda" else {"device": device}
     # every expert and ~10 KV blocks, no load buffers
-    budget = tight_budget(ckpt, kv_blocks=10, limit=limit, load_buffers=False, **args)
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, offload_mode="elastic", offload_access="copy",
+    pool = tight_pool(ckpt, kv_blocks=10, limit=limit, load_buffers=False, **args)
+    llm = LLM(str(ckpt), page_pool_memory_bytes=pool, offload_mode="elastic", offload_access="copy",
               adjuster="paper", expert_offload_limit=limit,
               max_num_batched_tokens=64, **args)
     engine = llm.engine
@@ -444,8 +439,8 @@ def test_the_longest_request_accepted_runs_although_offloading_attaches_the_buff
     limit = 2
     probe = LLM(str(ckpt), gpu_memory_budget="1GiB", max_num_batched_tokens=64, enforce_eager=True, device="cpu")
     split, geo = probe.engine.budget_split, probe.engine.geometry
-    budget = split["non_expert_weights"] + split["workspace"] + split["experts_resident"] + 40 * geo.size("expert")
-    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", offload_access="copy",
+    pool = split["experts_resident"] + 40 * geo.size("expert")
+    llm = LLM(str(ckpt), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", offload_access="copy",
               adjuster="paper",
               expert_offload_limit=limit, max_num_batched_tokens=64)
     engine = llm.engine

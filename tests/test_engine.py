@@ -235,3 +235,23 @@ def test_gpu_memory_utilization_is_vllms_budget_flag(checkpoints) -> None:
         EngineConfig(model="m", gpu_memory_utilization=0.5, gpu_memory_budget="1GiB")
     with pytest.raises(ValueError, match="give gpu_memory_budget"):
         LLM(str(checkpoints["mixtral"]), device="cpu", gpu_memory_utilization=0.5)
+
+
+def test_page_pool_memory_bytes_sizes_the_pool_instead_of_the_budget(checkpoints) -> None:
+    """vLLM's --kv-cache-memory-bytes, for the unified pool: the pool is exactly the bytes given (whole huge pages),
+    the budget is what the weights, the workspace and that pool add up to; not beside a budget, and a pool below
+    one huge page is refused with its size."""
+    from rimuru.config import EngineConfig
+
+    path = str(checkpoints["mixtral"])
+    llm = LLM(path, device="cpu", page_pool_memory_bytes="24MiB")
+    split, huge = llm.engine.budget_split, llm.engine.geometry.huge_size
+    assert split["pool"] == 24 * 2**20 // huge * huge
+    assert split["budget"] == split["non_expert_weights"] + split["workspace"] + 24 * 2**20
+    assert llm.generate(["hello"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+    llm.shutdown()
+    for other in ({"gpu_memory_budget": "1GiB"}, {"gpu_memory_utilization": 0.5}):
+        with pytest.raises(ValueError, match="not both"):
+            EngineConfig(model="m", page_pool_memory_bytes="1GiB", **other)
+    with pytest.raises(ValueError, match="smaller than one huge page"):
+        LLM(path, device="cpu", page_pool_memory_bytes=huge - 1)

@@ -188,9 +188,16 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, geometry: PageGeometry, d
     """The budget split around `workspace` (measured on a GPU, bounded on the CPU) and the non-expert weights (what
     their tensors took, where measured; else their bytes), and the offload mode: `mode`, else the one asked for,
     else static when every expert fits with room for KV cache and elastic otherwise."""
-    budget = resolve_budget(config, device, spec, dtype, workspace)
     non_expert = spec.non_expert_bytes(dtype) if non_expert_weights is None else non_expert_weights
-    pool_bytes = budget - non_expert - workspace
+    if config.pool_bytes is not None:  # the pool's size given: the budget is what it adds up to
+        pool_bytes = config.pool_bytes
+        budget = non_expert + workspace + pool_bytes
+    else:
+        budget = resolve_budget(config, device, spec, dtype, workspace)
+        pool_bytes = budget - non_expert - workspace
+    if pool_bytes < geometry.huge_size and config.pool_bytes is not None:
+        raise ValueError(f"page_pool_memory_bytes {format_bytes(pool_bytes)} is smaller than one huge page "
+                         f"({format_bytes(geometry.huge_size)})")
     if pool_bytes < geometry.huge_size:
         raise ValueError(
             f"gpu_memory_budget {format_bytes(budget)} is too small: non-expert weights take "
