@@ -135,10 +135,11 @@ def measure(layer: GatedDeltaNet, B: int, dtype: torch.dtype) -> dict[str, Any]:
 
     row: dict[str, Any] = {"B": B, "sets": sets, "state_mb": round(state_bytes / 2**20, 2),
                            "kernel_mb": round(kernel_bytes / 2**20, 2), "weight_mb": round(weight_bytes / 2**20, 2)}
-    fns: list[tuple[str, Callable[[int], Any]]] = [("kernels", kernels), ("paged", paged), ("gather", gather)]
+    fns: list[tuple[str, Callable[[int], Any], bool]] = [
+        ("kernels", kernels, True), ("paged", paged, True), ("gather", gather, False)]  # gather syncs: eager only
     with torch.no_grad():
-        for name, fn in fns:
-            timing, _ = time_op([lambda i=i, fn=fn: fn(i) for i in range(sets)])
+        for name, fn, capture in fns:
+            timing, _ = time_op([lambda i=i, fn=fn: fn(i) for i in range(sets)], capture=capture)
             row.update(timing_fields(name, timing))
     if row["kernels_us"]:
         row["gbps"] = round(kernel_bytes / row["kernels_us"] / 1e3, 1)

@@ -112,11 +112,14 @@ def time_op(
     sample_ms: float = 2.0,
     graph_min_us: float = 200.0,
     max_ops_per_graph: int = 64,
+    capture: bool = True,
 ) -> tuple[Timing, list[Any]]:
     """Time one op over len(fns) rotated input sets (fns[i] runs the op on set i).
 
     Returns the timing and the outputs of fns[i] as produced by the LAST graph replay (None when the
-    graph could not be captured), so callers can check the captured op against an eager call.
+    graph could not be captured), so callers can check the captured op against an eager call. An op known to
+    sync with the host takes `capture=False` (eager time only): a capture that fails midway can leave torch's
+    CUDA generator in capture state, and the next random tensor then fails.
     """
     n_sets = len(fns)
     side = torch.cuda.Stream()
@@ -143,6 +146,8 @@ def time_op(
     reps = max(1, min(max_ops_per_graph // n_sets, math.ceil(graph_min_us / max(eager_us, 1e-3) / n_sets)))
     ops = reps * n_sets
     outputs: list[Any] = [None] * n_sets
+    if not capture:
+        return Timing(None, eager_us, ops, 0, "not captured: the op syncs with the host"), outputs
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

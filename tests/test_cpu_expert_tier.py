@@ -30,6 +30,7 @@ from rimuru.testing.tiny_models import ARCHS
 STEPS = 16
 PROMPT_LENS = (5, 17, 33)
 BUDGET = "64MiB"
+BF16_TIE = 0.25  # a top-2 logprob gap within bf16 rounding of the tiny models' logits (they are flat: ~0.2 is common)
 
 
 def prompts() -> list[list[int]]:
@@ -490,14 +491,25 @@ def test_cuda_eager_host_tier_float32_equals_copy_path(arch: str, parity_checkpo
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_bf16_host_tier_logits_close_to_copy_path(arch: str, parity_checkpoints) -> None:
     """bf16: the host tier's MoE output is within bf16 tolerance of the copy path's, layer by layer; greedy tokens
-    agree except at near-ties (counted, at most one prompt differing)."""
+    agree up to a near-tie: where a sequence first differs, the copy path's top-2 logprobs there are within
+    BF16_TIE (bf16 sums in another order may pick either), and the rest of that sequence is not compared."""
     path = str(parity_checkpoints[arch])
     common = dict(device="cuda", dtype="bfloat16", gpu_memory_budget="1GiB", enforce_eager=True,
                   offload_mode="fixed", offload_access="copy", resident_experts=2)
-    off = run_greedy(LLM(path, cpu_expert_compute="off", **common), prompts(), STEPS)
+    copy_path = LLM(path, cpu_expert_compute="off", **common)
+    off = run_greedy(copy_path, prompts(), STEPS)
     llm = LLM(path, cpu_expert_compute="on", **common)
     on = run_greedy(llm, prompts(), STEPS)
-    assert sum(a != b for a, b in zip(on, off, strict=True)) <= 1
+    one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2)
+    for prompt, a, b in zip(prompts(), on, off, strict=True):
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        if i is None:
+            continue
+        top = copy_path.generate([{"prompt_token_ids": prompt + b[:i]}], one_token)[0].outputs[0].logprobs[0]
+        first, second = sorted((lp.logprob for lp in top.values()), reverse=True)[:2]
+        assert first - second < BF16_TIE, (f"token {i}: host tier {a[i]}, copy path {b[i]}, top-2 logprob gap "
+                                           f"{first - second:.3g}; host tier {a}, copy path {b}")
+    copy_path.shutdown()
     assert llm.stats()["cpu_experts_computed"] > 0
     # one MoE layer's output: host part + kernel part against the kernel with every expert copied
     eng = llm.engine

@@ -72,12 +72,12 @@ def test_streaming_decision_follows_expected_unused_loads(parity_checkpoints) ->
 
 
 def test_elastic_with_streaming_evicts_grows_and_keeps_tokens(parity_checkpoints, monkeypatch) -> None:
-    from test_elastic import prompts, tight_budget
+    from test_elastic import prompts, tight_pool
 
     monkeypatch.setattr(offload_provider, "STREAM_MAX_UNUSED", float("inf"))
     path = parity_checkpoints["qwen2_moe"]
     limit = 5
-    llm = LLM(str(path), gpu_memory_budget=tight_budget(path, kv_blocks=10, limit=limit), device="cpu",
+    llm = LLM(str(path), page_pool_memory_bytes=tight_pool(path, kv_blocks=10, limit=limit), device="cpu",
               offload_mode="elastic", offload_access="copy", adjuster="paper", expert_offload_limit=limit,
               max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
