@@ -213,7 +213,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     cells = sorted({(r["model"], r["budget_gib"], r["routing"]) for r in rows}, key=str)
-    fig, axes = plt.subplots(2, len(cells), figsize=(5 * len(cells), 7), squeeze=False)
+    fig, axes = plt.subplots(3, len(cells), figsize=(5 * len(cells), 10), squeeze=False)
     for j, cell in enumerate(cells):
         for mode in sorted({r["mode"] for r in rows if (r["model"], r["budget_gib"], r["routing"]) == cell}):
             pts = sorted((float(r["rate"]), r) for r in rows
@@ -221,11 +221,14 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
             xs = [x for x, _ in pts]
             axes[0][j].plot(xs, [r["output_throughput"] for _, r in pts], "o-", label=mode)
             axes[1][j].plot(xs, [r["p99_ttft_ms"] / 1e3 for _, r in pts], "o-", label=mode)
+            axes[2][j].plot(xs, [r["p99_tpot_ms"] for _, r in pts], "o-", label=mode)
         axes[0][j].set_title(f"{cell[0]}, {cell[1]} GiB, {cell[2]}")
         axes[0][j].set_ylabel("output tok/s")
         axes[1][j].set_ylabel("TTFT p99 (s)")
         axes[1][j].axhline(TTFT_P99_SLO_MS / 1e3, color="grey", linestyle=":")
-        axes[1][j].set_xlabel("request rate (req/s)")
+        axes[2][j].set_ylabel("TPOT p99 (ms)")
+        axes[2][j].axhline(TPOT_P99_SLO_MS, color="grey", linestyle=":")
+        axes[2][j].set_xlabel("request rate (req/s)")
         axes[0][j].legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
