@@ -165,6 +165,7 @@ _TIMELINE = {  # timeline key -> metric names (first present wins)
     "cost_copy_excess": ("rimuru:cost_copy_excess",),
     "cost_target_offloaded": ("rimuru:cost_target_offloaded",),
     "cost_grow_reserve_mid_pages": ("rimuru:cost_grow_reserve_mid_pages",),
+    "cost_tpot_correction": ("rimuru:cost_tpot_correction",),  # with a TPOT SLO: measured p99 over it, learned
     "expert_bytes_loaded": ("rimuru:expert_bytes_loaded",),
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
 }

@@ -61,8 +61,7 @@ class DirectElasticRuntime(ElasticRuntime):
     def __init__(self, core: ElasticCore, cache: ExpertCache, store: HostExpertStore, loader: ExpertLoader,
                  provider: StaticExpertProvider, counter: RoutingCounter, pcie_bandwidth: float,
                  async_steps: bool) -> None:
-        super().__init__(core, cache, store, loader, provider, counter, pcie_bandwidth,  # type: ignore[arg-type]
-                         async_steps)
+        super().__init__(core, cache, store, loader, provider, counter, pcie_bandwidth, async_steps)
         self.direct_bytes = 0  # bytes passes read from host memory so far (routing counts x offloaded experts)
 
     def graph_plan(self) -> GraphPlan:

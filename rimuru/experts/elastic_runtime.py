@@ -41,8 +41,8 @@ from rimuru.experts.static_provider import StaticExpertProvider
 
 class ElasticRuntime(OffloadRuntime):
     def __init__(self, core: ElasticCore, cache: ExpertCache, store: HostExpertStore, loader: ExpertLoader,
-                 provider: OffloadExpertProvider, counter: RoutingCounter, pcie_bandwidth: float,
-                 async_steps: bool) -> None:
+                 provider: OffloadExpertProvider | StaticExpertProvider, counter: RoutingCounter,
+                 pcie_bandwidth: float, async_steps: bool) -> None:
         super().__init__(cache, store, loader, provider, mode="elastic")
         self.core = core
         self.counter = counter  # routing counts of each pass feed the online popularity estimate

@@ -14,11 +14,16 @@ from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.experts.runtime import FixedResidency, GraphPlan
+from rimuru.experts.static_provider import StaticExpertProvider
 
 
 class OffloadRuntime(FixedResidency):
+    """`provider` is the copy path's OffloadExpertProvider, or, for elastic mode with direct access
+    (DirectElasticRuntime), the StaticExpertProvider whose tables name host rows: that subclass overrides every
+    method below that needs the offload provider's pass hooks (routing reads, load waits, the host tier)."""
+
     def __init__(self, cache: ExpertCache, store: HostExpertStore, loader: ExpertLoader,
-                 provider: OffloadExpertProvider, mode: str = "fixed") -> None:
+                 provider: OffloadExpertProvider | StaticExpertProvider, mode: str = "fixed") -> None:
         self.mode = mode
         self.cache = cache
         self.store = store
