@@ -12,7 +12,9 @@ Per token t and value head j (key head j // (Hv / Hk) supplies q_t, k_t):
 
 The recurrence has two forms here, with equal results: `chunk_gated_delta_rule` (prefill; chunks of C
 tokens become a few matmuls and one triangular solve, then a scan over chunks) and
-`recurrent_gated_delta_rule` (decode; one state update per token).
+`recurrent_gated_delta_rule` (decode; one state update per token). Prefill on a GPU in bf16/fp16 runs fla-core's
+chunk kernel instead where it is installed (kernels/fla_gated_delta.py: packed rows, no padding, the same states in
+and out); the torch chunk form stays the reference and the CPU's path.
 
 State memory layout, per request and per linear-attention layer:
 
@@ -42,6 +44,7 @@ from torch import Tensor, nn
 
 from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.kernels.causal_conv1d_update import causal_conv1d_update
+from rimuru.kernels.fla_gated_delta import fla_chunk_applies, fla_chunk_gated_delta_rule
 from rimuru.kernels.gated_delta_decode import gated_delta_decode
 from rimuru.models.parallel_linear import RowParallelLinear, rank_shard, section_shard, set_shard
 
@@ -244,16 +247,23 @@ class GatedDeltaNet(nn.Module):
         B, L = valid.shape
         conv_out, conv_final = causal_conv1d(mixed.transpose(1, 2), conv0, self.conv1d.weight.squeeze(1), lens)
         q, k, v = conv_out.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        group = Hv // self.num_k_heads  # value head j reads key head j // group
+        g = -self.A_log.float().exp() * F.softplus(a_pad.float() + self.dt_bias.float())  # [B, L, Hv]
+        if not recurrent and fla_chunk_applies(x):  # prefill on a GPU in bf16/fp16: fla's kernel, packed rows
+            o, state = fla_chunk_gated_delta_rule(
+                q[valid].reshape(T, self.num_k_heads, dk).repeat_interleave(group, dim=1),
+                k[valid].reshape(T, self.num_k_heads, dk).repeat_interleave(group, dim=1),
+                v[valid].reshape(T, Hv, dv), g[valid], b_pad.sigmoid()[valid], state0, query_start_loc,
+                scale=dk**-0.5)
+            return self._output(x, o.to(x.dtype)), conv_final.to(conv_state.dtype), state
         q = q.reshape(B, L, self.num_k_heads, dk).float()  # [B, L, Hk, dk]
         k = k.reshape(B, L, self.num_k_heads, dk).float()
         v = v.reshape(B, L, Hv, dv).float()  # [B, L, Hv, dv]
         q = l2_normalize(q) * dk**-0.5
         k = l2_normalize(k)
-        group = Hv // self.num_k_heads  # value head j reads key head j // group
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)  # [B, L, Hv, dk]
 
         beta = b_pad.sigmoid().float()  # [B, L, Hv]; rounded to the model dtype first, as HF
-        g = -self.A_log.float().exp() * F.softplus(a_pad.float() + self.dt_bias.float())  # [B, L, Hv]
         # padded steps must not touch the state: select beta = 0 and g = 0 there
         beta = torch.where(valid[..., None], beta, 0.0)
         g = torch.where(valid[..., None], g, 0.0)
@@ -265,10 +275,14 @@ class GatedDeltaNet(nn.Module):
         else:
             o, state = chunk_gated_delta_rule(q, k, v, g, beta, state0, self.chunk_size)
         o = o.transpose(1, 2)[valid].to(x.dtype)  # [T, Hv, dv]: padded rows dropped, back to token order
+        return self._output(x, o), conv_final.to(conv_state.dtype), state  # [T, hidden]
 
-        z = self.in_proj_z(x).view(T, Hv, dv)  # [T, Hv, dv]
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:  # x [T, hidden], o [T, Hv, dv] in x's dtype
+        """The gated norm with z = in_proj_z(x), then out_proj: [T, hidden]."""
+        T = x.shape[0]
+        z = self.in_proj_z(x).view(T, self.num_v_heads, self.head_v_dim)  # [T, Hv, dv]
         y = self.norm(o, z).reshape(T, self.value_dim)  # [T, Hv*dv]
-        return self.out_proj(y), conv_final.to(conv_state.dtype), state  # [T, hidden]
+        return self.out_proj(y)
 
     def decode_paged(
         self,

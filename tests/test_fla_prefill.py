@@ -1,0 +1,71 @@
+"""Gated DeltaNet prefill through flash-linear-attention on the GPU against the layer's own torch chunk form.
+
+The fla path (kernels/fla_gated_delta.py) takes bf16/fp16 CUDA prefill only; everything else, the CPU included,
+runs the torch form and never imports fla. On a GPU with fla-core installed, a varlen batch (fresh sequences and
+sequences continuing from a state, lengths across chunk boundaries) gives the torch form's outputs and final
+states within bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from rimuru.kernels import fla_gated_delta
+from rimuru.models.gated_deltanet import GatedDeltaNet
+
+
+def make_layer(seed: int, hidden: int, Hk: int, Hv: int, dk: int, dv: int) -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(hidden, Hk, Hv, dk, dv, conv_kernel=4, eps=1e-6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+        layer.A_log.uniform_(-1.0, 0.5)
+        layer.dt_bias.normal_(0.0, 0.5)
+    return layer.eval()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+def test_the_cpu_never_takes_or_imports_fla() -> None:
+    layer = make_layer(0, hidden=32, Hk=2, Hv=4, dk=8, dv=8).bfloat16()
+    x = torch.randn(7, 32).bfloat16()
+    assert not fla_gated_delta.fla_chunk_applies(x)
+    qsl = torch.tensor([0, 3, 7], dtype=torch.int32)
+    conv0, ssm0 = torch.zeros(2, layer.conv_dim, 3).bfloat16(), torch.zeros(2, 4, 8, 8)
+    with torch.no_grad():
+        layer(x, qsl, conv0, ssm0, torch.tensor([False, False]))
+    assert "fla" not in sys.modules
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core")
+def test_cuda_fla_prefill_equals_the_torch_chunk_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = make_layer(1, hidden=512, Hk=2, Hv=4, dk=128, dv=128).cuda().bfloat16()
+    (C, Km1), (Hv, dk, dv) = layer.state_shapes()
+    lens = [1, 63, 64, 65, 200]  # across the 64-token chunk boundaries
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    T, B = sum(lens), len(lens)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(T, 512, device="cuda", generator=g).bfloat16()
+    has_state = torch.tensor([False, True, False, True, True], device="cuda")
+    ssm0 = torch.randn(B, Hv, dk, dv, device="cuda", generator=g) * 0.05
+    conv0 = torch.randn(B, C, Km1, device="cuda", generator=g).bfloat16()
+    ssm0[~has_state] = float("nan")  # a fresh sequence's pages hold garbage: it must be selected away
+    assert fla_gated_delta.fla_chunk_applies(x)
+    with torch.no_grad():
+        got, conv_got, ssm_got = layer(x, qsl, conv0, ssm0, has_state)
+        monkeypatch.setattr("rimuru.models.gated_deltanet.fla_chunk_applies", lambda x: False)
+        want, conv_want, ssm_want = layer(x, qsl, conv0, ssm0, has_state)
+    assert torch.isfinite(got).all() and torch.isfinite(ssm_got).all()
+    assert _rel(got, want) < 3e-2
+    assert _rel(ssm_got, ssm_want) < 3e-2
+    assert torch.equal(conv_got, conv_want)  # the conv runs the same torch code on both paths
