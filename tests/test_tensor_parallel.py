@@ -253,16 +253,13 @@ def test_fixed_mode_reads_each_ranks_slice_of_the_offloaded_experts(parity_check
     assert got == want
 
 
-def tight_budget(path: Path, kv_blocks: int, tp_size: int) -> int:
-    """A CPU budget whose pool holds every expert and `kv_blocks` KV blocks of one rank of `tp_size`."""
+def tight_pool(path: Path, kv_blocks: int, tp_size: int) -> int:
+    """A pool (page_pool_memory_bytes) that holds every expert and `kv_blocks` KV blocks of one rank of `tp_size`."""
     spec = load_model_spec(str(path))
-    probe = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", max_num_batched_tokens=64)
-    split = probe.engine.budget_split
-    probe.shutdown()
     geo = PageGeometry.for_model(spec, dtype=torch.float32, tp_size=tp_size)
     experts = 3 * spec.num_moe_layers * spec.num_experts * geo.size("expert")
     kv = kv_blocks * len(spec.attention_layer_ids) * geo.size("kv")
-    return split["non_expert_weights"] + split["workspace"] + experts + kv + geo.huge_size
+    return experts + kv + geo.huge_size
 
 
 @slow
@@ -276,7 +273,7 @@ def test_elastic_mode_moves_the_same_experts_on_both_ranks(parity_checkpoints: d
     one = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", max_num_batched_tokens=64)
     want = [o.outputs[0].token_ids for o in one.generate([{"prompt_token_ids": p} for p in ps], params)]
     one.shutdown()
-    two = LLM(str(path), device="cpu", tensor_parallel_size=2, gpu_memory_budget=tight_budget(path, 10, 2),
+    two = LLM(str(path), device="cpu", tensor_parallel_size=2, page_pool_memory_bytes=tight_pool(path, 10, 2),
               offload_mode="elastic", adjuster="paper", expert_offload_limit=5, max_num_batched_tokens=64)
     try:
         got = [o.outputs[0].token_ids for o in two.generate([{"prompt_token_ids": p} for p in ps], params)]
@@ -295,9 +292,8 @@ def test_preempted_requests_recompute_the_same_tokens(parity_checkpoints: dict[s
     path = parity_checkpoints["qwen3_moe"]
     g = torch.Generator().manual_seed(4)
     ps = [torch.randint(3, 300, (30,), generator=g).tolist() for _ in range(4)]
-    budget = tight_budget(path, 8, 2)
-    two = LLM(str(path), device="cpu", tensor_parallel_size=2, gpu_memory_budget=budget, offload_mode="static",
-              max_num_batched_tokens=64)
+    two = LLM(str(path), device="cpu", tensor_parallel_size=2, page_pool_memory_bytes=tight_pool(path, 8, 2),
+              offload_mode="static", max_num_batched_tokens=64)
     try:
         got = run_greedy(two, ps, 20)
         assert two.stats()["preemptions"] > 0
@@ -305,6 +301,24 @@ def test_preempted_requests_recompute_the_same_tokens(parity_checkpoints: dict[s
         two.shutdown()
     one = LLM(str(path), device="cpu", gpu_memory_budget="64MiB")
     assert run_greedy(one, ps, 20) == got
+
+
+@slow
+def test_each_rank_charges_the_budget_for_the_shards_it_holds(parity_checkpoints: dict[str, Path]) -> None:
+    """The budget charges a rank the non-expert tensors it really holds (its shards plus what is replicated), so
+    at the same budget two ranks each get a larger pool than one."""
+    path = str(parity_checkpoints["qwen2_moe"])
+    one = LLM(path, device="cpu", gpu_memory_budget="64MiB")
+    full = one.engine.budget_split
+    one.shutdown()
+    two = LLM(path, device="cpu", gpu_memory_budget="64MiB", tensor_parallel_size=2)
+    try:
+        split, model = two.engine.budget_split, two.engine.model
+        held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        assert split["non_expert_weights"] == held < full["non_expert_weights"]
+        assert split["pool"] > full["pool"] - two.engine.geometry.huge_size
+    finally:
+        two.shutdown()
 
 
 @slow

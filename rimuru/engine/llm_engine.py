@@ -231,8 +231,10 @@ class LLMEngine:
         spec, config, device = self.spec, self.config, self.device
         if start_memory is None:
             logger.info("on the CPU the workspace is bounded from the batch limits, not measured")
+            # the non-expert tensors this rank holds (its shards under tensor parallelism), byte for byte
+            held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
             return plan_memory(spec, config, geometry, dtype, device,
-                               workspace_bytes(spec, config, dtype, CPU_WORKSPACE_SCRATCH))
+                               workspace_bytes(spec, config, dtype, CPU_WORKSPACE_SCRATCH), non_expert_weights=held)
         # the non-expert weights as allocated (the allocator rounds every tensor up), not as counted
         weights = torch.cuda.memory_reserved(device) - start_memory.reserved
         max_model_len = config.max_model_len or spec.max_position_embeddings  # the longest the graphs can be sized for
