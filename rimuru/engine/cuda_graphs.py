@@ -27,6 +27,14 @@ cache's device tables that counts routing inside the graph). A pass replays the 
 expert is resident: one launch and no per-layer host work, as in static mode (measured on the H200, the
 piecewise replay of a fully resident pass cost ~2 ms of host time and ~1.8 ms of GPU time more than static
 at 10 req/s). Both ladders share the one memory pool: they are never replayed at the same time.
+
+Hybrid models (gated DeltaNet layers, models/state_cache.py) capture the decode ladder only. Their decode graphs
+also read `ssm_pages` / `conv_pages`, static [L_lin, max_bs] int64 buffers rewritten in place each step like the
+block tables: row b names sequence b's state pages per linear-attention layer, -1 in padding rows (the paged
+decode kernels read and write nothing there). Whether a sequence has state to continue is computed inside the
+graph from the static seq_lens (a context longer than its one new token), so fresh sequences, and padding rows
+(context 1), select zero states on the device. A step with a prefill chunk runs eagerly: the chunk form of the
+layer gathers and scatters its states with shapes read on the host, so no mixed graph is captured.
 """
 
 from __future__ import annotations
@@ -70,15 +78,17 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
 
 def capture_step_graphs(model: MoECausalLM, plan: GraphPlan, device: torch.device, num_attention_layers: int,
                         max_num_seqs: int, max_model_len: int, block_size: int, max_num_batched_tokens: int,
-                        max_capture_size: int | None) -> StepGraphs:
+                        max_capture_size: int | None, num_linear_layers: int = 0) -> StepGraphs:
     """The graphs a runtime's GraphPlan asks for, captured: whole graphs (static experts), or piecewise graphs cut
     at every MoE layer's expert-table decision, replayed with that decision on the host between the pieces
     (engine/piecewise_graphs.py), plus whole graphs over the resident tables where the plan has them (elastic).
-    Expert tables and page tables change in place, so evictions, grows and loads never invalidate a graph."""
+    Expert tables and page tables change in place, so evictions, grows and loads never invalidate a graph.
+    `num_linear_layers` > 0 (a hybrid model): decode graphs only, with the state page ids as static buffers."""
     boundaries = ExpertTableBoundaries.over(plan.piecewise, model) if plan.piecewise is not None else None
     graphs = StepGraphs(model, device, num_attention_layers, max_num_seqs, max_model_len, block_size,
                         max_num_batched_tokens, counter=plan.counter, boundaries=boundaries,
-                        resident_provider=plan.resident, max_capture_size=max_capture_size)
+                        resident_provider=plan.resident, max_capture_size=max_capture_size,
+                        num_linear_layers=num_linear_layers)
     graphs.capture()
     return graphs
 
@@ -88,7 +98,7 @@ class StepGraphs:
                  max_model_len: int, block_size: int, max_num_batched_tokens: int | None = None,
                  counter: RoutingCounter | None = None, boundaries: ExpertTableBoundaries | None = None,
                  resident_provider: StaticExpertProvider | None = None,
-                 max_capture_size: int | None = None) -> None:
+                 max_capture_size: int | None = None, num_linear_layers: int = 0) -> None:
         if resident_provider is not None and boundaries is None:
             raise ValueError("resident_provider needs boundaries (whole graphs are the piecewise ones' fast path)")
         self.model = model
@@ -100,7 +110,9 @@ class StepGraphs:
         # max_capture_size (EngineConfig.max_cudagraph_capture_size): no graph of more rows; larger steps run eagerly
         cap = max_capture_size or max(max_num_seqs, max_num_batched_tokens or 0)
         self.sizes = capture_sizes(min(max_num_seqs, cap))  # decode ladder
-        self.token_sizes = token_buckets(min(max_num_batched_tokens, cap)) if max_num_batched_tokens else []
+        # mixed ladder; none for a hybrid model (its steps with a prefill chunk run eagerly: module docstring)
+        self.token_sizes = (token_buckets(min(max_num_batched_tokens, cap))
+                            if max_num_batched_tokens and not num_linear_layers else [])
         self.max_bs = self.sizes[-1]
         self.max_seqs = max_num_seqs  # sequences of every mixed graph (and its sampled rows)
         self.max_model_len = max_model_len
@@ -121,6 +133,12 @@ class StepGraphs:
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(self.max_bs, dtype=torch.int64, device=device)
+        # hybrid models: [L_lin, max_bs] state page ids of each decode row, -1 = padding (no state read or written)
+        self.ssm_pages: torch.Tensor | None = None
+        self.conv_pages: torch.Tensor | None = None
+        if num_linear_layers:
+            self.ssm_pages = torch.full((num_linear_layers, self.max_bs), -1, dtype=torch.int64, device=device)
+            self.conv_pages = torch.full((num_linear_layers, self.max_bs), -1, dtype=torch.int64, device=device)
         # mixed ladder
         self.mix_query_start_loc = i32(S + 1)
         self.mix_seq_lens = i32(S)
@@ -142,6 +160,8 @@ class StepGraphs:
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:, :bs], slot_mapping=self.slot_mapping[:, :bs],
             logits_indices=self.logits_indices[:bs], max_query_len=1, max_seq_len=self.max_model_len,
+            ssm_pages=self.ssm_pages[:, :bs] if self.ssm_pages is not None else None,
+            conv_pages=self.conv_pages[:, :bs] if self.conv_pages is not None else None,
         )
 
     def mixed_batch(self, tokens: int) -> ForwardBatch:
@@ -328,20 +348,39 @@ class StepGraphs:
         else:
             graph.replay()
 
-    def run(self, num_seqs: int, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
-            block_tables: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """One decode step of `num_seqs` requests, its inputs already on the device and padded to the captured
-        size Bp (ModelRunner.host_arrays(pad_to=Bp)): [Bp], [Bp], [Bp], [L, Bp, nb], [L, Bp]. Copies them into
-        the static buffers (device to device, no host sync), replays, returns logits [num_seqs, V]."""
+    def fill_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, slot_mapping: torch.Tensor, ssm_pages: torch.Tensor | None = None,
+                    conv_pages: torch.Tensor | None = None) -> int:
+        """Copies one decode step's inputs, on the device and padded to a captured size Bp
+        (ModelRunner.host_arrays(pad_to=Bp)), into the static buffers (device to device, no host sync): [Bp], [Bp],
+        [Bp], [L, Bp, nb], [L, Bp], and a hybrid model's [L_lin, Bp] state page ids (-1 in padding rows). Returns
+        Bp."""
         bp = input_ids.shape[0]
-        if bp not in self.graphs:
-            raise ValueError(f"no decode graph captured for {bp} rows (captured: {self.sizes})")
+        if bp not in self.sizes:
+            raise ValueError(f"no decode graph for {bp} rows (the ladder: {self.sizes})")
+        if (ssm_pages is None) != (self.ssm_pages is None) or (conv_pages is None) != (self.conv_pages is None):
+            raise ValueError("a hybrid model's decode graphs take ssm_pages and conv_pages, and only theirs do")
         nb = block_tables.shape[2]
         self.input_ids[:bp].copy_(input_ids)
         self.positions[:bp].copy_(positions)
         self.seq_lens[:bp].copy_(seq_lens)
         self.block_tables[:, :bp, :nb].copy_(block_tables)
         self.slot_mapping[:, :bp].copy_(slot_mapping)
+        if self.ssm_pages is not None and self.conv_pages is not None:
+            assert ssm_pages is not None and conv_pages is not None
+            self.ssm_pages[:, :bp].copy_(ssm_pages)
+            self.conv_pages[:, :bp].copy_(conv_pages)
+        return bp
+
+    def run(self, num_seqs: int, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+            block_tables: torch.Tensor, slot_mapping: torch.Tensor, ssm_pages: torch.Tensor | None = None,
+            conv_pages: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of `num_seqs` requests: its inputs into the static buffers (`fill_decode`), the graph of
+        their padded size replayed; returns logits [num_seqs, V]."""
+        bp = input_ids.shape[0]
+        if bp not in self.graphs:
+            raise ValueError(f"no decode graph captured for {bp} rows (captured: {self.sizes})")
+        self.fill_decode(input_ids, positions, seq_lens, block_tables, slot_mapping, ssm_pages, conv_pages)
         self._replay(self.graphs[bp], self.whole_graphs.get(bp))
         assert self.logits_out is not None
         return self.logits_out[:num_seqs]

@@ -130,8 +130,10 @@ class LLMEngine:
         num_attn = len(spec.attention_layer_ids)
         model.bind_kv_cache(self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size),
                                               spec.head_dim, dtype, config.block_size))
+        state_cache: LinearStateCache | None = None
         if spec.is_hybrid:  # gated DeltaNet layers' per-request state: ssm and conv pages of the same pool
-            model.bind_state_cache(LinearStateCache(self.pool.ssm_view(), self.pool.conv_view()))
+            state_cache = LinearStateCache(self.pool.ssm_view(), self.pool.conv_view())
+            model.bind_state_cache(state_cache)
         self.fence = PassFence(device)  # pages freed while a pass may read them: memory/pass_fence.py
         self.runtime = build_runtime(self._runtime_settings(memory.mode), spec, dtype, self.pool, model,
                                      load_popularity(config, spec), self.fence, self._host_store)
@@ -168,10 +170,14 @@ class LLMEngine:
         if device.type == "cuda" and not config.enforce_eager:
             if tp.size > 1:  # the other ranks would have to replay each graph with rank 0
                 logger.info("CUDA graphs are not captured under tensor parallelism: every step runs eager")
-            elif spec.is_hybrid:  # the graphs' batches carry no state page ids yet
-                logger.info("CUDA graphs are not captured for hybrid models (%s): every step runs eager",
-                            spec.model_type)
+            elif state_cache is not None and not state_cache.in_place_decode:  # the gather path syncs the host
+                logger.info("CUDA graphs are not captured for hybrid models without Triton's paged decode kernels "
+                            "(%s): every step runs eager", spec.model_type)
             else:
+                if state_cache is not None:
+                    logger.info("hybrid model (%s): pure-decode steps replay CUDA graphs; every step with a prefill "
+                                "chunk runs eagerly (the gated DeltaNet's chunk form gathers and scatters its states "
+                                "with host-dependent shapes, so no mixed graphs are captured)", spec.model_type)
                 self._capture_graphs()
         if start_memory is not None:
             self._check_workspace(start_memory)
@@ -250,7 +256,7 @@ class LLMEngine:
         cfg = self.config
         graphs = capture_step_graphs(self.model, self.runtime.graph_plan(), self.device, self.runner.num_layers,
                                      cfg.max_num_seqs, self.max_model_len, cfg.block_size, cfg.max_num_batched_tokens,
-                                     cfg.max_cudagraph_capture_size)
+                                     cfg.max_cudagraph_capture_size, num_linear_layers=self.runner.num_linear_layers)
         self.runner.use_cuda_graphs(graphs)
         overhead = graphs.measure_piecewise_overhead()
         if overhead is not None:  # step times are measured without it; the cost adjuster charges it to offloading

@@ -401,12 +401,13 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(sched):
             B = len(sched.scheduled)
             bp = graphs.padded_size(B)
-            h = self.host_arrays(sched, pad_to=bp)
-            ids, pos, _, seq_lens, bt, slots, _ = self.to_device(h)
+            h = self.host_arrays(sched, pad_to=bp)  # a hybrid's state page ids: -1 in the padding rows
+            ids, pos, _, seq_lens, bt, slots, _, *state = self.to_device(h)
             self._fill_pending(ids, h)
+            ssm_pages, conv_pages = state if state else (None, None)
             trace.mark("prepare")
             trace.forward_begin()
-            logits = graphs.run(B, ids, pos, seq_lens, bt, slots)
+            logits = graphs.run(B, ids, pos, seq_lens, bt, slots, ssm_pages, conv_pages)
             self.graph_steps += 1
         elif graphs is not None and graphs.can_run_mixed(sched):
             h = self.host_arrays(sched, pad_tokens=graphs.padded_tokens(sched.num_tokens), pad_seqs=graphs.max_seqs)

@@ -16,8 +16,9 @@ What is measured (device memory seen by torch's allocator and by the driver, `to
     forward   the eager pass of max_num_batched_tokens tokens over min(max_num_seqs, T) prompts, with every
               sequence's last row sampled (temperature, top-k and top-p: the sampler's largest working set)
     outside   memory the passes made outside torch's allocator (cuBLAS workspaces, loaded kernel images)
-    graphs    a throwaway capture of the same CUDA graphs the engine captures (whole, piecewise, or both), over the
-              scratch pool: the graphs' memory pool and the graph objects; then given back
+    graphs    a throwaway capture of the same CUDA graphs the engine captures (whole, piecewise, or both; a hybrid
+              model's decode ladder alone), over the scratch pool: the graphs' memory pool and the graph objects;
+              then given back
     sampling  S rows of logits sampled eagerly, the transient beside the graphs' pool
 
 Device memory is read with `torch.cuda.mem_get_info`, which sees the whole GPU: like vLLM's profile, this one assumes
@@ -25,8 +26,10 @@ no other process allocates on the GPU while the engine starts (another process's
 workspace; the GPU tests that start engines run one at a time for this reason).
 
 The workspace is `forward + outside` when every step runs eagerly; with CUDA graphs it is `graphs + sampling +
-outside`, plus the eager `forward` when steps above --max-cudagraph-capture-size run eagerly beside the graphs. On
-the CPU nothing is measured (host memory; see setup.workspace_bytes for the bound used there).
+outside`, plus the eager `forward` when steps above --max-cudagraph-capture-size run eagerly beside the graphs (a
+hybrid model's steps with a prefill chunk always do: it has no mixed graphs). The capture's decode graphs read
+state page ids of -1 (their static buffers as captured), so the paged decode kernels touch no state page. On the
+CPU nothing is measured (host memory; see setup.workspace_bytes for the bound used there).
 """
 
 from __future__ import annotations
@@ -184,13 +187,16 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     outside = engine_start.outside_torch_since(device)
     graphs = sampling = 0
     eager_beside = False
-    # the engine captures no graphs for hybrids, nor under tensor parallelism, yet
-    if not config.enforce_eager and not spec.is_hybrid and config.tensor_parallel_size == 1:
+    # the engine's choice: no graphs under tensor parallelism, nor for a hybrid model whose decode is not the paged
+    # kernels' (the gather path syncs the host)
+    in_place = scratch.state is None or scratch.state.in_place_decode
+    if not config.enforce_eager and config.tensor_parallel_size == 1 and in_place:
         torch.cuda.empty_cache()
         before = _device_used(device)
-        step_graphs = _capture_like_the_engine(model, scratch, mode, device, num_attn, config, max_model_len)
+        step_graphs = _capture_like_the_engine(model, scratch, mode, device, num_attn, len(spec.linear_layer_ids),
+                                               config, max_model_len)
         graphs = _device_used(device) - before
-        eager_beside = step_graphs.token_sizes[-1] < T
+        eager_beside = not step_graphs.token_sizes or step_graphs.token_sizes[-1] < T
         # the sampler's transient beside the graphs: its input is the graphs' logits buffer, counted above
         logits = torch.zeros(S, spec.vocab_size, dtype=torch.float32, device=device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -212,9 +218,10 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
 
 
 def _capture_like_the_engine(model: MoECausalLM, scratch: _ScratchPool, mode: str, device: torch.device,
-                             num_attn: int, config: EngineConfig, max_model_len: int) -> StepGraphs:
+                             num_attn: int, num_linear: int, config: EngineConfig, max_model_len: int) -> StepGraphs:
     """The graph ladders the engine will capture in `mode` (static, and fixed or elastic with direct access: whole
-    graphs; fixed with copies: piecewise; elastic with copies: piecewise and whole), over the scratch pool."""
+    graphs; fixed with copies: piecewise; elastic with copies: piecewise and whole), over the scratch pool; a hybrid
+    model's (`num_linear` linear-attention layers) decode ladder only, over its scratch state cache."""
     provider = scratch.provider
     boundaries = None
     copies = mode != "static" and config.offload_access == "copy"
@@ -227,6 +234,6 @@ def _capture_like_the_engine(model: MoECausalLM, scratch: _ScratchPool, mode: st
     graphs = StepGraphs(model, device, num_attn, config.max_num_seqs, max_model_len, config.block_size,
                         config.max_num_batched_tokens, boundaries=boundaries,
                         resident_provider=provider if copies and mode == "elastic" else None,
-                        max_capture_size=config.max_cudagraph_capture_size)
+                        max_capture_size=config.max_cudagraph_capture_size, num_linear_layers=num_linear)
     graphs.capture()
     return graphs

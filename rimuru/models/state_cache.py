@@ -20,10 +20,11 @@ the recurrent state's read and write of its [Hv, dk, dv] fp32 page is the whole 
 
 CUDA graphs: that decode has no host sync and no data-dependent branch on the host (launch grids depend on B and
 the shapes only; fresh sequences and padding rows are decided on the device from `has_initial_state` and the page
-ids), so it can be captured. What capturing hybrid decode steps still needs is outside this module: the graphs'
-batches must carry `ssm_pages` / `conv_pages` as static [L_lin, B_graph] buffers updated in place each step, with
--1 in padding rows (the kernels neither read nor write their pages), and the workspace profile's scratch pool must
-capture them too.
+ids), so a pure-decode step of a hybrid model replays a decode graph (engine/cuda_graphs.py): its batch carries
+`ssm_pages` / `conv_pages` as static [L_lin, B_graph] buffers updated in place each step, -1 in padding rows (the
+kernels neither read nor write their pages). The gather/scatter path syncs the host (`write`'s padding test, the
+chunk form's lengths), so passes with a prefill chunk run eagerly, and no graph is captured where `in_place_decode`
+is off.
 """
 
 from __future__ import annotations

@@ -1,0 +1,308 @@
+"""CUDA graphs for a hybrid model's decode steps (engine/cuda_graphs.py; the state pages: models/state_cache.py).
+
+A hybrid model's decode graphs read the state page ids from static [L_lin, B_graph] buffers: the live rows' pages,
+-1 in padding rows; a step with a prefill chunk never takes a graph (no mixed graphs are captured for hybrids).
+
+On the CPU: the static batch a decode step fills, the step kinds, and the engine serving with every "graph" replayed
+as an eager pass over the graphs' static buffers (what a captured graph reads, without CUDA): the eager engine's
+tokens, every pure-decode step through the buffers, through chunked prefill, preemption, evictions, and requests
+arriving and finishing between steps, nothing held after. On the GPU (`-m gpu`): the captured graphs against
+enforce_eager, float32, in static mode, elastic mode with direct access (whole graphs) and fixed mode with copies
+(piecewise graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_hybrid_engine import assert_nothing_held
+
+from rimuru import LLM, SamplingParams
+from rimuru.engine.cuda_graphs import StepGraphs
+from rimuru.engine.llm_engine import LLMEngine
+from rimuru.engine.model_runner import SampledTokens
+from rimuru.engine.scheduler import SchedulerOutput
+from rimuru.engine.step_profiler import StepTrace
+from rimuru.experts.residency import EXPERT
+from rimuru.testing.reference import random_prompts
+
+pytest.importorskip("transformers")
+
+CHUNK = 16  # max_num_batched_tokens: the longer prompts are prefilled in chunks
+SEQS = 8  # max_num_seqs: decode graphs of 1, 2, 4 and 8 rows
+# (engine step at which the request arrives, prompt length, max_tokens): requests arrive while others decode, finish
+# at different steps (the batch shrinks through the padded sizes), one prompt of one token decodes its first token
+# as a fresh sequence (no state to continue) inside a decode step, and the last prompt is the second one's first 17
+# tokens: a prefix hit at its 16-token boundary (where the pool keeps the snapshot) leaves it one token to compute,
+# a decode step whose state copy runs before it
+ARRIVALS = ((0, 12, 14), (0, 30, 18), (0, 7, 6), (3, 21, 16), (6, 40, 10), (9, 1, 12), (12, 5, 8), (14, 17, 6))
+HIT = (7, 1)  # ARRIVALS[7]'s prompt is the start of ARRIVALS[1]'s
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("qwen3_5_moe_text", seed=3)
+
+
+def tight_pool(ckpt: Path, requests: int, kv_blocks: int, **args: object) -> int:
+    """A page pool (bytes) that holds every expert, `requests` requests' state pages, `kv_blocks` KV blocks and one
+    huge page of slack; page sizes from a CPU engine of the same dtype (the geometry does not depend on the device)."""
+    probe = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cpu", max_num_batched_tokens=CHUNK, enforce_eager=True,
+                **args)
+    e = probe.engine
+    assert e.state is not None
+    geo = e.geometry
+    experts = 3 * e.runtime.cache.total_experts * geo.size(EXPERT)
+    pool = experts + requests * e.state.request_bytes + kv_blocks * e.kv.num_layers * geo.size("kv") + geo.huge_size
+    probe.shutdown()
+    return pool
+
+
+class Launches:
+    """Counts the engine's launches by what they schedule: pure decode (every request one sampled token) or not, and
+    the pure-decode ones with state copies (a prefix hit's snapshot) queued before them."""
+
+    def __init__(self, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pure_decode = self.other = self.decode_after_copies = 0
+        launch = engine.runner.launch
+
+        def counted(sched: SchedulerOutput, trace: StepTrace) -> SampledTokens:
+            if all(s.num_new_tokens == 1 and s.samples for s in sched.scheduled):
+                self.pure_decode += 1
+                self.decode_after_copies += bool(sched.state_copies)
+            else:
+                self.other += 1
+            return launch(sched, trace)
+
+        monkeypatch.setattr(engine.runner, "launch", counted)
+
+
+def serve(engine: LLMEngine) -> dict[str, list[int]]:
+    """Greedy tokens of ARRIVALS' requests, each added at its step of the engine's loop."""
+    prompts = random_prompts(tuple(n for _, n, _ in ARRIVALS), seed=41)
+    hit, source = HIT
+    prompts[hit] = prompts[source][: len(prompts[hit])]
+    todo = list(enumerate(ARRIVALS))
+    done: dict[str, list[int]] = {}
+    step = 0
+    while todo or engine.has_unfinished_requests():
+        while todo and todo[0][1][0] <= step:
+            i, (_, _, max_tokens) = todo.pop(0)
+            engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                  ignore_eos=True))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    assert sorted(done) == [str(i) for i in range(len(ARRIVALS))]
+    assert all(len(done[str(i)]) == a[2] for i, a in enumerate(ARRIVALS))
+    return done
+
+
+# ---------------------------------------------------------------------------------------------- the static batch
+
+def _llm(ckpt: Path, lengths: tuple[int, ...]) -> LLM:
+    """A CPU engine with one request per prompt length added, nothing run yet."""
+    llm = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu", max_num_batched_tokens=64, max_num_seqs=SEQS)
+    for i, p in enumerate(random_prompts(lengths, seed=42)):
+        llm.engine.add_request(str(i), p, SamplingParams(max_tokens=4, ignore_eos=True))
+    return llm
+
+
+def _graphs_for(engine: LLMEngine, hybrid: bool = True) -> StepGraphs:
+    """Graphs at the engine's limits, not captured (the ladders and static buffers only)."""
+    runner, cfg = engine.runner, engine.config
+    return StepGraphs(engine.model, engine.device, runner.num_layers, cfg.max_num_seqs, engine.max_model_len,
+                      cfg.block_size, cfg.max_num_batched_tokens,
+                      num_linear_layers=runner.num_linear_layers if hybrid else 0)
+
+
+def test_a_decode_step_fills_the_live_rows_state_pages_and_minus_one_in_padding(ckpt: Path) -> None:
+    llm = _llm(ckpt, (5, 9, 3))
+    engine = llm.engine
+    engine.step()  # every prompt in one step: the next schedule is pure decode
+    sched = engine.scheduler.schedule()
+    runner = engine.runner
+    L_lin = len(engine.spec.linear_layer_ids)
+    graphs = _graphs_for(engine)
+    assert graphs.ssm_pages is not None and graphs.conv_pages is not None
+    assert graphs.ssm_pages.shape == graphs.conv_pages.shape == (L_lin, SEQS)
+    assert bool((graphs.ssm_pages == -1).all()) and bool((graphs.conv_pages == -1).all())  # as captured
+    runner.use_cuda_graphs(graphs)
+    assert runner.step_kind(sched) == "decode-graph"
+    reqs = [s.request for s in sched.scheduled]
+    bp = graphs.padded_size(len(reqs))
+    assert (len(reqs), bp) == (3, 4)
+    h = runner.host_arrays(sched, pad_to=bp)
+    ids, pos, _, seq_lens, bt, slots, _, ssm, conv = runner.to_device(h)
+    graphs.ssm_pages.fill_(99)  # a previous, larger step's rows
+    graphs.conv_pages.fill_(99)
+    assert graphs.fill_decode(ids, pos, seq_lens, bt, slots, ssm, conv) == bp
+    want_ssm = torch.tensor([r.ssm_pages for r in reqs], dtype=torch.int64).T  # [L_lin, 3]
+    want_conv = torch.tensor([r.conv_pages for r in reqs], dtype=torch.int64).T
+    assert torch.equal(graphs.ssm_pages[:, :3], want_ssm) and torch.equal(graphs.conv_pages[:, :3], want_conv)
+    assert len(set(want_ssm.flatten().tolist())) == 3 * L_lin and bool((want_ssm >= 0).all())
+    assert graphs.ssm_pages[:, 3].tolist() == graphs.conv_pages[:, 3].tolist() == [-1] * L_lin  # the padding row
+    assert bool((graphs.ssm_pages[:, bp:] == 99).all())  # rows past the graph's are not its to read
+    batch = graphs.batch(bp)
+    assert batch.ssm_pages is not None and batch.conv_pages is not None
+    assert batch.ssm_pages.shape == batch.conv_pages.shape == (L_lin, bp)
+    assert batch.ssm_pages.data_ptr() == graphs.ssm_pages.data_ptr()  # the graph reads the buffer itself
+    # has_initial_state inside the graph: context beyond the one new token; the padding row's context is 1 (fresh)
+    assert batch.seq_lens.tolist() == [len(r.prompt_token_ids) + 1 for r in reqs] + [1]
+    with pytest.raises(ValueError, match="ssm_pages and conv_pages"):
+        graphs.fill_decode(ids, pos, seq_lens, bt, slots)
+    with pytest.raises(ValueError, match="ssm_pages and conv_pages"):
+        _graphs_for(engine, hybrid=False).fill_decode(ids, pos, seq_lens, bt, slots, ssm, conv)
+
+
+def test_steps_with_a_prefill_chunk_take_no_graph(ckpt: Path) -> None:
+    llm = _llm(ckpt, (5, 9))
+    engine = llm.engine
+    graphs = _graphs_for(engine)
+    assert graphs.token_sizes == [] and graphs.sizes == [1, 2, 4, 8]  # no mixed ladder for a hybrid
+    assert _graphs_for(engine, hybrid=False).token_sizes  # the same limits without linear layers: mixed graphs
+    engine.runner.use_cuda_graphs(graphs)
+    engine._take_inbox()
+    prefill = engine.scheduler.schedule()
+    assert engine.runner.step_kind(prefill) == "prefill" and not graphs.can_run_mixed(prefill)
+
+    llm = _llm(ckpt, (5, 9))
+    engine = llm.engine
+    engine.step()  # the prompts, eagerly: the two requests decode next
+    engine.add_request("new", random_prompts((20,), seed=43)[0], SamplingParams(max_tokens=2))
+    engine._take_inbox()
+    mixed = engine.scheduler.schedule()
+    n = sorted(s.num_new_tokens for s in mixed.scheduled)
+    assert n[:2] == [1, 1] and n[2] > 1  # the two decodes and a chunk of the new prompt
+    graphs = _graphs_for(engine)
+    engine.runner.use_cuda_graphs(graphs)
+    assert not graphs.can_run(mixed) and not graphs.can_run_mixed(mixed)
+    assert engine.runner.step_kind(mixed) == "mixed"
+
+
+# ---------------------------------------------------------------------------------------------- serving, on the CPU
+
+class EagerReplay:
+    """Stands in for a captured decode graph of `bs` rows on the CPU: a replay is an eager pass over the graphs'
+    static batch (the buffers the captured kernels read), its logits into the graphs' logits buffer."""
+
+    def __init__(self, graphs: StepGraphs, bs: int) -> None:
+        self.graphs, self.bs = graphs, bs
+
+    def replay(self) -> None:
+        g = self.graphs
+        batch = g.batch(self.bs)
+        if g.counter is not None:  # as the capture: padding rows (slot -1) count no routing
+            g.counter.row_mask = batch.slot_mapping[0] >= 0
+        try:
+            hidden = g.model(batch)  # [bs, d]
+        finally:
+            if g.counter is not None:
+                g.counter.row_mask = None
+        logits = g.model.compute_logits(hidden[batch.logits_indices])  # [bs, V]
+        if g.logits_out is None:
+            g.logits_out = torch.empty(max(g.max_seqs, g.max_bs), logits.shape[1])
+        g.logits_out[: self.bs].copy_(logits)
+
+
+def replay_through_static_buffers(engine: LLMEngine) -> StepGraphs:
+    """Decode "graphs" for a CPU engine, each an EagerReplay, over the runtime's routing counter."""
+    runner, cfg = engine.runner, engine.config
+    graphs = StepGraphs(engine.model, engine.device, runner.num_layers, cfg.max_num_seqs, engine.max_model_len,
+                        cfg.block_size, cfg.max_num_batched_tokens, counter=engine.runtime.graph_plan().counter,
+                        num_linear_layers=runner.num_linear_layers)
+    graphs.graphs.update({bs: EagerReplay(graphs, bs) for bs in graphs.sizes})
+    runner.use_cuda_graphs(graphs)
+    return graphs
+
+
+# name: (engine arguments, the pool: tight_pool's (requests, KV blocks), or None for a roomy budget)
+MODES = {
+    "static": ({"offload_mode": "static"}, (3, 5)),  # preemptions: requests recompute their state
+    "elastic-direct": ({"offload_mode": "elastic", "offload_access": "direct", "adjuster": "paper",
+                        "expert_offload_limit": 5}, (1, 6)),  # experts evicted for state pages, read in host memory
+    # offloaded experts copied (piecewise graphs on the GPU; every expert on the GPU's kernel, as the replays do);
+    # room for HIT's snapshot
+    "fixed-copy": ({"offload_mode": "fixed", "offload_access": "copy", "resident_experts": 4,
+                    "cpu_expert_compute": "off"}, None),
+}
+
+
+def _memory(ckpt: Path, mode: str, **probe_args: object) -> dict[str, object]:
+    room = MODES[mode][1]
+    if room is None:
+        return {"gpu_memory_budget": "1GiB"}
+    return {"page_pool_memory_bytes": tight_pool(ckpt, *room, **probe_args)}
+
+
+def _mode_did_its_part(mode: str, stats: dict, launches: Launches) -> None:
+    """What each mode's run is there for happened: preemptions (static), evictions (elastic), copies and a prefix hit
+    that leaves a decode step a state copy to run first (fixed)."""
+    if mode == "static":
+        assert stats["preemptions"] > 0, stats
+    elif mode == "elastic-direct":
+        assert stats["expert_evictions"] > 0 and stats["peak_running"] > 1, stats
+    else:
+        assert stats["expert_bytes_loaded"] > 0 and stats["prefix_cache_hits"] > 0, stats
+        assert launches.decode_after_copies > 0
+    assert launches.other > 0 and launches.pure_decode > 0
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_serving_through_the_static_buffers_decodes_the_eager_tokens(ckpt: Path, mode: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    args = MODES[mode][0]
+    memory = _memory(ckpt, mode)
+    got = {}
+    for through_graphs in (False, True):
+        llm = LLM(str(ckpt), device="cpu", max_num_batched_tokens=CHUNK, max_num_seqs=SEQS, async_scheduling=True,
+                  **memory, **args)
+        engine = llm.engine
+        cache = engine.model.state_cache
+        assert cache is not None
+        cache.in_place_decode = True  # the GPU's decode path (the paged kernels' torch references here)
+        graphs = replay_through_static_buffers(engine) if through_graphs else None
+        launches = Launches(engine, monkeypatch)
+        got[through_graphs] = serve(engine)
+        _mode_did_its_part(mode, llm.stats(), launches)
+        if graphs is not None:  # every pure-decode step through the buffers, no other step
+            assert engine.runner.graph_steps == launches.pure_decode and engine.runner.mixed_graph_steps == 0
+        assert_nothing_held(engine)
+        llm.shutdown()
+    assert got[True] == got[False]
+
+
+# ---------------------------------------------------------------------------------------------- the GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_cuda_decode_graphs_give_the_eager_tokens(ckpt: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured decode graphs (whole in static and elastic-direct mode, piecewise in fixed mode with copies) against
+    the same engine run eagerly, float32: the same greedy tokens, every pure-decode step a replay, no mixed graph,
+    nothing held after."""
+    args = MODES[mode][0]
+    memory = _memory(ckpt, mode, dtype="float32")
+    got = {}
+    for eager in (True, False):
+        llm = LLM(str(ckpt), device="cuda", dtype="float32", enforce_eager=eager, max_num_batched_tokens=CHUNK,
+                  max_num_seqs=SEQS, **memory, **args)
+        engine, runner = llm.engine, llm.engine.runner
+        assert engine.async_scheduling
+        launches = Launches(engine, monkeypatch)
+        got[eager] = serve(engine)
+        _mode_did_its_part(mode, llm.stats(), launches)
+        if eager:
+            assert runner.graphs is None and runner.graph_steps == 0
+        else:
+            graphs = runner.graphs
+            assert graphs is not None and graphs.token_sizes == [] and graphs.ssm_pages is not None
+            assert (graphs.boundaries is not None) == (mode == "fixed-copy")  # piecewise with copies
+            assert runner.graph_steps == launches.pure_decode and runner.mixed_graph_steps == 0
+        assert_nothing_held(engine)
+        llm.shutdown()  # one engine on the GPU at a time
+    assert got[False] == got[True]
