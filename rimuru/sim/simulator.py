@@ -2,17 +2,21 @@
 core (experts/elastic_core.py) on a simulated clock.
 
 One loop iteration is one engine step (engine/llm_engine.py), with the GPU replaced by `CostModel`:
-  1. requests whose arrival time has passed join the queue; elastic: grows reserved last step enter the
+  1. requests whose arrival time the host has reached join the queue; elastic: grows reserved last step enter the
      residency and the load buffers take pages if an expert is out (`begin_step`, as the engine's runtime);
   2. `Scheduler.schedule()` picks the batch; elastic: the core plans (evictions begin, grows reserve pages);
-  3. the clock advances by the cost model's step time (evictees still readable, grows copied meanwhile);
-  4. computed tokens are counted, sampled tokens appended, requests that reached their output length
-     finish (EOS ignored) and free their pages; the core's after_pass, then the allocator's complete_forward.
+  3. the pass is launched: its tokens count as computed, sampled rows are pending tokens, and the device clock
+     advances by the cost model's step time (evictees still readable, grows copied meanwhile);
+  4. a pass is drained: sampled tokens appended, requests that reached their output length finish (EOS ignored)
+     and free their pages; the core's after_pass, then the allocator's complete_forward.
+With async scheduling (the engine's default on a GPU) step n+1 is scheduled and launched while pass n runs and pass
+n is drained after: the host sees arrivals up to the start of pass n, and pass n's finishes from step n+2 on.
 A hybrid model's requests hold their state pages (ssm and conv kinds) from admission to the end, through the
 engine's own state manager (engine/state_cache_manager.py), so admission, the shortfall and the adjuster count
 them as in the engine.
-The budget is split, the modes start and requests are admitted as in the engine (engine/setup.py
-`plan_memory`, experts/runtime_builders.py, `max_kv_pages`); copy costs come from the hardware profile.
+The budget is split (around the workspace the engine measured, when given, else its bound), the modes start and
+requests are admitted as in the engine (engine/setup.py `plan_memory`, experts/runtime_builders.py,
+`max_kv_pages`); copy costs come from the hardware profile.
 """
 
 from __future__ import annotations
