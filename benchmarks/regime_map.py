@@ -83,8 +83,19 @@ def rows_from_sweep(doc: dict[str, Any], source: str) -> list[dict[str, Any]]:
             "budget_gib": round(parse_bytes(budget) / 2**30, 2) if budget else None,
             "routing": "uniform" if row.get("server") == "vllm" else routing_of(flags),
             "mode": row["config"], **{k: row.get(k) for k in ROW_FIELDS[4:]},
-            "server": row.get("server"), "server_flags": flags, "run": run_of(doc), "file": source})
+            "server": row.get("server"), "server_flags": flags, "run": run_of(doc), "file": source,
+            "workspace_bytes": row.get("workspace_bytes"), "start_pool_bytes": start_pool_bytes(row)})
     return rows
+
+
+def start_pool_bytes(row: dict[str, Any]) -> int | None:
+    """The page pool of a Rimuru server as its timeline's first sample shows it (free + expert + KV bytes), for rows
+    of servers that did not report their workspace yet; None without a timeline."""
+    tl = row.get("timeline") or {}
+    parts = [tl.get(k) for k in ("pool_free_bytes", "expert_bytes_used", "kv_bytes_used")]
+    if not all(parts):
+        return None
+    return int(sum(p[0] for p in parts))
 
 
 def capacities(rows: list[dict[str, Any]], key: str = "") -> list[dict[str, Any]]:
@@ -101,12 +112,15 @@ def capacities(rows: list[dict[str, Any]], key: str = "") -> list[dict[str, Any]
 
 # ---------------------------------------------------------------------------------------------- predictions
 
-def sim_config_of(flags: list[str], budget_bytes: int) -> Any:
-    """The SimConfig of a Rimuru server's flags (the settings the simulator models; others keep its defaults). A flag
-    the row does not name takes the current default, also for a row measured when that default was another (a result
-    file's commit says which code it measured)."""
+def sim_config_of(flags: list[str], budget_bytes: int, hardware: str = "h200",
+                  workspace_bytes: int | None = None) -> Any:
+    """The SimConfig of a Rimuru server's flags (the settings the simulator models; others keep its defaults) on the
+    `hardware` profile, with the workspace the server measured at start-up when given (else the simulator's bound). A
+    flag the row does not name takes the current default, also for a row measured when that default was another (a
+    result file's commit says which code it measured)."""
     from rimuru.config import EngineConfig
     from rimuru.experts.runtime_builders import slo_config
+    from rimuru.sim.cost_model import HARDWARE
     from rimuru.sim.simulator import SimConfig
 
     ap = argparse.ArgumentParser(add_help=False)
@@ -120,23 +134,35 @@ def sim_config_of(flags: list[str], budget_bytes: int) -> Any:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     known, _ = ap.parse_known_args(flags)
-    return SimConfig(mode=known.offload_mode, budget_bytes=budget_bytes, adjuster_kind=known.adjuster,
+    return SimConfig(mode=known.offload_mode, budget_bytes=budget_bytes, hardware=HARDWARE[hardware],
+                     workspace_bytes=workspace_bytes, adjuster_kind=known.adjuster,
                      cost=slo_config(known.slo_ttft_p99_ms, known.slo_tpot_p99_ms),
                      resident_experts=known.resident_experts,
                      expert_offload_limit=known.expert_offload_limit, max_num_seqs=known.max_num_seqs,
                      max_num_batched_tokens=known.max_num_batched_tokens, offload_access=known.offload_access)
 
 
+def measured_workspace(row: dict[str, Any], spec: Any, budget_bytes: int) -> int | None:
+    """The workspace a row's server measured at start-up: as it reported it, else what its first timeline sample's
+    pool leaves of the budget beside the non-expert weights; None when neither is known."""
+    if row.get("workspace_bytes"):
+        return int(row["workspace_bytes"])
+    if row.get("start_pool_bytes"):
+        return budget_bytes - spec.non_expert_bytes() - int(row["start_pool_bytes"])
+    return None
+
+
 def simulate(model: str, routing: str, flags: list[str], budget_bytes: int, rate: float, num_prompts: int,
-             seed: int = 0) -> dict[str, Any]:
-    """`rimuru simulate`'s prediction of one point (H200 profile): the row fields it predicts, in ms."""
+             seed: int = 0, workspace_bytes: int | None = None, hardware: str = "h200") -> dict[str, Any]:
+    """`rimuru simulate`'s prediction of one point (the H200 profile by default): the row fields it predicts, in ms.
+    `workspace_bytes`: what the server measured at start-up (None: the simulator's bound)."""
     from rimuru.model_spec import load_model_spec
     from rimuru.sim.cli import dummy_router_popularity, load_requests, with_arrivals
     from rimuru.sim.simulator import Simulation
 
     spec = load_model_spec(model)
     pop = dummy_router_popularity(model, routing, spec, seed)
-    s = Simulation(spec, pop, sim_config_of(flags, budget_bytes)).run(
+    s = Simulation(spec, pop, sim_config_of(flags, budget_bytes, hardware, workspace_bytes)).run(
         with_arrivals(load_requests("sharegpt", num_prompts, seed), rate, seed)).summary()
     return {"output_throughput": s["output_throughput_tok_s"], "median_ttft_ms": 1e3 * s["ttft_p50_s"],
             "p99_ttft_ms": 1e3 * s["ttft_p99_s"], "median_tpot_ms": 1e3 * s["tpot_p50_s"],
@@ -145,15 +171,21 @@ def simulate(model: str, routing: str, flags: list[str], budget_bytes: int, rate
 
 
 def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str]) -> list[dict[str, Any]]:
-    """Each Rimuru row gets `predicted` (the simulator on the same configuration, requests and rate); `model_of`
-    maps a row's model name to what load_model_spec reads (a preset name or a model directory)."""
+    """Each Rimuru row gets `predicted` (the simulator on the same configuration, requests, rate and start-up
+    workspace, H200 profile); `model_of` maps a row's model name to what load_model_spec reads (a preset name or a
+    model directory)."""
+    from rimuru.model_spec import load_model_spec
+
     out = []
     for r in rows:
         predicted = None
         if r["server"] == "rimuru" and r["budget_gib"] is not None:
             try:
-                predicted = simulate(model_of.get(r["model"], r["model"]), r["routing"], r["server_flags"],
-                                     int(r["budget_gib"] * 2**30), float(r["rate"]), int(r["num_prompts"]))
+                model = model_of.get(r["model"], r["model"])
+                budget = int(r["budget_gib"] * 2**30)
+                workspace = measured_workspace(r, load_model_spec(model), budget)
+                predicted = simulate(model, r["routing"], r["server_flags"], budget, float(r["rate"]),
+                                     int(r["num_prompts"]), workspace_bytes=workspace)
             except (ValueError, RuntimeError) as e:  # a configuration the simulator refuses: say so in the row
                 predicted = {"error": str(e)[:300]}
         out.append({**r, "predicted": predicted})

@@ -283,3 +283,39 @@ def test_direct_access_steps_read_offloaded_experts_without_piecewise_overhead()
     assert direct.time_s == pytest.approx(hw.step_overhead_s + direct.compute_s + direct.read_s)
     all_in = model.step(chunks, 8, np.ones_like(resident), direct=True)
     assert all_in.read_s == 0 and all_in.time_s == pytest.approx(hw.step_overhead_s + all_in.compute_s)
+
+
+def test_measured_workspace_replaces_the_bound() -> None:
+    """A workspace the engine measured sizes the pool as the engine's own split does: budget - weights - workspace,
+    in whole huge pages; without one the bound (workspace_bytes) stands."""
+    from dataclasses import replace
+
+    cfg = config("static", 64)
+    bound = plan_memory(TINY, cfg)
+    measured = plan_memory(TINY, replace(cfg, workspace_bytes=bound.workspace // 2))
+    assert measured.workspace == bound.workspace // 2
+    huge = bound.geometry.huge_size
+    assert measured.pool == (cfg.budget_bytes - measured.non_expert_weights - measured.workspace) // huge * huge
+    assert measured.pool >= bound.pool
+
+
+def test_async_scheduling_sees_arrivals_a_pass_later_and_decodes_without_gaps() -> None:
+    """Async (the engine's default on a GPU): the pass scheduled while another runs sees only the arrivals up to that
+    pass's start, so a request arriving during a pass gets its first token one pass later than with sync scheduling;
+    decoding never waits for a token to be read, so a request's TPOT is its passes' time in both."""
+    from dataclasses import replace
+
+    steps = HardwareConfig(step_overhead_s=0.01)  # every pass 10 ms (+ nanoseconds of roofline)
+    base = replace(config("static", 256), hardware=steps)
+    reqs = [SimRequest(16, 40, 0.0), SimRequest(16, 10, 0.015)]  # the second arrives during the second pass
+    sync = Simulation(TINY, POP, replace(base, async_scheduling=False)).run(reqs)
+    asyn = Simulation(TINY, POP, base).run(reqs)
+    assert sync.output_tokens == asyn.output_tokens == 50
+    assert sync.ttft_s[0] == pytest.approx(asyn.ttft_s[0], abs=1e-4) == pytest.approx(0.01, abs=1e-4)
+    # sync: scheduled when pass 2 ends (20 ms), first token at 30 ms; async: pass 3 was scheduled at 10 ms, so the
+    # request runs in pass 4 and its token is read at 40 ms
+    assert sync.ttft_s[1] == pytest.approx(0.030 - 0.015, abs=1e-4)
+    assert asyn.ttft_s[1] == pytest.approx(0.040 - 0.015, abs=1e-4)
+    assert sorted(sync.tpot_s) == pytest.approx([0.01, 0.01], abs=1e-4)
+    assert sorted(asyn.tpot_s) == pytest.approx([0.01, 0.01], abs=1e-4)
+    assert asyn.forward_steps == sync.forward_steps

@@ -69,6 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step-overhead-ms", type=float)
     p.add_argument("--piecewise-overhead-us", type=float,
                    help="per MoE layer, a pass with experts offloaded (piecewise graphs) over one with all resident")
+    p.add_argument("--workspace", help="the workspace the engine measured at start-up (its workspace_bytes stat, "
+                   "e.g. 1400MiB); default: the simulator's bound from the batch limits and the hardware's scratch")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each pass's tokens before scheduling the next (default: async, as rimuru serve on a GPU)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--sweep-rates", default="2,5,10,15,20,30,40,60", help="comma list; empty: no sweep")
@@ -171,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
     base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,
                      adjuster=AdjusterConfig(), cost=cost_cfg, resident_experts=args.resident_experts,
                      expert_offload_limit=args.expert_offload_limit, max_num_seqs=args.max_num_seqs,
-                     max_num_batched_tokens=args.max_num_batched_tokens, offload_access=args.offload_access)
+                     max_num_batched_tokens=args.max_num_batched_tokens, offload_access=args.offload_access,
+                     workspace_bytes=parse_bytes(args.workspace) if args.workspace else None,
+                     async_scheduling=not args.no_async_scheduling)
     rates = [float(r) for r in args.sweep_rates.split(",") if r.strip()]
     sections: dict[str, dict[str, Any]] = {}
     print(f"{args.model}: {len(pairs)} requests at {args.request_rate} req/s, budget "
@@ -208,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
                    "adjusters": adjusters, "cost_adjuster": vars(cost_cfg),
                    "resident_experts": args.resident_experts, "expert_offload_limit": args.expert_offload_limit,
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "workspace_bytes": base.workspace_bytes, "async_scheduling": base.async_scheduling,
                    "sweep_rates": rates, "sweep_criterion": f"ttft_p99_s <= {args.slo_ttft_p99}"},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": _commit(),

@@ -2,17 +2,21 @@
 core (experts/elastic_core.py) on a simulated clock.
 
 One loop iteration is one engine step (engine/llm_engine.py), with the GPU replaced by `CostModel`:
-  1. requests whose arrival time has passed join the queue; elastic: grows reserved last step enter the
+  1. requests whose arrival time the host has reached join the queue; elastic: grows reserved last step enter the
      residency and the load buffers take pages if an expert is out (`begin_step`, as the engine's runtime);
   2. `Scheduler.schedule()` picks the batch; elastic: the core plans (evictions begin, grows reserve pages);
-  3. the clock advances by the cost model's step time (evictees still readable, grows copied meanwhile);
-  4. computed tokens are counted, sampled tokens appended, requests that reached their output length
-     finish (EOS ignored) and free their pages; the core's after_pass, then the allocator's complete_forward.
+  3. the pass is launched: its tokens count as computed, sampled rows are pending tokens, and the device clock
+     advances by the cost model's step time (evictees still readable, grows copied meanwhile);
+  4. a pass is drained: sampled tokens appended, requests that reached their output length finish (EOS ignored)
+     and free their pages; the core's after_pass, then the allocator's complete_forward.
+With async scheduling (the engine's default on a GPU) step n+1 is scheduled and launched while pass n runs and pass
+n is drained after: the host sees arrivals up to the start of pass n, and pass n's finishes from step n+2 on.
 A hybrid model's requests hold their state pages (ssm and conv kinds) from admission to the end, through the
 engine's own state manager (engine/state_cache_manager.py), so admission, the shortfall and the adjuster count
 them as in the engine.
-The budget is split, the modes start and requests are admitted as in the engine (engine/setup.py
-`plan_memory`, experts/runtime_builders.py, `max_kv_pages`); copy costs come from the hardware profile.
+The budget is split (around the workspace the engine measured, when given, else its bound), the modes start and
+requests are admitted as in the engine (engine/setup.py `plan_memory`, experts/runtime_builders.py,
+`max_kv_pages`); copy costs come from the hardware profile.
 """
 
 from __future__ import annotations
@@ -88,6 +92,11 @@ class SimConfig:
     block_size: int = 16
     dtype: str = "bfloat16"
     offload_access: str = "direct"  # fixed, elastic: direct (the kernel reads the host store) | copy (load buffers)
+    # the workspace the engine measured at start-up (its `workspace_bytes` stat); None: workspace_bytes' bound with
+    # the hardware profile's scratch (an upper bound of what an engine measures)
+    workspace_bytes: int | None = None
+    # the engine's default on a GPU: pass n+1 is scheduled and launched before pass n's tokens are read
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -117,7 +126,8 @@ def plan_memory(spec: ModelSpec, cfg: SimConfig) -> MemoryPlan:
     geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=cfg.block_size)
     engine = EngineConfig(model="simulated", max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
                           max_num_batched_tokens=cfg.max_num_batched_tokens)
-    work = workspace_bytes(spec, engine, dtype, cfg.hardware.workspace_scratch_bytes)  # nothing to measure here
+    work = cfg.workspace_bytes if cfg.workspace_bytes is not None else \
+        workspace_bytes(spec, engine, dtype, cfg.hardware.workspace_scratch_bytes)  # nothing to measure here
     non_expert = spec.non_expert_bytes(dtype)
     num_huge = (cfg.budget_bytes - non_expert - work) // geometry.huge_size
     if num_huge <= 0:
@@ -271,14 +281,20 @@ class Simulation:
         live: dict[int, SimRequest] = {}
         cols: dict[str, list[float]] = {k: [] for k in ("t", "running", "waiting", "kv_bytes", "expert_bytes",
                                                         "state_bytes", "free_bytes", "step_s", "pcie_bytes")}
-        g, clock, nxt, idle_steps = self.mem.geometry, 0.0, 0, 0
+        g, nxt, idle_steps = self.mem.geometry, 0, 0
+        # clock: when the device is free (the end of the last launched pass); seen: the latest arrival time the
+        # host has taken in. Sync: the host schedules when the last pass ended. Async (the engine's default on a
+        # GPU): pass n+1 is scheduled and launched while pass n runs, so it sees the arrivals up to the start of
+        # pass n, and pass n's tokens (finishes, freed pages) only after it was scheduled.
+        clock = seen = 0.0
+        in_flight: list[tuple[Any, bool]] | None = None  # the async pass not yet drained: (scheduled, samples)
         core = self.core
-        while nxt < len(order) or self.scheduler.has_unfinished():
-            while nxt < len(order) and requests[order[nxt]].arrival_s <= clock:
+        while nxt < len(order) or self.scheduler.has_unfinished() or in_flight is not None:
+            while nxt < len(order) and requests[order[nxt]].arrival_s <= seen:
                 self._admit(order[nxt], requests[order[nxt]], live)
                 nxt += 1
-            if not self.scheduler.has_unfinished():
-                clock = requests[order[nxt]].arrival_s
+            if not self.scheduler.has_unfinished() and in_flight is None:
+                clock = seen = max(clock, requests[order[nxt]].arrival_s)
                 continue
             if core is not None:
                 core.attach_buffers()
@@ -292,15 +308,25 @@ class Simulation:
                     shortfall_kv_pages=out.shortfall_pages, num_batched_tokens=out.num_tokens,
                     num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                     num_stalled=len(out.stalled), max_num_seqs=self.scheduler.max_num_seqs,
-                    oldest_wait_s=self.scheduler.oldest_wait_s(clock),
+                    oldest_wait_s=self.scheduler.oldest_wait_s(seen),
                     tpot_p99_s=recent_p99(result.tpot_s), tpot_observed=len(result.tpot_s)))
                 grown, moved = len(moves.grow), bool(moves.evict or moves.grow)
+            previous, in_flight = in_flight, None
+            if previous is not None and not out.is_empty and self._pass_reads_routing():
+                # the engine drains pass n first when this launch would stop the host at a routing read; requests
+                # that finish then leave the batch
+                self._drain(previous, clock, live, result)
+                previous = None
+                out.scheduled = [s for s in out.scheduled if not s.request.status.finished]
             if out.is_empty:
+                if previous is not None:
+                    self._drain(previous, clock, live, result)
+                    seen = clock
                 self._end_step(after_step)  # no forward pass reads the evicted pages
-                idle_steps = 0 if moved else idle_steps + 1
+                idle_steps = 0 if moved or previous is not None else idle_steps + 1
                 if idle_steps > 2:
                     if nxt < len(order):
-                        clock = max(clock, requests[order[nxt]].arrival_s)
+                        clock = seen = max(clock, requests[order[nxt]].arrival_s)
                         idle_steps = 0
                         continue
                     raise SimulationError(f"stuck: {len(self.scheduler.waiting)} requests wait for pages the pool "
@@ -310,6 +336,7 @@ class Simulation:
             chunks = [(s.start, s.num_new_tokens) for s in out.scheduled]
             sampled = sum(s.samples for s in out.scheduled)
             cost = self.cost.step(chunks, sampled, self.residency.in_tables, grown, direct=self.direct)
+            start = clock
             clock += cost.time_s
             if core is not None and core.step_cost is not None:
                 # as the engine measures it: the pass's time without the piecewise overhead, the bytes it moved over
@@ -321,8 +348,15 @@ class Simulation:
                 core.step_cost.observe_loads(loaded, loaded)
             result.forward_steps += 1
             result.pcie_bytes += cost.pcie_bytes
-            for s in out.scheduled:
-                self._advance(s.request, s.start + s.num_new_tokens, s.samples, clock, live, result)
+            launched = self._launch(out)
+            if self.cfg.async_scheduling:
+                in_flight = launched
+                if previous is not None:
+                    self._drain(previous, start, live, result)  # pass n ended when pass n+1 started
+                seen = start
+            else:
+                self._drain(launched, clock, live, result)
+                seen = clock
             self._end_step(after_step)
             expert_bytes = self.allocator.num_used(EXPERT) * g.size(EXPERT)
             kv_bytes = self.kv.pages_in_use * g.size(KV)
@@ -333,6 +367,9 @@ class Simulation:
                          ("free_bytes", self.mem.pool - kv_bytes - expert_bytes - state_bytes), ("step_s", cost.time_s),
                          ("pcie_bytes", cost.pcie_bytes)):
                 cols[k].append(v)
+        if core is not None:  # grows planned by the last (empty) step land while the engine idles
+            core.attach_buffers()
+            core.commit_grows()
         first = requests[order[0]].arrival_s if requests else 0.0
         result.sim_time_s = clock - first
         result.preemptions = self.scheduler.num_preemptions
@@ -341,6 +378,35 @@ class Simulation:
         result.timeline = _subsample(cols, timeline_points)
         result.final_pages = self.page_accounting()
         return result
+
+    def _pass_reads_routing(self) -> bool:
+        """Copy access with an expert offloaded: the host reads each offloaded layer's routing during the pass (the
+        engine's runtime.pass_reads_routing, per layer there; any offloaded expert here)."""
+        return not self.direct and self.cfg.mode != "static" and not bool(self.residency.in_tables.all())
+
+    def _launch(self, out: Any) -> list[tuple[Any, bool]]:
+        """The pass is queued: its requests' tokens count as computed, and a sampled token is pending until the pass
+        is drained (async scheduling schedules on it, as the engine's launch)."""
+        launched = []
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.start + s.num_new_tokens
+            if s.samples and self.cfg.async_scheduling:
+                s.request.num_pending_tokens += 1
+            launched.append((s.request, s.samples))
+        return launched
+
+    def _drain(self, launched: list[tuple[Any, bool]], now: float, live: dict[int, SimRequest],
+               result: SimResult) -> None:
+        """A pass's sampled tokens are read at `now` (the engine's output processor): appended, first tokens timed,
+        requests at their output length finished (their pages freed)."""
+        for req, samples in launched:
+            if not samples:
+                continue
+            if self.cfg.async_scheduling:
+                req.num_pending_tokens -= 1
+            if req.status.finished:
+                continue
+            self._advance(req, now, live, result)
 
     def _end_step(self, after_step: Callable[[Simulation], None] | None) -> None:
         if self.core is not None:
@@ -362,11 +428,7 @@ class Simulation:
         live[idx] = r
         self.scheduler.add(req)
 
-    def _advance(self, req: Request, computed: int, samples: bool, now: float,
-                 live: dict[int, SimRequest], result: SimResult) -> None:
-        req.num_computed_tokens = computed
-        if not samples:
-            return
+    def _advance(self, req: Request, now: float, live: dict[int, SimRequest], result: SimResult) -> None:
         req.output_token_ids.append(0)
         result.output_tokens += 1
         m = req.metrics
