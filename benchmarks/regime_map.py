@@ -219,6 +219,7 @@ def build(args: argparse.Namespace) -> None:
 def plan(args: argparse.Namespace) -> None:
     """Predicted capacity per configuration on a grid, then the rates around each knee to measure."""
     budget = parse_bytes(args.gpu_memory_budget)
+    workspace = parse_bytes(args.workspace) if args.workspace else None
     grid = [float(r) for r in args.grid.split(",")]
     for define in args.define:
         name, _, spec = define.partition("=")
@@ -228,7 +229,8 @@ def plan(args: argparse.Namespace) -> None:
             continue
         points = {}
         for rate in grid:
-            points[rate] = simulate(args.model, args.routing, shlex.split(flags), budget, rate, args.num_prompts)
+            points[rate] = simulate(args.model, args.routing, shlex.split(flags), budget, rate, args.num_prompts,
+                                    workspace_bytes=workspace)
             if not meets_slo(points[rate]):
                 break
         knee = slo_capacity(points)
@@ -285,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--define", action="append", default=[], metavar="NAME=SERVER:FLAGS")
     p.add_argument("--num-prompts", type=int, default=400)
     p.add_argument("--grid", default="1,2,4,6,8,10,12,16,20,24,32,40,48,64")
+    p.add_argument("--workspace", help="the workspace the engine measured at start-up for this model and budget, "
+                                       "e.g. 1468MB (a served row's workspace_bytes; default: the simulator's bound)")
     args = ap.parse_args(argv)
     if args.command == "build":
         build(args)
