@@ -67,7 +67,23 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+USAGE_ERROR = 2  # the exit status of a user's mistake, as argparse's for a bad flag
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `rimuru` command. A user's mistake (a bad setting, a budget too small, a path that does not exist, a
+    missing extra) ends it with one line on stderr and exit status 2, never a traceback: everything below states
+    such a mistake as SystemExit(message)."""
+    try:
+        return _run(argv)
+    except SystemExit as stop:
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+            raise SystemExit(USAGE_ERROR) from None
+        raise
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

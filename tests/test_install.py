@@ -42,12 +42,12 @@ def test_make_tiny_model_then_generate_without_triton(tmp_path: Path) -> None:
 
 def test_make_tiny_model_refuses_an_unknown_architecture(tmp_path: Path) -> None:
     res = _rimuru(["make-tiny-model", str(tmp_path / "x"), "--arch", "llama"])
-    assert res.returncode == 1 and "unknown tiny architecture 'llama'" in res.stderr
+    assert res.returncode == 2 and "unknown tiny architecture 'llama'" in res.stderr
     assert "Traceback" not in res.stderr
 
 
 def _one_line_error(res: subprocess.CompletedProcess, *needles: str) -> None:
-    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.returncode == 2, res.stdout + res.stderr  # a user's mistake: argparse's exit status
     assert "Traceback" not in res.stderr, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     for needle in needles:
