@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rimuru import LLM, SamplingParams
-from rimuru.engine.sampler import BannedTokens, Sampler
+from rimuru.engine.sampler import LogitEdits, Sampler
 
 BUDGET = "64MiB"
 PROMPTS = [[5, 17, 33, 80, 120], [7, 9, 11], [200, 3, 150, 42]]
@@ -35,9 +35,10 @@ def test_min_tokens_is_validated_as_vllm_does() -> None:
         SamplingParams(min_tokens=5, max_tokens=4)
 
 
-def _bans(rows_cols: list[tuple[int, int]]) -> BannedTokens:
+def _bans(rows_cols: list[tuple[int, int]]) -> LogitEdits:
     rows_cols = sorted(rows_cols)
-    return BannedTokens([r for r, _ in rows_cols], torch.tensor(rows_cols, dtype=torch.int64).T.contiguous())
+    return LogitEdits([r for r, _ in rows_cols], torch.tensor(rows_cols, dtype=torch.int64).T.contiguous(),
+                      torch.full((len(rows_cols),), float("-inf")))
 
 
 def test_the_sampler_never_draws_a_banned_token_and_leaves_the_logits_alone() -> None:

@@ -320,6 +320,9 @@ class LLMEngine:
         vocab = self.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        past = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if past:
+            raise ValueError(f"logit_bias names token {past[0]}, outside this model's vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model's context (max_model_len) is "
                              f"{self.max_model_len}, which leaves no room for output")

@@ -29,7 +29,7 @@ import torch
 from rimuru.engine.cuda_graphs import StepGraphs
 from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs, logprob_rows, unpack_logprobs
 from rimuru.engine.request import Request
-from rimuru.engine.sampler import Sampler, min_tokens_bans
+from rimuru.engine.sampler import Sampler, logit_edits
 from rimuru.engine.scheduler import ScheduledRequest, SchedulerOutput
 from rimuru.engine.state_cache_manager import StateCopy
 from rimuru.engine.step_profiler import StepTrace
@@ -435,7 +435,7 @@ class ModelRunner:
             return SampledTokens(None, self.device, trace)
         params = [r.params for r in sampling]
         tokens = self.sampler(logits, params, [r.generator for r in sampling],
-                              min_tokens_bans(sampling, logits.shape[-1], logits.device))
+                              logit_edits(sampling, logits.shape[-1], logits.device))
         self._last_sampled = (tokens, {r.seq_id: i for i, r in enumerate(sampling)})
         # the raw logits (the sampler never writes them; a graph's logits_out is not replayed before this)
         asked = logprob_rows([p.logprobs for p in params], logits.shape[-1])

@@ -5,9 +5,10 @@ and top-p (one sort serves both), and drawn with the exponential race (argmax p 
 which equals a categorical draw. A request with a seed draws its E from its own generator, so its
 tokens don't depend on which other requests share the batch.
 
-Rows may come with banned tokens (`BannedTokens`: EOS and stop ids of requests still short of `min_tokens`, as vLLM's
-min-tokens logits processor). They are set to -inf in the sampler's own copies of the logits, one chunk of rows at a
-time: the raw logits stay as they are for the logprobs, and the host never waits.
+Rows may come with logit edits (`LogitEdits`): a request's `logit_bias` (added to its raw logits before temperature,
+as vLLM's) and, as vLLM's min-tokens logits processor, -inf at EOS and the stop ids of requests still short of
+`min_tokens`. They are added in the sampler's own copies of the logits, one chunk of rows at a time: the raw logits
+stay as they are for the logprobs (vLLM's default, raw logprobs), and the host never waits.
 """
 
 from __future__ import annotations
@@ -32,32 +33,40 @@ SAMPLER_BYTES_PER_ENTRY = 48
 
 
 @dataclass(frozen=True)
-class BannedTokens:
-    """Tokens some rows may not draw: entry j bans token index[1, j] in row index[0, j], rows ascending."""
+class LogitEdits:
+    """Values added to some rows' logits: entry j adds values[j] to token index[1, j] of row index[0, j], rows
+    ascending (-inf bans the token; several entries of one token add up)."""
 
     rows: list[int]  # index[0] on the host: which entries fall in a chunk of rows, without reading the device
     index: torch.Tensor  # [2, N] int64 on the logits' device
+    values: torch.Tensor  # [N] float32 on the logits' device
 
     def touches(self, lo: int, hi: int) -> bool:
-        """Whether any of rows lo .. hi - 1 bans a token."""
+        """Whether any of rows lo .. hi - 1 has an entry."""
         return bisect_left(self.rows, lo) < bisect_left(self.rows, hi)
 
     def apply(self, chunk: torch.Tensor, lo: int) -> None:
-        """-inf at the banned entries of rows lo .. lo + len(chunk) - 1, written into `chunk` (the sampler's copy,
-        never the raw logits)."""
+        """Adds the entries of rows lo .. lo + len(chunk) - 1 into `chunk` (the sampler's copy, never the raw
+        logits)."""
         a, b = bisect_left(self.rows, lo), bisect_left(self.rows, lo + chunk.shape[0])
         if a < b:
-            chunk[self.index[0, a:b] - lo, self.index[1, a:b]] = float("-inf")
+            chunk.index_put_((self.index[0, a:b] - lo, self.index[1, a:b]), self.values[a:b], accumulate=True)
 
 
-def min_tokens_bans(requests: Sequence[Request], vocab_size: int, device: torch.device) -> BannedTokens | None:
-    """Per sampled row (one request each, in order): EOS (unless ignore_eos) and stop_token_ids while the request has
-    generated fewer than `min_tokens` tokens; a token sampled by a pass still in flight (async scheduling) counts as
-    generated. None when no row bans anything, the common case, which costs one pass over the rows."""
+def logit_edits(requests: Sequence[Request], vocab_size: int, device: torch.device) -> LogitEdits | None:
+    """Per sampled row (one request each, in order): its `logit_bias`, and -inf at EOS (unless ignore_eos) and its
+    stop_token_ids while it has generated fewer than `min_tokens` tokens (a token sampled by a pass still in flight,
+    under async scheduling, counts as generated). None when no row has any, the common case, which costs one pass
+    over the rows."""
     rows: list[int] = []
     cols: list[int] = []
+    values: list[float] = []
     for i, req in enumerate(requests):
         p = req.params
+        for t, bias in sorted((p.logit_bias or {}).items()):
+            rows.append(i)
+            cols.append(t)
+            values.append(bias)
         if not p.min_tokens or len(req.output_token_ids) + req.num_pending_tokens >= p.min_tokens:
             continue
         stops = set(p.stop_token_ids)
@@ -67,9 +76,11 @@ def min_tokens_bans(requests: Sequence[Request], vocab_size: int, device: torch.
             if 0 <= t < vocab_size:  # an id past the vocabulary can never be drawn anyway
                 rows.append(i)
                 cols.append(t)
+                values.append(float("-inf"))
     if not rows:
         return None
-    return BannedTokens(rows, to_device(torch.tensor([rows, cols], dtype=torch.int64), device))
+    packed = to_device(torch.tensor([rows, cols], dtype=torch.int64), device)
+    return LogitEdits(rows, packed, to_device(torch.tensor(values, dtype=torch.float32), device))
 
 
 class Sampler:
@@ -80,17 +91,17 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-        banned: BannedTokens | None = None,
+        edits: LogitEdits | None = None,
     ) -> torch.Tensor:
-        """logits [B, V] float32 -> token ids [B] int64 (on the logits' device), without any host sync; a row
-        never draws a token `banned` names for it.
+        """logits [B, V] float32 -> token ids [B] int64 (on the logits' device), without any host sync; `edits`
+        are added to the rows' logits first (a -inf entry: the row never draws that token).
 
         A greedy-only batch is one argmax. Otherwise the per-request numbers travel in ONE packed
         host->device copy: rows temperature, top-k, top-p, greedy of a float32 [4, B] tensor.
         """
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return _argmax(logits, banned)  # [B]
+            return _argmax(logits, edits)  # [B]
         V = logits.shape[-1]
         top_k = [p.top_k if p.top_k > 0 else V for p in params]
         top_p = [p.top_p for p in params]
@@ -102,18 +113,21 @@ class Sampler:
         for lo in range(0, B, SAMPLE_ROWS_PER_CHUNK):
             hi = min(B, lo + SAMPLE_ROWS_PER_CHUNK)
             sampled[lo:hi] = self._draw(logits[lo:hi], packed[:, lo:hi], cut, generators[lo:hi], greedy[lo:hi],
-                                        banned, lo)
+                                        edits, lo)
         if not any(greedy):
             return sampled
-        return torch.where(packed[3] > 0.5, _argmax(logits, banned), sampled)
+        return torch.where(packed[3] > 0.5, _argmax(logits, edits), sampled)
 
     def _draw(self, logits: torch.Tensor, packed: torch.Tensor, cut: bool, generators: list[torch.Generator | None],
-              greedy: list[bool], banned: BannedTokens | None, lo: int) -> torch.Tensor:
+              greedy: list[bool], edits: LogitEdits | None, lo: int) -> torch.Tensor:
         """One chunk of rows (from row `lo`): logits [b, V], packed [4, b] -> sampled ids [b] (greedy rows are
         overwritten later)."""
-        scaled = logits / packed[0][:, None]  # [b, V], a new tensor: the bans go into it
-        if banned is not None:
-            banned.apply(scaled, lo)
+        if edits is not None and edits.touches(lo, lo + logits.shape[0]):
+            edited = logits.clone()  # [b, V]: the edits go in before the temperature, as vLLM's logit_bias
+            edits.apply(edited, lo)
+            scaled = edited.div_(packed[0][:, None])
+        else:
+            scaled = logits / packed[0][:, None]  # [b, V], a new tensor
         if cut:  # top-k as float32 is exact: k <= V < 2**24
             scaled = _apply_top_k_top_p(scaled, packed[1].long()[:, None], packed[2][:, None])
         probs = torch.softmax(scaled, dim=-1)  # [b, V]
@@ -125,18 +139,18 @@ class Sampler:
         return (probs / race).argmax(dim=-1)  # [b]
 
 
-def _argmax(logits: torch.Tensor, banned: BannedTokens | None) -> torch.Tensor:
-    """logits [B, V] -> greedy ids [B], skipping banned tokens: a chunk of rows with bans is copied (one chunk at a
+def _argmax(logits: torch.Tensor, edits: LogitEdits | None) -> torch.Tensor:
+    """logits [B, V] -> greedy ids [B] of the edited logits: a chunk of rows with edits is copied (one chunk at a
     time, within the sampler's workspace) and its argmax replaces theirs."""
     ids = logits.argmax(dim=-1)  # [B]
-    if banned is None:
+    if edits is None:
         return ids
     B = logits.shape[0]
     for lo in range(0, B, SAMPLE_ROWS_PER_CHUNK):
         hi = min(B, lo + SAMPLE_ROWS_PER_CHUNK)
-        if banned.touches(lo, hi):
+        if edits.touches(lo, hi):
             chunk = logits[lo:hi].clone()  # [b, V]
-            banned.apply(chunk, lo)
+            edits.apply(chunk, lo)
             ids[lo:hi] = chunk.argmax(dim=-1)
     return ids
 

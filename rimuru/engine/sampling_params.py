@@ -25,6 +25,9 @@ class SamplingParams:
     # vLLM's: before this many generated tokens neither EOS nor stop_token_ids can be sampled (the sampler masks
     # them) and stop strings do not stop
     min_tokens: int = 0
+    # vLLM's / OpenAI's: token id -> value added to its logit before temperature (and top-k / top-p), in
+    # [-100, 100]; the logprobs are the raw model's, without it
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -54,6 +57,11 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported: only the generated tokens' logprobs (logprobs=k) "
                              "are computed")
+        for t, bias in (self.logit_bias or {}).items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {t!r}")
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {t}")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")

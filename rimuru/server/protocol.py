@@ -1,9 +1,10 @@
 """Request and response bodies of the OpenAI API subset we serve (pydantic), plus vLLM's extra fields.
 
 Unknown fields are ignored, as vLLM does, so existing clients keep working; fields we cannot honour (echo,
-penalties, logit_bias, vLLM's prompt_logprobs, tools, structured output) are accepted at their neutral values only
-and rejected with a 400 otherwise, never silently dropped. Logprobs are served: completions' `logprobs: k`, chat's
-`logprobs: true` with `top_logprobs: k` (k = -1: the whole vocabulary, as vLLM takes it).
+penalties, vLLM's prompt_logprobs, tools, structured output) are accepted at their neutral values only and rejected
+with a 400 otherwise, never silently dropped. logit_bias is served (keys: token ids as strings, as OpenAI's), and so
+are logprobs: completions' `logprobs: k`, chat's `logprobs: true` with `top_logprobs: k` (k = -1: the whole
+vocabulary, as vLLM takes it).
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ class GenerationRequest(BaseModel):
             "repetition_penalty": self.repetition_penalty not in (None, 1.0),
             "best_of": self.best_of not in (None, self.n),
             "prompt_logprobs": self.prompt_logprobs is not None,
-            "logit_bias": bool(self.logit_bias),
             "response_format": self.response_format not in (None, {"type": "text"}),
         }
         return [name for name, is_bad in bad.items() if is_bad]

@@ -61,9 +61,24 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=req.num_logprobs(),
+            logit_bias=_logit_bias(req.logit_bias),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids as strings."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias",
+                           code="invalid_value") from None
+    return out
 
 
 def _first(*values: float | int | None) -> float | int:
