@@ -195,11 +195,10 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, geometry: PageGeometry, d
     else:
         budget = resolve_budget(config, device, spec, dtype, workspace)
         pool_bytes = budget - non_expert - workspace
-    if pool_bytes < geometry.huge_size and config.pool_bytes is not None:
-        raise ValueError(f"page_pool_memory_bytes {format_bytes(pool_bytes)} is smaller than one huge page "
-                         f"({format_bytes(geometry.huge_size)})")
     if pool_bytes < geometry.huge_size:
         raise ValueError(
+            f"page_pool_memory_bytes {format_bytes(pool_bytes)} is smaller than one huge page "
+            f"({format_bytes(geometry.huge_size)})" if config.pool_bytes is not None else
             f"gpu_memory_budget {format_bytes(budget)} is too small: non-expert weights take "
             f"{format_bytes(non_expert)} and the activation workspace {format_bytes(workspace)}, leaving no page pool")
     mode = mode or config.offload_mode

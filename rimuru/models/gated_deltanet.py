@@ -307,6 +307,4 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid().float()  # [B, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [B, Hv]
         o = gated_delta_decode(q, k, v, g, beta, ssm, ssm_pages, has_initial_state).to(x.dtype)  # [B, Hv, dv]
-        z = self.in_proj_z(x).view(B, Hv, dv)
-        y = self.norm(o, z).reshape(B, self.value_dim)  # [B, Hv*dv]
-        return self.out_proj(y)  # [B, hidden]
+        return self._output(x, o)  # [B, hidden]
