@@ -136,7 +136,7 @@ def sim_config_of(flags: list[str], budget_bytes: int, hardware: str = "h200",
     known, _ = ap.parse_known_args(flags)
     return SimConfig(mode=known.offload_mode, budget_bytes=budget_bytes, hardware=HARDWARE[hardware],
                      workspace_bytes=workspace_bytes, adjuster_kind=known.adjuster,
-                     cost=slo_config(known.slo_ttft_p99_ms, known.slo_tpot_p99_ms),
+                     cost=slo_config(known.slo_ttft_p99_ms, known.slo_tpot_p99_ms, known.offload_access),
                      resident_experts=known.resident_experts,
                      expert_offload_limit=known.expert_offload_limit, max_num_seqs=known.max_num_seqs,
                      max_num_batched_tokens=known.max_num_batched_tokens, offload_access=known.offload_access)

@@ -157,6 +157,29 @@ def test_forced_offloading_boundary() -> None:
     assert plan(6).evict == [] and plan(5).evict == ORDER[2:]
 
 
+def test_direct_access_lets_tokens_per_second_decide_without_an_slo() -> None:
+    # the full pool above, with overlap 0: copy access allows nothing above the 2 out (their copies show), direct
+    # access (nothing to hide: the kernel reads the experts at the modelled speed) evicts towards the split of most
+    # modelled tokens per second, 4 out, exactly as forced offloading would
+    direct = replace(BASE, hide_copies_without_slo=False)
+    full = state(R=4, F=0, running=10, waiting=100, kv=12, resident=[3, 3])
+    a = CostAdjuster(direct, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
+                     copy_overlap=lambda: 0.0)
+    assert a.plan(full).evict == ORDER[2:]
+    assert a.last is not None and (a.last.best, a.last.target, a.last.max_allowed) == (4, 4, 4)
+    assert a.last.throughput[-1] == max(a.last.throughput) > a.last.throughput[0] > 0
+    # nobody short of pages and no queue: offloading buys nothing, so the experts come home (after the cooldown)
+    calm = state(R=0, F=21, running=10, waiting=0, kv=12, resident=[2, 2])  # 4 experts of room beside the reserve
+    cooled = CostAdjuster(direct, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
+                          copy_overlap=lambda: 0.0)
+    assert cooled.plan(calm).grow != [] and cooled.last is not None and cooled.last.target == 0
+    # the engine and the simulator take the rule from the offload access
+    from rimuru.experts.runtime_builders import slo_config
+
+    assert not slo_config(None, None, "direct").hide_copies_without_slo
+    assert slo_config(None, None, "copy").hide_copies_without_slo
+
+
 def test_offloads_when_queue_long_and_compute_long() -> None:
     # 10 ms of compute hides 8 ms of copies; each evicted expert frees 3 pages (footprint 1 page a request); the
     # head of the queue needs R = 4 pages beyond the free ones, so one eviction admits nobody, two admit 1 + 2

@@ -25,8 +25,10 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
 
 slowdown, overlap and excess are learned from the engine's passes with copies (step_cost.py); the overlap is at
 most `copy_overlap` and starts at `initial_copy_overlap` = 0, so copies not yet measured count as exposed (see
-CostAdjusterConfig). Without an SLO the adjuster therefore offloads voluntarily only experts the batch is not
-expected to route to, and otherwise only when the experts do not all fit (forced offloading, below); with
+CostAdjusterConfig). Without an SLO and with copy access the adjuster therefore offloads voluntarily only experts the
+batch is not expected to route to, and otherwise only when the experts do not all fit (forced offloading, below);
+with direct access (the default: the kernel reads offloaded experts in host memory, modelled as copies that never
+hide, at the speed they were measured to take) tokens per second decide among every reachable split; with
 `--slo-tpot-p99-ms` it trades exposed copies for KV room within it, and with `--slo-ttft-p99-ms` it makes room for a
 queue whose head has waited a quarter of the target (TTFT pressure, below). piecewise_overhead (measured by the engine
 at start-up) is what a pass with any expert offloaded costs beyond one with all resident (piecewise CUDA graphs
@@ -35,8 +37,9 @@ compute estimate, and the model charges it to every n > 0.
 
 Rules, every step:
   * Allowed n: reachable (from n_min = n_now - free/P, since grows take free pages only, up to every expert the
-    limits allow) and either hiding its copies (copy(n) - overlap compute(n) <= exposed_copy_share compute(n))
-    or, with a TPOT SLO, within it (step(n) <= tpot_slo_s / correction). The best allowed n maximises tput.
+    limits allow) and, with a TPOT SLO, within it (step(n) <= tpot_slo_s / correction); without one, with copy
+    access, hiding its copies (copy(n) - overlap compute(n) <= exposed_copy_share compute(n)), with direct access
+    any (`hide_copies_without_slo`). The best allowed n maximises tput.
     The correction (>= 1) is learned from finished requests: every `tpot_feedback_requests` of them it is
     multiplied by their measured TPOT p99 over the SLO, so a model that underestimates offloaded steps (on the
     H200 it held the modelled step within 50 ms while requests saw 62-82 ms) tightens its own bound.
@@ -119,6 +122,12 @@ class CostAdjusterConfig:
     ttft_slo_s: float | None = None
     ttft_pressure_share: float = 0.25
     exposed_copy_share: float = 0.0  # without an SLO: copy time may exceed the hideable time by this x compute
+    # Without an SLO, whether a split is allowed only where its copies hide (copy access: copies are learned slower
+    # and less hidden than modelled, so an eviction that shows its copies is taken back only after it has cost) or
+    # every reachable split is, tokens per second deciding (direct access: the kernel reads offloaded experts at the
+    # link's speed on the step's path, nothing to hide and no copy to mis-estimate: benchmarks/bench_direct_host_moe.py
+    # measured 0.17-0.18 ms per routed expert, the model's bytes / bandwidth). The SLO bounds replace this rule.
+    hide_copies_without_slo: bool = True
     min_gain: float = 0.05  # a candidate within this share of the best throughput is as good as the best
     reverse_cooldown_steps: int = 50  # steps after an eviction before a grow
     max_evict_per_step: int = 8
@@ -414,10 +423,10 @@ class CostAdjuster:
 
     def _model(self, state: AdjusterState, order: np.ndarray, n_now: int, compute: float,
                cands: np.ndarray, steady: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per candidate n in `cands`: modelled throughput, step time, and whether the split is allowed (its
-        copies hide, or with an SLO its step meets it). `steady`: concurrency is what the pool holds in the long
-        run, (kv + F + P (n - n_now)) / footprint, up to every running and waiting request (no head of the queue,
-        no floor of one request)."""
+        """Per candidate n in `cands`: modelled throughput, step time, and whether the split is allowed (with an
+        SLO its step meets it; without, its copies hide, or every split is where `hide_copies_without_slo` is off).
+        `steady`: concurrency is what the pool holds in the long run, (kv + F + P (n - n_now)) / footprint, up to every
+        running and waiting request (no head of the queue, no floor of one request)."""
         cfg = self.config
         P = cfg.pages_per_expert
         running = max(1, state.num_running)
@@ -455,6 +464,8 @@ class CostAdjuster:
         bound = self.tpot_bound_s
         if bound is not None:
             ok = step_s <= bound
-        else:
+        elif cfg.hide_copies_without_slo:
             ok = exposed <= cfg.exposed_copy_share * comp + 1e-12
+        else:
+            ok = np.ones(len(n), dtype=bool)
         return conc / step_s, step_s, ok

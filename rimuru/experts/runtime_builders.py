@@ -79,10 +79,14 @@ class RuntimeSettings:
     cpu_expert_threads: int | None = None  # the host tier's intra-op threads (None: torch's setting as it is)
 
 
-def slo_config(slo_ttft_p99_ms: float | None, slo_tpot_p99_ms: float | None, **fields: float) -> CostAdjusterConfig:
-    """The cost adjuster's settings for the SLO flags (milliseconds, EngineConfig's names) and other fields."""
+def slo_config(slo_ttft_p99_ms: float | None, slo_tpot_p99_ms: float | None, offload_access: str = "direct",
+               **fields: float) -> CostAdjusterConfig:
+    """The cost adjuster's settings for the SLO flags (milliseconds, EngineConfig's names), the offload access (what
+    it allows without an SLO: CostAdjusterConfig.hide_copies_without_slo) and other fields; the engine's and the
+    simulator's one source."""
     return CostAdjusterConfig(ttft_slo_s=None if slo_ttft_p99_ms is None else slo_ttft_p99_ms / 1e3,
-                              tpot_slo_s=None if slo_tpot_p99_ms is None else slo_tpot_p99_ms / 1e3, **fields)
+                              tpot_slo_s=None if slo_tpot_p99_ms is None else slo_tpot_p99_ms / 1e3,
+                              hide_copies_without_slo=offload_access == "copy", **fields)
 
 
 def build_adjuster(kind: str, expert_bytes: int, top_k: int, cost: CostAdjusterConfig,
@@ -203,7 +207,8 @@ def _elastic(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, poo
     cache.make_prefix_resident(resident)
     pcie = _copy_bandwidth(store, pool.device)
     expert_bytes = 3 * cache.expert_page_bytes
-    cost = slo_config(settings.slo_ttft_p99_ms, settings.slo_tpot_p99_ms, pcie_bandwidth=pcie)
+    cost = slo_config(settings.slo_ttft_p99_ms, settings.slo_tpot_p99_ms, settings.offload_access,
+                      pcie_bandwidth=pcie)
     adjuster, costs = build_adjuster(settings.adjuster, expert_bytes, spec.num_experts_per_tok, cost)
     online = OnlinePopularity(popularity)
     core = ElasticCore(cache.residency, adjuster, online, limit, pool.geometry.smalls_per_mid("kv", EXPERT), costs,

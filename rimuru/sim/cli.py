@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"bad --adjuster {args.adjuster!r}; choose from {', '.join(ADJUSTERS)} (comma list)")
     runs = [(m, a) for m in modes for a in (adjusters if m == "elastic" else ["paper"])]
     # the cost adjuster reckons with the hardware's copy bandwidth, as the engine does with its start-up measurement
-    cost_cfg = slo_config(args.slo_ttft_p99_ms, args.slo_tpot_p99_ms)
+    cost_cfg = slo_config(args.slo_ttft_p99_ms, args.slo_tpot_p99_ms, args.offload_access)
     hw = hardware_from(args)
     pairs = load_requests(args.dataset, args.num_prompts, args.seed)
     base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,
