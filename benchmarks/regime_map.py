@@ -248,14 +248,16 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
     cells = sorted({(r["model"], r["budget_gib"], r["routing"]) for r in rows}, key=str)
     fig, axes = plt.subplots(3, len(cells), figsize=(5 * len(cells), 10), squeeze=False)
+    modes = sorted({r["mode"] for r in rows})
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(modes)}  # one colour per mode in every panel
     for j, cell in enumerate(cells):
         for mode in sorted({r["mode"] for r in rows if (r["model"], r["budget_gib"], r["routing"]) == cell}):
             pts = sorted((float(r["rate"]), r) for r in rows
                          if (r["model"], r["budget_gib"], r["routing"]) == cell and r["mode"] == mode)
             xs = [x for x, _ in pts]
-            axes[0][j].plot(xs, [r["output_throughput"] for _, r in pts], "o-", label=mode)
-            axes[1][j].plot(xs, [r["p99_ttft_ms"] / 1e3 for _, r in pts], "o-", label=mode)
-            axes[2][j].plot(xs, [r["p99_tpot_ms"] for _, r in pts], "o-", label=mode)
+            axes[0][j].plot(xs, [r["output_throughput"] for _, r in pts], "o-", label=mode, color=colors[mode])
+            axes[1][j].plot(xs, [r["p99_ttft_ms"] / 1e3 for _, r in pts], "o-", label=mode, color=colors[mode])
+            axes[2][j].plot(xs, [r["p99_tpot_ms"] for _, r in pts], "o-", label=mode, color=colors[mode])
         axes[0][j].set_title(f"{cell[0]}, {cell[1]} GiB, {cell[2]}")
         axes[0][j].set_ylabel("output tok/s")
         axes[1][j].set_ylabel("TTFT p99 (s)")
