@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import metadata, write_json  # noqa: E402
 from benchmarks.result_files import run_of  # noqa: E402
+from benchmarks.serve_sweep import BUILTIN_CONFIGS  # noqa: E402
 from benchmarks.slo import TPOT_P99_SLO_MS, TTFT_P99_SLO_MS  # noqa: E402
 from rimuru.config import parse_bytes  # noqa: E402
 
@@ -216,12 +217,17 @@ def build(args: argparse.Namespace) -> None:
         plot(rows, Path(args.plot))
 
 
+# what `plan` predicts without --define: the sweep's own configurations of static and elastic mode
+DEFAULT_PLAN_CONFIGS = ("static", "elastic", "elastic-slo")
+
+
 def plan(args: argparse.Namespace) -> None:
     """Predicted capacity per configuration on a grid, then the rates around each knee to measure."""
     budget = parse_bytes(args.gpu_memory_budget)
     workspace = parse_bytes(args.workspace) if args.workspace else None
     grid = [float(r) for r in args.grid.split(",")]
-    for define in args.define:
+    defines = args.define or [f"{name}=rimuru:{shlex.join(BUILTIN_CONFIGS[name][1])}" for name in DEFAULT_PLAN_CONFIGS]
+    for define in defines:
         name, _, spec = define.partition("=")
         server, _, flags = spec.partition(":")
         if server != "rimuru":
@@ -286,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--gpu-memory-budget", required=True)
     p.add_argument("--routing", default="uniform")
-    p.add_argument("--define", action="append", default=[], metavar="NAME=SERVER:FLAGS")
+    p.add_argument("--define", action="append", default=[], metavar="NAME=SERVER:FLAGS",
+                   help=f"a configuration to predict (default: serve_sweep's {', '.join(DEFAULT_PLAN_CONFIGS)})")
     p.add_argument("--num-prompts", type=int, default=400)
     p.add_argument("--grid", default="1,2,4,6,8,10,12,16,20,24,32,40,48,64")
     p.add_argument("--workspace", help="the workspace the engine measured at start-up for this model and budget, "

@@ -64,3 +64,20 @@ def test_a_prediction_runs_the_simulator_on_the_same_configuration() -> None:
     assert (cfg.mode, cfg.adjuster_kind, cfg.expert_offload_limit) == ("elastic", "cost", 10)
     p = regime_map.simulate("qwen1.5-moe-a2.7b", "uniform", flags, 32 * 2**30, rate=4.0, num_prompts=12)
     assert set(p) == set(regime_map.ROW_FIELDS[6:]) and p["output_throughput"] > 0
+
+
+def test_plan_without_defines_predicts_the_sweeps_own_configurations(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[list[str]] = []
+
+    def fake_simulate(model: str, routing: str, flags: list[str], budget: int, rate: float, num_prompts: int,
+                      workspace_bytes: int | None = None) -> dict[str, float]:
+        seen.append(flags)  # a point that meets both SLOs at every rate
+        return {"p99_ttft_ms": 100.0, "p99_tpot_ms": 10.0}
+
+    monkeypatch.setattr(regime_map, "simulate", fake_simulate)
+    regime_map.main(["plan", "--model", "qwen3-30b-a3b", "--gpu-memory-budget", "59GiB", "--grid", "4,8"])
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines()] == list(regime_map.DEFAULT_PLAN_CONFIGS)
+    assert seen[0] == ["--offload-mode", "static"] and "--slo-ttft-p99-ms" in seen[-1]
+    assert "predicted SLO capacity 8.0 req/s" in out
