@@ -52,7 +52,7 @@ from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pool import PagePool
 from rimuru.model_spec import ModelSpec
 from rimuru.models.causal_lm import MoECausalLM
-from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.forward_batch import ForwardBatch, StepLayout
 from rimuru.models.loader import init_dummy_weights
 from rimuru.models.moe import NO_EXPERTS
 from rimuru.models.state_cache import LinearStateCache, no_state_cache
@@ -141,7 +141,8 @@ def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, voca
         block_tables=torch.zeros(num_layers, seqs, blocks, dtype=torch.int32, device=device),
         slot_mapping=slots.to(device).expand(num_layers, tokens).contiguous(),
         logits_indices=(starts[1:] - 1).to(torch.int64).to(device), max_query_len=max_len, max_seq_len=max_len,
-        ssm_pages=state_pages, conv_pages=state_pages)
+        ssm_pages=state_pages, conv_pages=state_pages,
+        layout=StepLayout.of(lens) if num_linear_layers else None)  # the serving passes' split (state_cache.py)
 
 
 def _sample(logits: torch.Tensor, sampler: Sampler) -> None:
