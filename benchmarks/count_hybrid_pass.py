@@ -15,8 +15,11 @@ decoding the decode pass. Each pass is run by the model outside the engine loop:
     change, so launch gaps count where the host is slower than the device), host time per region, and
     torch.profiler's kernel launches and synchronisations per region (what the model above predicts).
 
-A pass replays the engine's CUDA graphs where the engine would (`--graphs`, CUDA only): then the counts are what
-runs outside the graphs, and the wall time is the step's.
+With `--graphs` (CUDA) the engine captures its graphs and each pass is also replayed as the engine would (a decode
+graph; a mixed graph cut at every gated DeltaNet layer, its prefill sequences run eagerly between the pieces, with
+a new StepLayout per replay as every step): then the counts are what runs outside the graphs (graph launches
+apart), and the wall time is the step's. On the CPU the `deltanet_prefill` row of the eager pass is what a mixed
+graph runs outside its pieces (one replay per piece: gated DeltaNet layers + 1).
 
 The estimate: `--us-per-launch` of host time per eager launch (dispatch, Python, the launch itself) and a sync drains
 the queue (the device then waits for the host's next launches: `--us-per-sync` each).
@@ -53,7 +56,9 @@ from rimuru.models.forward_batch import ForwardBatch  # noqa: E402
 from rimuru.models.qwen3_5_moe import LinearAttentionDecoderLayer  # noqa: E402
 from rimuru.testing.op_count import Counts, OpCounter, box_kernels  # noqa: E402
 
-REGIONS = ("gated_deltanet", "gated_attention", "moe", "norm", "embed_rotary", "logits", "other")
+# deltanet_prefill: the chunk form over a pass's prefill sequences (LinearStateCache.prefill_rows), inside
+# gated_deltanet: what a mixed graph runs eagerly between its pieces
+REGIONS = ("gated_deltanet", "deltanet_prefill", "gated_attention", "moe", "norm", "embed_rotary", "logits", "other")
 _SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                 "cuStreamSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH")
 _LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
@@ -124,6 +129,8 @@ class Regions:
                 self._wrap(norm, "add_norm", "norm")
         self._hook_module(model.model.norm, "norm")
         self._wrap(model.model.norm, "add_norm", "norm")
+        if model.state_cache is not None:
+            self._wrap(model.state_cache, "prefill_rows", "deltanet_prefill")
         self._hook_module(model.model.embed_tokens, "embed_rotary")
         self._wrap(model.rotary, "cos_sin", "embed_rotary")
         self._wrap(model, "compute_logits", "logits")
@@ -297,6 +304,37 @@ def capture_passes(llm: LLM, decodes: int, chunk: int, prompt_len: int) -> dict[
     return seen
 
 
+def graph_runs(runner: Any, sched: SchedulerOutput, mixed: bool) -> tuple[Callable[[], Any], int]:
+    """A function replaying this step's graph as the engine does (its inputs staged once; a mixed replay gets a new
+    layout each time, as every step does), and the graph's pieces (1 for a whole graph)."""
+    import dataclasses
+
+    from rimuru.engine.piecewise_graphs import PiecewiseGraph
+
+    graphs = runner.graphs
+    if mixed:
+        if not graphs.can_run_mixed(sched):
+            raise RuntimeError("the mixed step fits no mixed graph")
+        h = runner.host_arrays(sched, pad_tokens=graphs.padded_tokens(sched.num_tokens), pad_seqs=graphs.max_seqs)
+        ids, pos, qsl, seq_lens, bt, slots, li, qts, *state = runner.to_device(h)
+        graph = graphs.mixed_graphs[ids.shape[0]]
+
+        def run() -> Any:
+            layout = dataclasses.replace(h.layout) if h.layout is not None else None
+            return graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts, *state, layout)
+    else:
+        if not graphs.can_run(sched):
+            raise RuntimeError("the decode step fits no decode graph")
+        B = len(sched.scheduled)
+        h = runner.host_arrays(sched, pad_to=graphs.padded_size(B))
+        ids, pos, _, seq_lens, bt, slots, _, *state = runner.to_device(h)
+        graph = graphs.graphs[ids.shape[0]]
+
+        def run() -> Any:
+            return graphs.run(B, ids, pos, seq_lens, bt, slots, *state)
+    return run, len(graph.pieces) if isinstance(graph, PiecewiseGraph) else 1
+
+
 def estimate_ms(counts: Counts, us_per_launch: float, us_per_sync: float) -> float:
     return 1e-3 * (counts.launches * us_per_launch + counts.allocs * 0.5 * us_per_launch + counts.syncs * us_per_sync)
 
@@ -365,29 +403,44 @@ def main() -> None:
     for name, (sched, h) in passes.items():
         batch = runner.device_batch(h)
 
-        def run(batch: ForwardBatch = batch) -> torch.Tensor:
+        def eager(batch: ForwardBatch = batch) -> torch.Tensor:
             return forward(model, batch)
 
-        regions = count_pass(model, run, emulate_fla=args.emulate_fla)
-        print_table(f"{name} pass ({h.input_ids.shape[0]} tokens, {len(sched.scheduled)} sequences, eager)", regions,
-                    args)
-        row: dict[str, Any] = {"tokens": int(h.input_ids.shape[0]), "seqs": len(sched.scheduled), "eager": True,
-                               "regions": {r: c.as_dict() for r, c in regions.items()}}
-        total = Counts()
-        for c in regions.values():
-            total.add(c)
-        row["total"] = total.as_dict()
-        row["estimate_ms"] = estimate_ms(total, args.us_per_launch, args.us_per_sync)
-        if cuda:
-            row["wall_ms"] = wall_ms(run, device, args.reps)
-            row["region_ms"] = region_times_ms(model, run, device, max(1, args.reps // 2))
-            try:
-                row["profiler"] = profiled(model, run)
-            except Exception as e:  # noqa: BLE001 - the counts above stand without it
-                row["profiler"] = {"error": repr(e)}
-            print(f"  wall {row['wall_ms']['median']:.1f} ms; gpu ms by region "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in row["region_ms"]["gpu_ms"].items() if v))
-        out[name] = row
+        runs: list[tuple[str, Callable[[], Any], int]] = [(name, eager, 0)]
+        if args.graphs and runner.graphs is not None:
+            run, pieces = graph_runs(runner, sched, mixed=name == "mixed")
+            runs.append((f"{name}-graph", run, pieces))
+        for label, run, pieces in runs:
+            regions = count_pass(model, run, emulate_fla=args.emulate_fla)
+            kind = f"graph, {pieces} pieces" if pieces else "eager"
+            print_table(f"{label} pass ({h.input_ids.shape[0]} tokens, {len(sched.scheduled)} sequences, {kind})",
+                        regions, args)
+            row: dict[str, Any] = {"tokens": int(h.input_ids.shape[0]), "seqs": len(sched.scheduled),
+                                   "eager": not pieces, "graph_pieces": pieces,
+                                   "regions": {r: c.as_dict() for r, c in regions.items()}}
+            total = Counts()
+            for c in regions.values():
+                total.add(c)
+            row["total"] = total.as_dict()
+            row["estimate_ms"] = estimate_ms(total, args.us_per_launch, args.us_per_sync)
+            prefill = regions.get("deltanet_prefill")
+            if not pieces and prefill is not None:  # what a mixed graph would run outside its pieces
+                n_lin = len(engine.spec.linear_layer_ids)
+                row["graph_estimate"] = {"pieces": n_lin + 1, "eager_launches": prefill.launches,
+                                         "eager_syncs": prefill.syncs,
+                                         "estimate_ms": estimate_ms(prefill, args.us_per_launch, args.us_per_sync)}
+                print(f"  as a mixed graph: {n_lin + 1} pieces; outside them {prefill.launches} launches, "
+                      f"{prefill.syncs} syncs, ~{row['graph_estimate']['estimate_ms']:.1f} ms of host time")
+            if cuda:
+                row["wall_ms"] = wall_ms(run, device, args.reps)
+                row["region_ms"] = region_times_ms(model, run, device, max(1, args.reps // 2))
+                try:
+                    row["profiler"] = profiled(model, run)
+                except Exception as e:  # noqa: BLE001 - the counts above stand without it
+                    row["profiler"] = {"error": repr(e)}
+                print(f"  wall {row['wall_ms']['median']:.1f} ms; gpu ms by region "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in row["region_ms"]["gpu_ms"].items() if v))
+            out[label] = row
     meta["passes"] = out
     meta["us_per_launch"], meta["us_per_sync"] = args.us_per_launch, args.us_per_sync
     if args.output_json:

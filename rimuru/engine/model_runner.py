@@ -432,11 +432,14 @@ class ModelRunner:
             self.graph_steps += 1
         elif graphs is not None and graphs.can_run_mixed(sched):
             h = self.host_arrays(sched, pad_tokens=graphs.padded_tokens(sched.num_tokens), pad_seqs=graphs.max_seqs)
-            ids, pos, qsl, seq_lens, bt, slots, li, qts = self.to_device(h)
+            ids, pos, qsl, seq_lens, bt, slots, li, qts, *state = self.to_device(h)
             self._fill_pending(ids, h)
+            ssm_pages, conv_pages = state if state else (None, None)
             trace.mark("prepare")
             trace.forward_begin()
-            logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts)
+            # a hybrid's state page ids (-1 past the real sequences) and layout: its graphs' eager stretches
+            logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts, ssm_pages, conv_pages,
+                                      h.layout if ssm_pages is not None else None)
             self.graph_steps += 1
             self.mixed_graph_steps += 1
         else:

@@ -94,7 +94,7 @@ def pad_rows(x: Tensor, rows: Tensor, valid: Tensor) -> Tensor:
     """x [T, ...] gathered into the padded layout of `varlen_index`: [B, L, ...], zeros past each end."""
     padded = x[rows.clamp(max=max(x.shape[0] - 1, 0))]  # [B, L, ...]
     mask = valid.view(*valid.shape, *([1] * (x.dim() - 1)))
-    return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(mask, padded, 0)  # a scalar: no zero tensor to make
 
 
 def pad_varlen(x: Tensor, query_start_loc: Tensor, max_len: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -114,13 +114,14 @@ def packed_index(query_start_loc: Tensor, max_len: int, num_rows: int) -> Tensor
 
 
 def causal_conv1d(
-    x: Tensor, conv_state: Tensor, weight: Tensor, lens: Tensor
-) -> tuple[Tensor, Tensor]:  # x [B, C, L], conv_state [B, C, K-1], weight [C, K], lens [B]
+    x: Tensor, conv_state: Tensor, weight: Tensor, lens: Tensor | int
+) -> tuple[Tensor, Tensor]:  # x [B, C, L], conv_state [B, C, K-1], weight [C, K], lens [B] (or one host int)
     """Depthwise causal conv + SiLU over each sequence, continuing from conv_state; returns (y, final state).
 
     Output t of sequence b sees inputs t-K+1 .. t, where negative times come from its conv state. The
     final state is the last K-1 inputs before each sequence's end, which for a sequence shorter than K-1
-    still includes part of the initial state.
+    still includes part of the initial state. `lens` as a host int (every sequence that long): the final states
+    are a slice, not a gather.
     """
     B, C, L = x.shape
     K = weight.shape[1]
@@ -128,6 +129,8 @@ def causal_conv1d(
     y = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=C)  # [B, C, L], no padding: all causal
     y = F.silu(y).to(x.dtype)
     # Sequence b ends at column (K-1) + lens[b] of `full`; its last K-1 inputs are the columns just before.
+    if isinstance(lens, int):
+        return y, full[:, :, lens : lens + K - 1]
     cols = lens[:, None] + torch.arange(K - 1, device=x.device)[None, :]  # [B, K-1]
     final = full.gather(2, cols[:, None, :].expand(B, C, K - 1))  # [B, C, K-1]
     return y, final
@@ -267,10 +270,8 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (output [T, hidden], final conv state [B, conv_dim, K-1], final recurrent state [B, Hv, dk, dv])."""
         keep = has_initial_state.bool()
-        conv0 = torch.where(keep[:, None, None], conv_state, torch.zeros((), dtype=conv_state.dtype,
-                                                                         device=conv_state.device))
-        state0 = torch.where(keep[:, None, None, None], recurrent_state.float(),
-                             torch.zeros((), dtype=torch.float32, device=recurrent_state.device))
+        conv0 = torch.where(keep[:, None, None], conv_state, 0)  # selected: the garbage is never multiplied
+        state0 = torch.where(keep[:, None, None, None], recurrent_state.float(), 0)
         mixed, g, beta = self.project(x)
         o, conv_final, state = self.varlen_core(mixed, g, beta, conv0, state0, query_start_loc, max_len, recurrent)
         return self._output(x, o), conv_final.to(conv_state.dtype), state  # [T, hidden]
@@ -298,8 +299,9 @@ class GatedDeltaNet(nn.Module):
         T = mixed.shape[0]
         Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         B = query_start_loc.shape[0] - 1
+        lens: Tensor | int
         if B == 1:  # the rows are the sequence: [1, T, ...] views, nothing padded
-            L, valid, lens = T, None, (query_start_loc[1:] - query_start_loc[:-1]).long()
+            L, valid, lens = T, None, T
             padded = mixed[None]
         else:
             rows, valid, lens = varlen_index(query_start_loc, max_len)

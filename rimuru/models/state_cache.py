@@ -29,12 +29,15 @@ Three paths, picked per pass:
   * the gather / scatter reference (the CPU's, and a batch without a layout): every sequence's states gathered
     (`read`), the layer, the final states scattered (`write`, whose padding-row test syncs the host).
 
-CUDA graphs: the decode path has no host sync and no data-dependent branch on the host (launch grids depend on B and
-the shapes only; fresh sequences and padding rows are decided on the device from `has_initial_state` and the page
-ids), so a pure-decode step of a hybrid model replays a decode graph (engine/cuda_graphs.py): its batch carries
-`ssm_pages` / `conv_pages` as static [L_lin, B_graph] buffers updated in place each step, -1 in padding rows (the
-kernels neither read nor write their pages). Passes with a prefill chunk run eagerly, and no graph is captured where
-`in_place_decode` is off.
+CUDA graphs (engine/cuda_graphs.py): the decode path has no host sync and no data-dependent branch on the host
+(launch grids depend on B and the shapes only; fresh sequences and padding rows are decided on the device from
+`has_initial_state` and the page ids), so a pure-decode step of a hybrid model replays a decode graph: its batch
+carries `ssm_pages` / `conv_pages` as static [L_lin, B_graph] buffers updated in place each step, -1 in padding rows
+(the kernels neither read nor write their pages). A mixed step replays a piecewise graph over a static batch
+(`ForwardBatch.padded`, no layout): `begin_pass` finds its decode rows on the device, `mixed` runs them inside the
+pieces and, while capturing, cuts the pass (`capture`, a PassCut) where the prefill sequences' chunk form goes; a
+replay runs `prefill_rows` there eagerly with the step's layout, on the static rows the pieces share
+(`reserve_graph_rows`). No graph is captured where `in_place_decode` is off.
 """
 
 from __future__ import annotations
@@ -77,6 +80,18 @@ class _DecodeRows:
 
 
 @dataclass
+class _GraphRows:
+    """Static rows a mixed step's graph pieces and eager stretches share (one set for every layer and every graph
+    size: graphs never replay at once): each gated DeltaNet layer's projections, copied in by the piece before its
+    cut, read by the stretch, and its output, written by both and read by the piece after."""
+
+    mixed: Tensor  # [R, conv_dim] model dtype
+    g: Tensor  # [R, Hv] fp32
+    beta: Tensor  # [R, Hv] model dtype
+    o: Tensor  # [R, Hv, dv] model dtype
+
+
+@dataclass
 class _PrefillSeqs:
     """The prefill sequences of one pass (layout.num_decodes .. num_seqs-1), from the batch's tensors: their rows'
     offsets from row num_decodes [P+1] int64 (one tensor object for every layer of the pass: fla-core caches what
@@ -101,6 +116,7 @@ class LinearStateCache:
         self.capture: PassCut | None = None  # set while CUDA graphs of mixed steps are captured
         self.step_layout: StepLayout | None = None  # set while a graph's pass is run eagerly for a step (the CPU's)
         self._rows: _DecodeRows | None = None  # this pass's (begin_pass)
+        self._graph_rows: _GraphRows | None = None  # reserve_graph_rows
         self._prefill: _PrefillSeqs | None = None  # the last pass's prefill sequences, by (layout, batch)
 
     @staticmethod
@@ -149,9 +165,20 @@ class LinearStateCache:
         qsl = batch.query_start_loc.long()
         t = torch.arange(n, device=qsl.device)
         decode = (qsl[:n] == t) & (qsl[1 : n + 1] == t + 1)  # [n]
-        none = torch.full((), -1, dtype=ssm.dtype, device=ssm.device)
-        self._rows = _DecodeRows(n, torch.where(decode[None], ssm[:, :n], none),
-                                 torch.where(decode[None], conv[:, :n], none), decode & (batch.seq_lens[:n] > 1))
+        self._rows = _DecodeRows(n, torch.where(decode[None], ssm[:, :n], -1),
+                                 torch.where(decode[None], conv[:, :n], -1), decode & (batch.seq_lens[:n] > 1))
+
+    def reserve_graph_rows(self, rows: int) -> None:
+        """The static buffers of mixed-step graphs of up to `rows` token rows (engine/cuda_graphs.py, before capture):
+        what a piece hands its layer's eager stretch and takes back. Without them a stretch's inputs would have to
+        live in the graph pool, one set per layer."""
+        _, conv_dim, _ = self.conv.shape
+        _, hv, _, dv = self.ssm.shape
+        dtype, dev = self.conv.dtype, self.conv.device
+        self._graph_rows = _GraphRows(mixed=torch.zeros(rows, conv_dim, dtype=dtype, device=dev),
+                                      g=torch.zeros(rows, hv, dtype=torch.float32, device=dev),
+                                      beta=torch.zeros(rows, hv, dtype=dtype, device=dev),
+                                      o=torch.zeros(rows, hv, dv, dtype=dtype, device=dev))
 
     def mixed(self, layer: GatedDeltaNet, linear_idx: int, batch: ForwardBatch, x: Tensor) -> Tensor:
         """One layer over a pass with prefill rows, split (`splits`): the projections of every row, the paged decode
@@ -162,9 +189,17 @@ class LinearStateCache:
         T = x.shape[0]
         mixed, g, beta = layer.project(x)
         rows = self._rows
-        shape = (T, layer.num_v_heads, layer.head_v_dim)
-        # a graph's padding rows belong to no sequence: zeros, so nothing undefined flows through the layers after
-        o = x.new_empty(shape) if batch.layout is not None else x.new_zeros(shape)  # [T, Hv, dv]
+        if batch.layout is not None:  # eager: every row is written below (decodes, then the prefill rows)
+            o = x.new_empty(T, layer.num_v_heads, layer.head_v_dim)  # [T, Hv, dv]
+        else:  # a graph's static batch: the rows its eager stretch reads and writes, static
+            io = self._graph_rows
+            if io is None or io.mixed.shape[0] < T:
+                raise RuntimeError(f"no static rows reserved for a mixed graph of {T} rows (reserve_graph_rows)")
+            for buf, t in ((io.mixed, mixed), (io.g, g), (io.beta, beta)):
+                buf[:T].copy_(t)
+            mixed, g, beta, o = io.mixed[:T], io.g[:T], io.beta[:T], io.o[:T]
+            # padding rows belong to no sequence: zeros, so no stale value flows through the layers after
+            o[rows.n if rows is not None else 0 :].zero_()
         if rows is not None:
             n = rows.n
             o[:n] = layer.decode_rows(mixed[:n], g[:n], beta[:n], self.conv, rows.conv[linear_idx], self.ssm,
@@ -190,10 +225,9 @@ class LinearStateCache:
         ssm_ids, conv_ids = self._pages(batch, linear_idx)
         ssm_ids, conv_ids = ssm_ids[d:b], conv_ids[d:b]  # [P]: real sequences, every page >= 0
         keep = seqs.has_state
-        conv0 = torch.where(keep[:, None, None], self.conv.index_select(0, conv_ids),
-                            torch.zeros((), dtype=self.conv.dtype, device=self.conv.device))
-        state0 = torch.where(keep[:, None, None, None], self.ssm.index_select(0, ssm_ids),
-                             torch.zeros((), dtype=torch.float32, device=self.ssm.device))
+        # fresh sequences' states are selected as zero (their pages hold garbage, never multiplied)
+        conv0 = torch.where(keep[:, None, None], self.conv.index_select(0, conv_ids), 0)
+        state0 = torch.where(keep[:, None, None, None], self.ssm.index_select(0, ssm_ids), 0)
         out, conv_f, state_f = layer.varlen_core(mixed[d:t], g[d:t], beta[d:t], conv0, state0, seqs.cu_seqlens,
                                                  layout.max_prefill_len)
         self.conv.index_copy_(0, conv_ids, conv_f.to(self.conv.dtype))
