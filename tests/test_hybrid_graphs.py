@@ -409,7 +409,7 @@ def test_a_mixed_capture_is_cut_at_every_deltanet_layer(ckpt: Path, mode: str,
     assert all(b.moe_layer == i for i, b in enumerate(b for b in graph.boundaries if isinstance(b, Boundary)))
     # the stretches are the state cache's prefill_rows of each layer, over the static batch, awaiting a layout
     stretches = [b.run for b in graph.boundaries if isinstance(b, EagerCut)]
-    assert all(r.func == state_cache.prefill_rows for r in stretches)  # type: ignore[attr-defined]
+    assert all(r.func == state_cache._stretch for r in stretches)  # type: ignore[attr-defined]
     assert [r.args[1] for r in stretches] == list(range(len(engine.spec.linear_layer_ids)))  # type: ignore[attr-defined]
     for r in stretches:  # the graphs' static batch: the buffers each step fills
         assert r.args[2].padded and r.args[2].input_ids.data_ptr() == graphs.input_ids.data_ptr()  # type: ignore
