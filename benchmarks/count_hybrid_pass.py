@@ -287,7 +287,7 @@ def capture_passes(llm: LLM, decodes: int, chunk: int, prompt_len: int) -> dict[
     runner.launch = spy  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(0)
     vocab = engine.spec.vocab_size
-    params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)  # outlasts the steps looked for
     for i in range(decodes):
         engine.add_request(f"d{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) or \
