@@ -3,8 +3,9 @@
 What runs between two replayed pieces is the offloading provider's real decision: a layer with experts in host
 memory gets `provider.table()` (with the captured routing ids, the captured prediction for the next layer and the
 row mask that keeps padding rows out), and its table is copied into the static `active` tables the captured MoE
-kernels read; a fully resident layer is not asked (no host read). The captured pieces themselves run on the GPU
-(tests/test_offload.py, tests/test_elastic.py, `-m gpu`).
+kernels read; a fully resident layer is not asked (no host read); an eager stretch between two pieces (a hybrid
+model's gated DeltaNet prefill rows) runs in pass order with the step's layout. The captured pieces themselves run on
+the GPU (tests/test_offload.py, tests/test_elastic.py, tests/test_hybrid_graphs.py, `-m gpu`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 
 from rimuru import LLM
-from rimuru.engine.piecewise_graphs import Boundary, ExpertTableBoundaries, PiecewiseGraph
+from rimuru.engine.piecewise_graphs import Boundary, EagerCut, ExpertTableBoundaries, PiecewiseGraph
+from rimuru.models.forward_batch import StepLayout
 from rimuru.testing.tiny_models import make_tiny_checkpoint
 
 
@@ -82,3 +84,30 @@ def test_predictor_ignores_padding_rows(tmp_path: Path) -> None:
     masked = predictor.scores(1, torch.cat([real, pad]), mask)
     torch.testing.assert_close(masked, predictor.scores(1, real))
     assert not torch.allclose(predictor.scores(1, torch.cat([real, pad])), masked)
+
+
+def test_eager_stretches_run_in_pass_order_with_the_steps_layout(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=1)
+    llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", offload_access="copy",
+              resident_experts=4)
+    eng = llm.engine
+    provider, cache = eng.runtime.provider, eng.runtime.cache
+    cache.make_resident([(m, e) for m in range(cache.num_layers) for e in range(cache.num_experts)
+                         if not cache.residency.is_resident(m, e)])  # every boundary takes the resident path
+    bounds = ExpertTableBoundaries.over(provider, eng.model)
+    log: list[object] = []
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    graph = PiecewiseGraph(pieces=[FakePiece(log, f"p{i}") for i in range(5)],  # type: ignore[misc]
+                           boundaries=[EagerCut(lambda lay: log.append(("s0", lay))), Boundary(0, ids, None),
+                                       EagerCut(lambda lay: log.append(("s1", lay))), Boundary(1, ids, None)],
+                           row_mask=torch.tensor([True, False]))
+    assert graph.has_table_decisions
+    layout = StepLayout(1, 2, 4, 3)
+    bounds.replay(graph, layout=layout)
+    assert log == ["p0", ("s0", layout), "p1", "p2", ("s1", layout), "p3", "p4"]
+    assert bounds.skipped_waits == 2 and bounds.host_waits == 0
+    stretches_only = PiecewiseGraph(pieces=[FakePiece(log, "q0"), FakePiece(log, "q1")],  # type: ignore[list-item]
+                                    boundaries=[EagerCut(lambda lay: log.append(("s", lay)))])
+    log.clear()
+    stretches_only.replay(layout)  # no table decision: the graph replays itself
+    assert log == ["q0", ("s", layout), "q1"]

@@ -28,13 +28,23 @@ expert is resident: one launch and no per-layer host work, as in static mode (me
 piecewise replay of a fully resident pass cost ~2 ms of host time and ~1.8 ms of GPU time more than static
 at 10 req/s). Both ladders share the one memory pool: they are never replayed at the same time.
 
-Hybrid models (gated DeltaNet layers, models/state_cache.py) capture the decode ladder only. Their decode graphs
-also read `ssm_pages` / `conv_pages`, static [L_lin, max_bs] int64 buffers rewritten in place each step like the
-block tables: row b names sequence b's state pages per linear-attention layer, -1 in padding rows (the paged
-decode kernels read and write nothing there). Whether a sequence has state to continue is computed inside the
-graph from the static seq_lens (a context longer than its one new token), so fresh sequences, and padding rows
-(context 1), select zero states on the device. A step with a prefill chunk runs eagerly: the chunk form of the
-layer gathers and scatters its states with shapes read on the host, so no mixed graph is captured.
+Hybrid models (gated DeltaNet layers, models/state_cache.py) read the state page ids too: `ssm_pages` /
+`conv_pages`, static [L_lin, max(max_bs, max_num_seqs)] int64 buffers rewritten in place each step like the block
+tables: column b names sequence b's state pages per linear-attention layer, -1 in padding rows and sequences (the
+paged decode kernels read and write nothing there). Their decode graphs are whole (or piecewise at the table
+decisions) as for every model: whether a sequence has state to continue is computed inside the graph from the
+static seq_lens (a context longer than its one new token), so fresh sequences, and padding rows (context 1), select
+zero states on the device. Their mixed graphs are piecewise, cut at every gated DeltaNet layer
+(engine/piecewise_graphs.py `EagerCut`), as vLLM cuts hybrid models at their token mixers: each piece holds the
+projections, norms, routers, MoE, attention (the tile-mapped launch) and the DeltaNet decode rows (the runner puts
+decodes first; the pieces find them on the device among the first min(Tp, max_num_seqs) rows, `begin_pass`); each
+cut runs the chunk form over the step's prefill sequences of one layer eagerly, with the step's StepLayout (host
+ints: their rows, the longest, the number of decodes), reading the layer's projections from and writing its output
+rows into static buffers every layer and graph shares (`LinearStateCache.reserve_graph_rows`, outside the pool).
+A mixed step thus costs one replay per DeltaNet layer plus that layer's prefill launches, where an eager pass paid
+every launch of every layer; fla-core's kernel, where it runs, syncs the host once per step (its chunk indices).
+With copies the same graphs are also cut at the table decisions; elastic's resident-tables mixed graphs are cut
+at the DeltaNet layers only.
 """
 
 from __future__ import annotations
@@ -46,13 +56,13 @@ from collections.abc import Iterator
 
 import torch
 
-from rimuru.engine.piecewise_graphs import ExpertTableBoundaries, PiecewiseGraph
+from rimuru.engine.piecewise_graphs import ExpertTableBoundaries, PieceCapture, PiecewiseGraph
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.experts.runtime import GraphPlan
 from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.models.causal_lm import MoECausalLM
-from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.forward_batch import ForwardBatch, StepLayout
 
 logger = logging.getLogger("rimuru")
 
@@ -83,7 +93,8 @@ def capture_step_graphs(model: MoECausalLM, plan: GraphPlan, device: torch.devic
     at every MoE layer's expert-table decision, replayed with that decision on the host between the pieces
     (engine/piecewise_graphs.py), plus whole graphs over the resident tables where the plan has them (elastic).
     Expert tables and page tables change in place, so evictions, grows and loads never invalidate a graph.
-    `num_linear_layers` > 0 (a hybrid model): decode graphs only, with the state page ids as static buffers."""
+    `num_linear_layers` > 0 (a hybrid model): the state page ids are static buffers too, and mixed graphs are cut at
+    every gated DeltaNet layer (its prefill sequences run eagerly between the pieces)."""
     boundaries = ExpertTableBoundaries.over(plan.piecewise, model) if plan.piecewise is not None else None
     graphs = StepGraphs(model, device, num_attention_layers, max_num_seqs, max_model_len, block_size,
                         max_num_batched_tokens, counter=plan.counter, boundaries=boundaries,
@@ -110,9 +121,10 @@ class StepGraphs:
         # max_capture_size (EngineConfig.max_cudagraph_capture_size): no graph of more rows; larger steps run eagerly
         cap = max_capture_size or max(max_num_seqs, max_num_batched_tokens or 0)
         self.sizes = capture_sizes(min(max_num_seqs, cap))  # decode ladder
-        # mixed ladder; none for a hybrid model (its steps with a prefill chunk run eagerly: module docstring)
-        self.token_sizes = (token_buckets(min(max_num_batched_tokens, cap))
-                            if max_num_batched_tokens and not num_linear_layers else [])
+        self.token_sizes = token_buckets(min(max_num_batched_tokens, cap)) if max_num_batched_tokens else []
+        self.num_linear_layers = num_linear_layers
+        # what captures piecewise graphs: the boundaries' (expert-table cuts) or its own (a hybrid's mixed graphs)
+        self.pieces = boundaries.capture if boundaries is not None else PieceCapture()
         self.max_bs = self.sizes[-1]
         self.max_seqs = max_num_seqs  # sequences of every mixed graph (and its sampled rows)
         self.max_model_len = max_model_len
@@ -133,12 +145,18 @@ class StepGraphs:
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(self.max_bs, dtype=torch.int64, device=device)
-        # hybrid models: [L_lin, max_bs] state page ids of each decode row, -1 = padding (no state read or written)
+        # hybrid models: [L_lin, max(max_bs, S)] state page ids of each sequence (a decode row, a mixed graph's
+        # sequence), -1 = padding (no state read or written)
         self.ssm_pages: torch.Tensor | None = None
         self.conv_pages: torch.Tensor | None = None
         if num_linear_layers:
-            self.ssm_pages = torch.full((num_linear_layers, self.max_bs), -1, dtype=torch.int64, device=device)
-            self.conv_pages = torch.full((num_linear_layers, self.max_bs), -1, dtype=torch.int64, device=device)
+            rows = max(self.max_bs, S)
+            self.ssm_pages = torch.full((num_linear_layers, rows), -1, dtype=torch.int64, device=device)
+            self.conv_pages = torch.full((num_linear_layers, rows), -1, dtype=torch.int64, device=device)
+            if self.token_sizes:  # what the mixed graphs' pieces hand their eager stretches, outside the pool
+                state_cache = model.state_cache
+                assert state_cache is not None, "a hybrid model's graphs need its state cache bound"
+                state_cache.reserve_graph_rows(self.token_sizes[-1])
         # mixed ladder
         self.mix_query_start_loc = i32(S + 1)
         self.mix_seq_lens = i32(S)
@@ -147,7 +165,8 @@ class StepGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         self.whole_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # resident_provider's, by decode size
-        self.whole_mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by token count
+        # by token count; a hybrid's are cut at its eager stretches only (no table decision)
+        self.whole_mixed_graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         self.whole_replays = 0  # passes that replayed a whole graph although the provider offloads
         self.pool = None
         self.capture_s = 0.0
@@ -161,7 +180,7 @@ class StepGraphs:
             block_tables=self.block_tables[:, :bs], slot_mapping=self.slot_mapping[:, :bs],
             logits_indices=self.logits_indices[:bs], max_query_len=1, max_seq_len=self.max_model_len,
             ssm_pages=self.ssm_pages[:, :bs] if self.ssm_pages is not None else None,
-            conv_pages=self.conv_pages[:, :bs] if self.conv_pages is not None else None,
+            conv_pages=self.conv_pages[:, :bs] if self.conv_pages is not None else None, padded=True,
         )
 
     def mixed_batch(self, tokens: int) -> ForwardBatch:
@@ -173,6 +192,8 @@ class StepGraphs:
             block_tables=self.block_tables[:, :S], slot_mapping=self.slot_mapping[:, :tokens],
             logits_indices=self.mix_logits_indices, max_query_len=tokens, max_seq_len=self.max_model_len,
             q_tile_start=self.mix_q_tile_start,
+            ssm_pages=self.ssm_pages[:, :S] if self.ssm_pages is not None else None,
+            conv_pages=self.conv_pages[:, :S] if self.conv_pages is not None else None, padded=True,
         )
 
     def _forward_into_logits(self, batch: ForwardBatch, piecewise: bool = False) -> None:
@@ -197,15 +218,22 @@ class StepGraphs:
         t0 = time.monotonic()
         if self.boundaries is not None:
             self.boundaries.install()
+        state_cache = self.model.state_cache if self.num_linear_layers else None
+        if state_cache is not None:
+            state_cache.capture = self.pieces  # its gated DeltaNet layers cut mixed passes at their prefill rows
         try:
             self._capture_all()
         finally:
             if self.boundaries is not None:
                 self.boundaries.uninstall()
+            if state_cache is not None:
+                state_cache.capture = None
         self.capture_s = time.monotonic() - t0
         kind = "piecewise (cut at every MoE expert-table decision)" if self.boundaries is not None else "whole"
         if self.resident_provider is not None:
             kind += " and whole (replayed while every expert is resident)"
+        if self.num_linear_layers and self.token_sizes:
+            kind += "; mixed graphs also cut at every gated DeltaNet layer's prefill rows"
         logger.info("captured %s CUDA graphs in %.1f s: decode batch sizes %s; mixed token counts %s", kind,
                     self.capture_s, self.sizes, self.token_sizes)
 
@@ -235,10 +263,8 @@ class StepGraphs:
             for mixed, size in todo:
                 batch = self._sized_batch(mixed, size)
                 graph: torch.cuda.CUDAGraph | PiecewiseGraph
-                if piecewise:
-                    self.boundaries.begin_capture(self.pool)
-                    self._forward_into_logits(batch, piecewise)
-                    graph = self.boundaries.end_capture()
+                if piecewise or (mixed and self.num_linear_layers):
+                    graph = self._capture_pieces(batch, piecewise)
                 else:
                     graph = self._capture_whole(batch, stream)
                 (self.mixed_graphs if mixed else self.graphs)[size] = graph
@@ -262,6 +288,18 @@ class StepGraphs:
             self._forward_into_logits(batch)
         return graph
 
+    def _capture_pieces(self, batch: ForwardBatch, table_cuts: bool) -> PiecewiseGraph:
+        """A piecewise graph of one pass (on the capture stream), cut at the expert-table decisions (`table_cuts`:
+        the offloading boundaries are installed) and at a hybrid mixed pass's eager stretches."""
+        self.pieces.begin(self.pool)
+        try:
+            self._forward_into_logits(batch, table_cuts)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.pieces.end()
+            raise
+        return self.pieces.end()
+
     def _sized_batch(self, mixed: bool, size: int) -> ForwardBatch:
         """The static batch a graph of the mixed (token count) or decode (batch size) ladder is captured with."""
         return self.mixed_batch(size) if mixed else self.batch(size)
@@ -282,8 +320,12 @@ class StepGraphs:
         warmed up in _capture_all before any capture."""
         with self._resident_modules():
             for mixed, size in todo:
-                graph = self._capture_whole(self._sized_batch(mixed, size), stream)
-                (self.whole_mixed_graphs if mixed else self.whole_graphs)[size] = graph
+                batch = self._sized_batch(mixed, size)
+                if mixed and self.num_linear_layers:  # no table decision, but the eager stretches
+                    self.whole_mixed_graphs[size] = self._capture_pieces(batch, table_cuts=False)
+                else:
+                    (self.whole_mixed_graphs if mixed else self.whole_graphs)[size] = self._capture_whole(batch,
+                                                                                                         stream)
 
     def measure_piecewise_overhead(self, batch_size: int = 48, reps: int = 20) -> float | None:
         """Seconds a decode pass of the piecewise graph takes beyond the whole graph of the same size over the same
@@ -337,14 +379,17 @@ class StepGraphs:
 
     # ---- replay ------------------------------------------------------------------------------------------
     def _replay(self, graph: torch.cuda.CUDAGraph | PiecewiseGraph,
-                whole: torch.cuda.CUDAGraph | None = None) -> None:
-        """`whole`: the same size's resident-tables graph, replayed instead while every expert is resident."""
+                whole: torch.cuda.CUDAGraph | PiecewiseGraph | None = None, layout: StepLayout | None = None) -> None:
+        """`whole`: the same size's resident-tables graph, replayed instead while every expert is resident.
+        `layout`: the step's (a hybrid mixed graph's eager stretches)."""
         if whole is not None and self.boundaries is not None and self.boundaries.all_resident():
-            whole.replay()
+            whole.replay(layout) if isinstance(whole, PiecewiseGraph) else whole.replay()
             self.whole_replays += 1
-        elif isinstance(graph, PiecewiseGraph):
+        elif isinstance(graph, PiecewiseGraph) and graph.has_table_decisions:
             assert self.boundaries is not None
-            self.boundaries.replay(graph)
+            self.boundaries.replay(graph, layout=layout)
+        elif isinstance(graph, PiecewiseGraph):
+            graph.replay(layout)
         else:
             graph.replay()
 
@@ -387,12 +432,19 @@ class StepGraphs:
 
     def run_mixed(self, num_sampled: int, input_ids: torch.Tensor, positions: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                  slot_mapping: torch.Tensor, logits_indices: torch.Tensor, q_tile_start: torch.Tensor) -> torch.Tensor:
+                  slot_mapping: torch.Tensor, logits_indices: torch.Tensor, q_tile_start: torch.Tensor,
+                  ssm_pages: torch.Tensor | None = None, conv_pages: torch.Tensor | None = None,
+                  layout: StepLayout | None = None) -> torch.Tensor:
         """One mixed step, inputs padded by ModelRunner.host_arrays(pad_tokens=Tp, pad_seqs=max_seqs): [Tp],
-        [Tp], [S+1], [S], [L, B, nb] (real sequences only), [L, Tp], [S], [S+1]. Returns logits [num_sampled, V]."""
+        [Tp], [S+1], [S], [L, B, nb] (real sequences only), [L, Tp], [S], [S+1]; a hybrid model's also its state
+        page ids [L_lin, S] (-1 past the real sequences) and the step's layout (its eager stretches' host ints).
+        Returns logits [num_sampled, V]."""
         tp = input_ids.shape[0]
         if tp not in self.mixed_graphs:
             raise ValueError(f"no mixed graph captured for {tp} tokens (captured: {self.token_sizes})")
+        hybrid = self.ssm_pages is not None and self.conv_pages is not None
+        if hybrid != (ssm_pages is not None and conv_pages is not None and layout is not None):
+            raise ValueError("a hybrid model's mixed graphs take ssm_pages, conv_pages and the layout, and only theirs")
         _, b, nb = block_tables.shape
         self.input_ids[:tp].copy_(input_ids)
         self.positions[:tp].copy_(positions)
@@ -402,6 +454,11 @@ class StepGraphs:
         self.mix_seq_lens.copy_(seq_lens)
         self.mix_logits_indices.copy_(logits_indices)
         self.mix_q_tile_start.copy_(q_tile_start)
-        self._replay(self.mixed_graphs[tp], self.whole_mixed_graphs.get(tp))
+        if hybrid:
+            assert self.ssm_pages is not None and self.conv_pages is not None
+            assert ssm_pages is not None and conv_pages is not None
+            self.ssm_pages[:, : self.max_seqs].copy_(ssm_pages)
+            self.conv_pages[:, : self.max_seqs].copy_(conv_pages)
+        self._replay(self.mixed_graphs[tp], self.whole_mixed_graphs.get(tp), layout)
         assert self.logits_out is not None
         return self.logits_out[:num_sampled]

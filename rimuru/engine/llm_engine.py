@@ -175,9 +175,9 @@ class LLMEngine:
                             "(%s): every step runs eager", spec.model_type)
             else:
                 if state_cache is not None:
-                    logger.info("hybrid model (%s): pure-decode steps replay CUDA graphs; every step with a prefill "
-                                "chunk runs eagerly (the gated DeltaNet's chunk form gathers and scatters its states "
-                                "with host-dependent shapes, so no mixed graphs are captured)", spec.model_type)
+                    logger.info("hybrid model (%s): pure-decode steps replay CUDA graphs; steps with a prefill chunk "
+                                "replay piecewise graphs cut at every gated DeltaNet layer, whose prefill sequences "
+                                "run eagerly between the pieces", spec.model_type)
                 self._capture_graphs()
         if start_memory is not None:
             self._check_workspace(start_memory)

@@ -10,6 +10,10 @@ Batch layout (all scheduled requests flattened, prefill chunks and decodes mixed
     ssm_pages[k, b], conv_pages[k, b] = state pages of request b in linear-attention layer k (hybrid models;
                            -1 for padding rows)
 
+A hybrid model's batch puts its single-token sequences (decodes) first, in scheduled order, then the others:
+its linear-attention layers decode rows 0..D-1 in place with the paged kernels and run the chunk form over the
+rows after them (models/state_cache.py, `StepLayout`). The sampled rows (logits_indices) stay in scheduled order.
+
 Host work per step is kept flat: one Python pass over the scheduled requests collects their numbers,
 everything else is a few whole-batch numpy operations. Each request's pages are kept as an int32
 [num_blocks, L] array that grows with `Request.kv_pages` (which only ever grows, or is replaced by a new
@@ -35,7 +39,7 @@ from rimuru.engine.state_cache_manager import StateCopy
 from rimuru.engine.step_profiler import StepTrace
 from rimuru.kernels.paged_attention import q_tile_starts, tile_map_block_q
 from rimuru.models.causal_lm import MoECausalLM
-from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.forward_batch import ForwardBatch, StepLayout
 
 _ALIGN = 16  # bytes: every packed field starts at a multiple (int64 views need 8)
 _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
@@ -60,6 +64,7 @@ class HostBatch:
     # hybrid models: [L_lin, B] int64 state page ids (models/state_cache.py), None for the others
     ssm_pages: np.ndarray | None = None
     conv_pages: np.ndarray | None = None
+    layout: StepLayout | None = None  # hybrid models: the real rows' split (decodes first)
 
     def fields(self) -> list[np.ndarray]:
         """The arrays the device gets, in order: the seven of every batch, q_tile_start (mixed graphs), then the
@@ -245,6 +250,10 @@ class ModelRunner:
         bs, L = self.block_size, self.num_layers
         scheduled = sched.scheduled
         B = len(scheduled)
+        order = None  # hybrid models: batch row b holds scheduled[order[b]], single-token sequences first
+        if self.num_linear_layers and any(s.num_new_tokens > 1 for s in scheduled):
+            order = sorted(range(B), key=lambda i: scheduled[i].num_new_tokens > 1)  # stable: scheduled order kept
+            scheduled = [scheduled[i] for i in order]
         starts_l, ns_l, samples_l, tokens = [], [], [], []
         cache: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
         pages = []
@@ -302,7 +311,13 @@ class ModelRunner:
         query_start_loc = qsl.astype(np.int32)
         if Bp > B:  # padding rows: one token each
             query_start_loc = np.concatenate([query_start_loc, T + np.arange(1, Bp - B + 1, dtype=np.int32)])
-        logits_indices = qsl[1:][np.array(samples_l, dtype=bool)] - 1
+        last_rows = qsl[1:] - 1  # [B] by batch row
+        if order is not None:  # back to scheduled order: the sampler's rows are the sampling requests' in that order
+            by_sched = np.empty(B, dtype=np.int64)
+            by_sched[np.array(order)] = last_rows
+            last_rows = by_sched
+            samples_l = [s.samples for s in sched.scheduled]
+        logits_indices = last_rows[np.array(samples_l, dtype=bool)]
         num_sampled = len(logits_indices)
         q_tile_start = None
         if mixed:
@@ -311,15 +326,16 @@ class ModelRunner:
             query_start_loc = np.concatenate([query_start_loc, np.full(S - B, T, dtype=np.int32)])
             logits_indices = np.concatenate([logits_indices, np.zeros(S - num_sampled, dtype=np.int64)])
             q_tile_start = q_tile_starts(ns, self.q_block, S)
-        ssm_pages = conv_pages = None
+        ssm_pages = conv_pages = layout = None
         if self.num_linear_layers:
             ssm_pages, conv_pages = self._state_pages(scheduled, pad_seqs if mixed and pad_seqs is not None else Bp)
+            layout = StepLayout.of(ns_l)
         return HostBatch(input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
                          seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
                          logits_indices=logits_indices, max_query_len=max(ns_l), num_sampled=num_sampled,
                          q_tile_start=q_tile_start, pending_rows=pending_rows,
                          pending_seq_ids=pending_seq_ids if pending_rows is not None else None,
-                         ssm_pages=ssm_pages, conv_pages=conv_pages)
+                         ssm_pages=ssm_pages, conv_pages=conv_pages, layout=layout)
 
     def _state_pages(self, scheduled: list[ScheduledRequest], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
         """[L_lin, num_rows] int64 ssm and conv page ids of the scheduled requests; -1 in padding rows."""
@@ -343,12 +359,17 @@ class ModelRunner:
         return self.device_batch(self.host_arrays(sched))
 
     def device_batch(self, h: HostBatch) -> ForwardBatch:
+        """An eager pass's batch (no padding): a hybrid model's carries its layout (StepLayout)."""
         ids, pos, qsl, seq_lens, bt, slots, li, *state = self.to_device(h)
         self._fill_pending(ids, h)
         ssm_pages, conv_pages = state if state else (None, None)
+        layout = h.layout
+        if layout is None and ssm_pages is not None:  # a tensor-parallel follower's arrays: from the row counts
+            layout = StepLayout.of(np.diff(h.query_start_loc).tolist())
         return ForwardBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
                             slot_mapping=slots, logits_indices=li, max_query_len=h.max_query_len,
-                            max_seq_len=int(h.seq_lens.max()), ssm_pages=ssm_pages, conv_pages=conv_pages)
+                            max_seq_len=int(h.seq_lens.max()), ssm_pages=ssm_pages, conv_pages=conv_pages,
+                            layout=layout)
 
     @torch.inference_mode()
     def copy_states(self, copies: list[StateCopy]) -> None:
@@ -411,11 +432,14 @@ class ModelRunner:
             self.graph_steps += 1
         elif graphs is not None and graphs.can_run_mixed(sched):
             h = self.host_arrays(sched, pad_tokens=graphs.padded_tokens(sched.num_tokens), pad_seqs=graphs.max_seqs)
-            ids, pos, qsl, seq_lens, bt, slots, li, qts = self.to_device(h)
+            ids, pos, qsl, seq_lens, bt, slots, li, qts, *state = self.to_device(h)
             self._fill_pending(ids, h)
+            ssm_pages, conv_pages = state if state else (None, None)
             trace.mark("prepare")
             trace.forward_begin()
-            logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts)
+            # a hybrid's state page ids (-1 past the real sequences) and layout: its graphs' eager stretches
+            logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts, ssm_pages, conv_pages,
+                                      h.layout if ssm_pages is not None else None)
             self.graph_steps += 1
             self.mixed_graph_steps += 1
         else:

@@ -1,5 +1,10 @@
-"""Piecewise CUDA graphs for offloading modes: a forward pass captured as one graph per stretch between
-two MoE expert-table decisions, with the host decision replayed eagerly in between.
+"""Piecewise CUDA graphs: a forward pass captured as one graph per stretch between two cuts, with what cannot live
+in a graph run eagerly at each cut. Two kinds of cut, in any mix:
+
+  * an MoE expert-table decision (offloading modes with copies: `ExpertTableBoundaries`, `Boundary`);
+  * an eager stretch (`EagerCut`): a hybrid model's gated DeltaNet layer over the prefill sequences of a mixed
+    step (models/state_cache.py `prefill_rows`), whose sizes are the step's host ints, run with the layout of
+    the step the replay serves.
 
 An offloading provider (fixed / elastic with experts in host memory) must see a MoE layer's real routing
 before that layer's kernel runs: it reads which experts were routed (one device->host read), copies the
@@ -18,11 +23,17 @@ A boundary needs the host read only when its layer has experts in host memory; w
 layer is resident the boundary queues the copy and the routing count and goes on without waiting, so a
 step with everything resident costs L+1 graph launches and no synchronisation.
 
-Capture: while capturing, this object stands in for the provider of every MoE module. `before_layer`
-runs the predictor (device work, captured into the piece); `table` ends the current piece's capture and
-begins the next one. Graph pieces share one memory pool and are always replayed in capture order, which
-is what makes the tensors handed from one piece to the next (hidden states, routing ids, predictions)
-safe in that pool.
+A hybrid model's mixed step is cut at every gated DeltaNet layer instead (and at the table decisions too where
+they are): each piece runs the layers' projections, norms, routers, MoE, attention and the DeltaNet decode rows
+(paged kernels, no host data), and each cut the chunk form over the step's prefill sequences of one layer, reading
+the projections from and writing its output rows into static buffers the pieces around it share.
+
+Capture: `PieceCapture` holds the graph being captured; `cut` ends the current piece's capture and begins the next
+one. While capturing, `ExpertTableBoundaries` stands in for the provider of every MoE module: `before_layer` runs
+the predictor (device work, captured into the piece); `table` cuts. A hybrid model's state cache cuts at its
+eager stretches (its `capture` is the same PieceCapture). Graph pieces share one memory pool and are always replayed
+in capture order, which is what makes the tensors handed from one piece to the next (hidden states, routing ids,
+predictions) safe in that pool; what an eager stretch reads and writes lives in static buffers outside it.
 
 Padding rows (a padded batch) route too: `row_mask` ([T] bool, computed inside piece 0 from the slot
 mapping) keeps them out of the provider's load decisions and out of the routing counts. An expert routed
@@ -31,6 +42,7 @@ only by padding rows may stay in host memory; the kernel skips it (table row -1)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +51,7 @@ from torch import Tensor
 
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.models.causal_lm import MoECausalLM
+from rimuru.models.forward_batch import StepLayout
 
 
 @dataclass
@@ -49,12 +62,84 @@ class Boundary:
 
 
 @dataclass
+class EagerCut:
+    """Work run eagerly between two pieces at every replay: `run(layout)`, with the layout of the step served."""
+
+    run: Callable[[StepLayout | None], None]
+
+
+@dataclass
 class PiecewiseGraph:
     """One padded batch size: len(boundaries) + 1 graph pieces."""
 
     pieces: list[torch.cuda.CUDAGraph] = field(default_factory=list)
-    boundaries: list[Boundary] = field(default_factory=list)
+    boundaries: list[Boundary | EagerCut] = field(default_factory=list)
     row_mask: Tensor | None = None  # [T] bool, static (piece 0 computes it)
+
+    @property
+    def has_table_decisions(self) -> bool:
+        return any(isinstance(b, Boundary) for b in self.boundaries)
+
+    def replay(self, layout: StepLayout | None = None) -> None:
+        """One pass of a graph cut at eager stretches only: each piece, then the stretch after it. A graph with
+        expert-table decisions replays through ExpertTableBoundaries.replay."""
+        if self.has_table_decisions:
+            raise RuntimeError("this graph has expert-table decisions: ExpertTableBoundaries.replay replays it")
+        for k, piece in enumerate(self.pieces):
+            piece.replay()
+            if k < len(self.boundaries):
+                cut = self.boundaries[k]
+                assert isinstance(cut, EagerCut)
+                cut.run(layout)
+
+
+class PieceCapture:
+    """Captures one pass as a PiecewiseGraph: pieces of one memory pool, a new one begun at every cut."""
+
+    def __init__(self) -> None:
+        self._graph: PiecewiseGraph | None = None
+        self._pool: Any = None
+
+    @property
+    def capturing(self) -> bool:
+        return self._graph is not None
+
+    @property
+    def row_mask(self) -> Tensor | None:
+        return self._graph.row_mask if self._graph is not None else None
+
+    def begin(self, pool: Any, row_mask: Tensor | None = None) -> None:
+        if self._graph is not None:
+            raise RuntimeError("a piecewise capture is already running")
+        self._pool = pool
+        self._graph = PiecewiseGraph(row_mask=row_mask)
+        self._begin_piece()
+
+    def set_row_mask(self, row_mask: Tensor) -> None:
+        if self._graph is not None:
+            self._graph.row_mask = row_mask
+
+    def cut(self, run: Callable[[StepLayout | None], None]) -> None:
+        """An eager stretch here (models/state_cache.py PassCut): `run(layout)` between this piece and the next."""
+        self.cut_at(EagerCut(run))
+
+    def cut_at(self, boundary: Boundary | EagerCut) -> None:
+        assert self._graph is not None
+        self._graph.pieces[-1].capture_end()
+        self._graph.boundaries.append(boundary)
+        self._begin_piece()
+
+    def end(self) -> PiecewiseGraph:
+        graph, self._graph = self._graph, None
+        assert graph is not None
+        graph.pieces[-1].capture_end()
+        return graph
+
+    def _begin_piece(self) -> None:
+        assert self._graph is not None
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self._pool)
+        self._graph.pieces.append(g)
 
 
 class ExpertTableBoundaries:
@@ -69,8 +154,7 @@ class ExpertTableBoundaries:
         self.expert_view = expert_view
         self.active = tables.clone()  # [L_moe, E, 3] int32: what the captured MoE kernels read
         self._pending: tuple[int, Tensor] | None = None
-        self._capture: PiecewiseGraph | None = None
-        self._pool: Any = None
+        self.capture = PieceCapture()  # shared with a hybrid model's state cache, which cuts the same pass
         self.host_waits = 0  # boundaries that read the routing on the host (offloaded experts, not streaming)
         self.skipped_waits = 0  # boundaries that went on without a host read (fully resident or streaming)
 
@@ -89,7 +173,7 @@ class ExpertTableBoundaries:
     def before_layer(self, moe_layer: int, hidden: Tensor) -> None:
         predictor, nxt = self.predictor, moe_layer + 1
         if predictor is not None and nxt < self.num_layers:
-            mask = self._capture.row_mask if self._capture is not None else None  # padding rows prefetch nothing
+            mask = self.capture.row_mask  # padding rows prefetch nothing (None outside a capture)
             self._pending = (nxt, predictor.scores(nxt, hidden, mask))
         else:
             self._pending = None
@@ -99,10 +183,8 @@ class ExpertTableBoundaries:
 
     def table(self, moe_layer: int, topk_ids: Tensor) -> Tensor:
         pred, self._pending = self._pending, None
-        if self._capture is not None:
-            self._capture.pieces[-1].capture_end()
-            self._capture.boundaries.append(Boundary(moe_layer, topk_ids, pred))
-            self._begin_piece()
+        if self.capture.capturing:
+            self.capture.cut_at(Boundary(moe_layer, topk_ids, pred))
         return self.active[moe_layer]
 
     def host_experts(self, moe_layer: int, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> None:
@@ -117,25 +199,13 @@ class ExpertTableBoundaries:
             self.model.attach_experts(self._provider)
 
     def begin_capture(self, pool: Any, row_mask: Tensor | None = None) -> None:
-        self._pool = pool
-        self._capture = PiecewiseGraph(row_mask=row_mask)
-        self._begin_piece()
+        self.capture.begin(pool, row_mask)
 
     def set_row_mask(self, row_mask: Tensor) -> None:
-        if self._capture is not None:
-            self._capture.row_mask = row_mask
+        self.capture.set_row_mask(row_mask)
 
     def end_capture(self) -> PiecewiseGraph:
-        graph, self._capture = self._capture, None
-        assert graph is not None
-        graph.pieces[-1].capture_end()
-        return graph
-
-    def _begin_piece(self) -> None:
-        assert self._capture is not None
-        g = torch.cuda.CUDAGraph()
-        g.capture_begin(pool=self._pool)
-        self._capture.pieces.append(g)
+        return self.capture.end()
 
     # ---- replay ----------------------------------------------------------------------------------------
     def all_resident(self) -> bool:
@@ -143,9 +213,10 @@ class ExpertTableBoundaries:
         over the resident tables computes the same pass (engine/cuda_graphs.py)."""
         return self.provider.cache.all_resident()
 
-    def replay(self, graph: PiecewiseGraph, as_resident: bool = False) -> None:
+    def replay(self, graph: PiecewiseGraph, as_resident: bool = False, layout: StepLayout | None = None) -> None:
         """One pass. `as_resident`: every boundary takes the fully-resident path whatever the tables hold (timing
-        the replay itself, `StepGraphs.measure_piecewise_overhead`; an offloaded expert is then skipped)."""
+        the replay itself, `StepGraphs.measure_piecewise_overhead`; an offloaded expert is then skipped). `layout`:
+        the step's, for the graph's eager stretches."""
         provider = self.provider
         cache = provider.cache
         counter = provider.counter
@@ -162,6 +233,9 @@ class ExpertTableBoundaries:
                 if k == len(graph.boundaries):
                     break
                 b = graph.boundaries[k]
+                if isinstance(b, EagerCut):
+                    b.run(layout)
+                    continue
                 if fully_resident[b.moe_layer]:
                     # every expert of this layer is resident: nothing to decide on the host
                     if counter is not None:

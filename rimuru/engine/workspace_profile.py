@@ -17,8 +17,8 @@ What is measured (device memory seen by torch's allocator and by the driver, `to
               sequence's last row sampled (temperature, top-k and top-p: the sampler's largest working set)
     outside   memory the passes made outside torch's allocator (cuBLAS workspaces, loaded kernel images)
     graphs    a throwaway capture of the same CUDA graphs the engine captures (whole, piecewise, or both; a hybrid
-              model's decode ladder alone), over the scratch pool: the graphs' memory pool and the graph objects;
-              then given back
+              model's mixed ladder cut at its gated DeltaNet layers, with the static rows those cuts share), over
+              the scratch pool: the graphs' memory pool and the graph objects; then given back
     sampling  S rows of logits sampled eagerly, the transient beside the graphs' pool
 
 Device memory is read with `torch.cuda.mem_get_info`, which sees the whole GPU: like vLLM's profile, this one assumes
@@ -27,8 +27,9 @@ workspace; the GPU tests that start engines run one at a time for this reason).
 
 The workspace is `forward + outside` when every step runs eagerly; with CUDA graphs it is `graphs + sampling +
 outside`, plus the eager `forward` when steps above --max-cudagraph-capture-size run eagerly beside the graphs (a
-hybrid model's steps with a prefill chunk always do: it has no mixed graphs). The capture's decode graphs read
-state page ids of -1 (their static buffers as captured), so the paged decode kernels touch no state page. On the
+hybrid model's mixed steps always run part of the pass eagerly beside them: its prefill sequences' chunk form
+between the pieces). The capture's graphs read state page ids of -1 (their static buffers as captured), so the
+paged decode kernels touch no state page. On the
 CPU nothing is measured (host memory; see setup.workspace_bytes for the bound used there).
 """
 
@@ -52,7 +53,7 @@ from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pool import PagePool
 from rimuru.model_spec import ModelSpec
 from rimuru.models.causal_lm import MoECausalLM
-from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.forward_batch import ForwardBatch, StepLayout
 from rimuru.models.loader import init_dummy_weights
 from rimuru.models.moe import NO_EXPERTS
 from rimuru.models.state_cache import LinearStateCache, no_state_cache
@@ -141,7 +142,8 @@ def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, voca
         block_tables=torch.zeros(num_layers, seqs, blocks, dtype=torch.int32, device=device),
         slot_mapping=slots.to(device).expand(num_layers, tokens).contiguous(),
         logits_indices=(starts[1:] - 1).to(torch.int64).to(device), max_query_len=max_len, max_seq_len=max_len,
-        ssm_pages=state_pages, conv_pages=state_pages)
+        ssm_pages=state_pages, conv_pages=state_pages,
+        layout=StepLayout.of(lens) if num_linear_layers else None)  # the serving passes' split (state_cache.py)
 
 
 def _sample(logits: torch.Tensor, sampler: Sampler) -> None:
@@ -196,7 +198,9 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
         step_graphs = _capture_like_the_engine(model, scratch, mode, device, num_attn, len(spec.linear_layer_ids),
                                                config, max_model_len)
         graphs = _device_used(device) - before
-        eager_beside = not step_graphs.token_sizes or step_graphs.token_sizes[-1] < T
+        # eager passes beside the graphs' pool: steps above the largest graph, and a hybrid's eager stretches
+        # between the pieces of its mixed graphs (its prefill sequences' chunk form, bounded by the eager pass)
+        eager_beside = not step_graphs.token_sizes or step_graphs.token_sizes[-1] < T or bool(spec.is_hybrid)
         # the sampler's transient beside the graphs: its input is the graphs' logits buffer, counted above
         logits = torch.zeros(S, spec.vocab_size, dtype=torch.float32, device=device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -221,7 +225,8 @@ def _capture_like_the_engine(model: MoECausalLM, scratch: _ScratchPool, mode: st
                              num_attn: int, num_linear: int, config: EngineConfig, max_model_len: int) -> StepGraphs:
     """The graph ladders the engine will capture in `mode` (static, and fixed or elastic with direct access: whole
     graphs; fixed with copies: piecewise; elastic with copies: piecewise and whole), over the scratch pool; a hybrid
-    model's (`num_linear` linear-attention layers) decode ladder only, over its scratch state cache."""
+    model's (`num_linear` linear-attention layers) mixed graphs cut at its gated DeltaNet layers, over its scratch
+    state cache."""
     provider = scratch.provider
     boundaries = None
     copies = mode != "static" and config.offload_access == "copy"

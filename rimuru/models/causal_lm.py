@@ -178,6 +178,8 @@ class MoECausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> Tensor:
         """Hidden states [T, d] after the final norm."""
+        if self.state_cache is not None:  # hybrid models: which rows the linear-attention layers decode in place
+            self.state_cache.begin_pass(batch)
         h = self.model.embed_tokens(batch.input_ids)  # [T, d]; tensor-parallel, the ranks' lookups all-reduced
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)  # [T, D/2] each, shared by all layers
         residual: Tensor | None = None

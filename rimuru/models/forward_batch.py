@@ -10,14 +10,44 @@ is `seq_lens[b]` tokens, so its new tokens sit at positions `seq_lens[b] - q_len
 Every attention layer has its own KV pages, hence one block table and one slot mapping per
 attention layer, indexed by the layer's ordinal among attention layers (not its layer index). Hybrid
 models' linear-attention layers read and write each sequence's state through its state page ids, one ssm and
-one conv page per linear-attention layer (models/state_cache.py).
+one conv page per linear-attention layer (models/state_cache.py), and split an eager pass by its `StepLayout`:
+the leading single-token sequences (decodes, which the runner puts first) take the paged decode kernels, the
+sequences after them (prefill chunks) the chunk form, with every shape the split needs a host int.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Host ints of one pass's real rows, for the split of a hybrid model's linear-attention layers: sequences
+    0..num_decodes-1 have one token each at rows 0..num_decodes-1; sequences num_decodes..num_seqs-1 (the prefill
+    sequences) own rows num_decodes..num_tokens-1, the longest max_prefill_len tokens. A CUDA graph's padded batch
+    has more rows and sequences (padding); its replay is handed the layout of the step it serves."""
+
+    num_decodes: int
+    num_seqs: int
+    num_tokens: int
+    max_prefill_len: int
+
+    @classmethod
+    def of(cls, query_lens: Sequence[int]) -> StepLayout:
+        """The layout of sequences with these new-token counts, in batch order (every count >= 1)."""
+        d = 0
+        while d < len(query_lens) and query_lens[d] == 1:
+            d += 1
+        rest = query_lens[d:]
+        return cls(num_decodes=d, num_seqs=len(query_lens), num_tokens=int(sum(query_lens)),
+                   max_prefill_len=int(max(rest)) if len(rest) else 0)
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_seqs - self.num_decodes
 
 
 @dataclass
@@ -37,6 +67,12 @@ class ForwardBatch:
     # linear-attention layer; < 0 = a padding row (reads page 0, writes nothing)
     ssm_pages: Tensor | None = None
     conv_pages: Tensor | None = None
+    # hybrid models' eager passes: the host ints of the split (StepLayout); None in CUDA graphs' static batches,
+    # and where a caller does not know it (the layers then take the gather / scatter reference path)
+    layout: StepLayout | None = None
+    # a CUDA graph's static batch (engine/cuda_graphs.py): padding rows and sequences, the real ones known only when
+    # a replay is handed its step's layout
+    padded: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -28,8 +28,15 @@ caller's. Initial-state memory of a request that starts fresh is garbage (reused
 state is SELECTED with `torch.where`, never made by multiplying with a mask (NaN * 0 is NaN).
 
 Tokens come flattened as in ForwardBatch: sequence b owns rows query_start_loc[b] : query_start_loc[b+1].
-Inside, sequences are padded to the longest one; padded steps get beta = 0 and g = 0, which leave the
-state unchanged, so the state after the padding is the state at the sequence's end.
+Inside, sequences are padded to the longest one (a host int where the caller knows it, so padding reads nothing
+from the device; one sequence is not padded at all); padded steps get beta = 0 and g = 0, which leave the
+state unchanged, so the state after the padding is the state at the sequence's end. fla's kernel takes the rows
+packed, gathered back from the padded conv output by index (`packed_index`), never by a boolean mask.
+
+The layer's parts, each over rows of any sequences: `project` (the input projections, the decay g and beta per
+row), `varlen_core` (conv and delta rule of whole sequences from their initial states), `decode_rows` (one token per
+row through the paged kernels, states in their pages) and `_output` (gated norm, out_proj). `forward` is project ->
+varlen_core -> _output; models/state_cache.py splits a pass between decode_rows and varlen_core.
 
 `GatedDeltaNet.decode_paged` is the decode step (one token per sequence) with the states read from and written
 to their pool pages in place by the paged kernels (kernels/causal_conv1d_update.py, kernels/gated_delta_decode.py):
@@ -69,26 +76,52 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:  # [..., D]
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def pad_varlen(x: Tensor, query_start_loc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Flattened rows [T, ...] -> padded [B, L, ...] (zeros past each end), plus valid [B, L] and lens [B]."""
+def varlen_index(query_start_loc: Tensor, max_len: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The padded layout of flattened rows: row index [B, L] (clamped into the batch), valid [B, L] and lens [B].
+
+    `max_len` (the longest sequence, a host int the batch knows) sizes L without a host sync; None reads it from
+    the device (one sync: the reference's way)."""
     lens = (query_start_loc[1:] - query_start_loc[:-1]).long()  # [B]
-    max_len = int(lens.max()) if lens.numel() else 0
-    steps = torch.arange(max_len, device=x.device)  # [L]
+    if max_len is None:
+        max_len = int(lens.max()) if lens.numel() else 0
+    steps = torch.arange(max_len, device=query_start_loc.device)  # [L]
     valid = steps[None, :] < lens[:, None]  # [B, L]
-    rows = (query_start_loc[:-1].long()[:, None] + steps[None, :]).clamp(max=max(x.shape[0] - 1, 0))  # [B, L]
-    padded = x[rows]  # [B, L, ...]
+    rows = query_start_loc[:-1].long()[:, None] + steps[None, :]  # [B, L]
+    return rows, valid, lens
+
+
+def pad_rows(x: Tensor, rows: Tensor, valid: Tensor) -> Tensor:
+    """x [T, ...] gathered into the padded layout of `varlen_index`: [B, L, ...], zeros past each end."""
+    padded = x[rows.clamp(max=max(x.shape[0] - 1, 0))]  # [B, L, ...]
     mask = valid.view(*valid.shape, *([1] * (x.dim() - 1)))
-    return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device)), valid, lens
+    return torch.where(mask, padded, 0)  # a scalar: no zero tensor to make
+
+
+def pad_varlen(x: Tensor, query_start_loc: Tensor, max_len: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Flattened rows [T, ...] -> padded [B, L, ...] (zeros past each end), plus valid [B, L] and lens [B]."""
+    rows, valid, lens = varlen_index(query_start_loc, max_len)
+    return pad_rows(x, rows, valid), valid, lens
+
+
+def packed_index(query_start_loc: Tensor, max_len: int, num_rows: int) -> Tensor:
+    """[T] int64: each flattened row's place b * L + t in the padded [B * L] layout (the inverse of the padding).
+    T and L are host ints: no host sync (repeat_interleave is told its output size)."""
+    starts = query_start_loc[:-1].long()
+    lens = query_start_loc[1:].long() - starts
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens,
+                                  output_size=num_rows)  # [T]
+    return seq * max_len + torch.arange(num_rows, device=lens.device) - starts[seq]
 
 
 def causal_conv1d(
-    x: Tensor, conv_state: Tensor, weight: Tensor, lens: Tensor
-) -> tuple[Tensor, Tensor]:  # x [B, C, L], conv_state [B, C, K-1], weight [C, K], lens [B]
+    x: Tensor, conv_state: Tensor, weight: Tensor, lens: Tensor | int
+) -> tuple[Tensor, Tensor]:  # x [B, C, L], conv_state [B, C, K-1], weight [C, K], lens [B] (or one host int)
     """Depthwise causal conv + SiLU over each sequence, continuing from conv_state; returns (y, final state).
 
     Output t of sequence b sees inputs t-K+1 .. t, where negative times come from its conv state. The
     final state is the last K-1 inputs before each sequence's end, which for a sequence shorter than K-1
-    still includes part of the initial state.
+    still includes part of the initial state. `lens` as a host int (every sequence that long): the final states
+    are a slice, not a gather.
     """
     B, C, L = x.shape
     K = weight.shape[1]
@@ -96,6 +129,8 @@ def causal_conv1d(
     y = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=C)  # [B, C, L], no padding: all causal
     y = F.silu(y).to(x.dtype)
     # Sequence b ends at column (K-1) + lens[b] of `full`; its last K-1 inputs are the columns just before.
+    if isinstance(lens, int):
+        return y, full[:, :, lens : lens + K - 1]
     cols = lens[:, None] + torch.arange(K - 1, device=x.device)[None, :]  # [B, K-1]
     final = full.gather(2, cols[:, None, :].expand(B, C, K - 1))  # [B, C, K-1]
     return y, final
@@ -231,51 +266,82 @@ class GatedDeltaNet(nn.Module):
         recurrent_state: Tensor,  # [B, Hv, dk, dv] fp32, likewise
         has_initial_state: Tensor,  # [B] bool: False = the sequence starts fresh (zero states)
         recurrent: bool = False,  # True: the per-token form (decode); False: the chunk form (prefill)
+        max_len: int | None = None,  # the longest sequence (host int): no host sync; None reads it on the device
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (output [T, hidden], final conv state [B, conv_dim, K-1], final recurrent state [B, Hv, dk, dv])."""
-        T = x.shape[0]
-        Hv, dk, dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
         keep = has_initial_state.bool()
-        conv0 = torch.where(keep[:, None, None], conv_state, torch.zeros((), dtype=conv_state.dtype,
-                                                                         device=conv_state.device))
-        state0 = torch.where(keep[:, None, None, None], recurrent_state.float(),
-                             torch.zeros((), dtype=torch.float32, device=recurrent_state.device))
+        conv0 = torch.where(keep[:, None, None], conv_state, 0)  # selected: the garbage is never multiplied
+        state0 = torch.where(keep[:, None, None, None], recurrent_state.float(), 0)
+        mixed, g, beta = self.project(x)
+        o, conv_final, state = self.varlen_core(mixed, g, beta, conv0, state0, query_start_loc, max_len, recurrent)
+        return self._output(x, o), conv_final.to(conv_state.dtype), state  # [T, hidden]
 
-        mixed, valid, lens = pad_varlen(self.in_proj_qkv(x), query_start_loc)  # [B, L, conv_dim]
-        b_pad = pad_varlen(self.in_proj_b(x), query_start_loc)[0]  # [B, L, Hv]
-        a_pad = pad_varlen(self.in_proj_a(x), query_start_loc)[0]  # [B, L, Hv]
-        B, L = valid.shape
-        conv_out, conv_final = causal_conv1d(mixed.transpose(1, 2), conv0, self.conv1d.weight.squeeze(1), lens)
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [T, hidden] -> the pre-conv inputs [T, conv_dim], log decay g [T, Hv] fp32 and beta [T, Hv] (x's dtype,
+        rounded there as HF does): per row, whatever sequence the row belongs to."""
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, Hv]
+        return self.in_proj_qkv(x), g, self.in_proj_b(x).sigmoid()
+
+    def varlen_core(
+        self,
+        mixed: Tensor,  # [T, conv_dim] pre-conv inputs of B sequences (project), flattened
+        g: Tensor,  # [T, Hv] fp32
+        beta: Tensor,  # [T, Hv]
+        conv0: Tensor,  # [B, conv_dim, K-1]: initial conv states, zero for fresh sequences (selected by the caller)
+        state0: Tensor,  # [B, Hv, dk, dv] fp32: initial recurrent states, likewise
+        query_start_loc: Tensor,  # [B+1] int, query_start_loc[0] == 0, query_start_loc[B] == T
+        max_len: int | None,  # the longest of the B sequences (host int), None: read on the device (a sync)
+        recurrent: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The conv and the delta rule of each sequence from its initial states: (o [T, Hv, dv] in mixed's dtype,
+        final conv states [B, conv_dim, K-1], final recurrent states [B, Hv, dk, dv] fp32). With max_len given no
+        step reads the device from the host. One sequence (B == 1) needs no padding gather at all."""
+        T = mixed.shape[0]
+        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        B = query_start_loc.shape[0] - 1
+        lens: Tensor | int
+        if B == 1:  # the rows are the sequence: [1, T, ...] views, nothing padded
+            L, valid, lens = T, None, T
+            padded = mixed[None]
+        else:
+            rows, valid, lens = varlen_index(query_start_loc, max_len)
+            L = rows.shape[1]
+            padded = pad_rows(mixed, rows, valid)  # [B, L, conv_dim]
+
+        def pad(t: Tensor) -> Tensor:  # [T, ...] -> [B, L, ...]
+            return t[None] if valid is None else pad_rows(t, rows, valid)
+
+        def unpad(t: Tensor) -> Tensor:  # [B, L, ...] -> [T, ...]: padded steps dropped, back to row order
+            if valid is None:
+                return t[0]
+            return t.reshape(B * L, *t.shape[2:]).index_select(0, packed_index(query_start_loc, L, T))
+
+        conv_out, conv_final = causal_conv1d(padded.transpose(1, 2), conv0, self.conv1d.weight.squeeze(1), lens)
         q, k, v = conv_out.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        group = Hv // self.num_k_heads  # value head j reads key head j // group
-        g = -self.A_log.float().exp() * F.softplus(a_pad.float() + self.dt_bias.float())  # [B, L, Hv]
-        if not recurrent and fla_chunk_applies(x):  # prefill on a GPU in bf16/fp16: fla's kernel, packed rows
+        group = Hv // Hk  # value head j reads key head j // group
+        if not recurrent and fla_chunk_applies(mixed):  # prefill on a GPU in bf16/fp16: fla's kernel, packed rows
             o, state = fla_chunk_gated_delta_rule(
-                q[valid].reshape(T, self.num_k_heads, dk).repeat_interleave(group, dim=1),
-                k[valid].reshape(T, self.num_k_heads, dk).repeat_interleave(group, dim=1),
-                v[valid].reshape(T, Hv, dv), g[valid], b_pad.sigmoid()[valid], state0, query_start_loc,
-                scale=dk**-0.5)
-            return self._output(x, o.to(x.dtype)), conv_final.to(conv_state.dtype), state
-        q = q.reshape(B, L, self.num_k_heads, dk).float()  # [B, L, Hk, dk]
-        k = k.reshape(B, L, self.num_k_heads, dk).float()
+                unpad(q).reshape(T, Hk, dk).repeat_interleave(group, dim=1),
+                unpad(k).reshape(T, Hk, dk).repeat_interleave(group, dim=1),
+                unpad(v).reshape(T, Hv, dv), g, beta, state0, query_start_loc, scale=dk**-0.5)
+            return o.to(mixed.dtype), conv_final, state
+        q = q.reshape(B, L, Hk, dk).float()  # [B, L, Hk, dk]
+        k = k.reshape(B, L, Hk, dk).float()
         v = v.reshape(B, L, Hv, dv).float()  # [B, L, Hv, dv]
         q = l2_normalize(q) * dk**-0.5
         k = l2_normalize(k)
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)  # [B, L, Hv, dk]
-
-        beta = b_pad.sigmoid().float()  # [B, L, Hv]; rounded to the model dtype first, as HF
-        # padded steps must not touch the state: select beta = 0 and g = 0 there
-        beta = torch.where(valid[..., None], beta, 0.0)
-        g = torch.where(valid[..., None], g, 0.0)
-
+        beta_p, g_p = pad(beta).float(), pad(g)  # [B, L, Hv]; beta rounded to the model dtype first, as HF
+        if valid is not None:  # padded steps must not touch the state: select beta = 0 and g = 0 there
+            beta_p = torch.where(valid[..., None], beta_p, 0.0)
+            g_p = torch.where(valid[..., None], g_p, 0.0)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, Hv, L, d]
-        g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, Hv, L]
+        g_p, beta_p = g_p.transpose(1, 2), beta_p.transpose(1, 2)  # [B, Hv, L]
         if recurrent:
-            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state0)
+            o, state = recurrent_gated_delta_rule(q, k, v, g_p, beta_p, state0)
         else:
-            o, state = chunk_gated_delta_rule(q, k, v, g, beta, state0, self.chunk_size)
-        o = o.transpose(1, 2)[valid].to(x.dtype)  # [T, Hv, dv]: padded rows dropped, back to token order
-        return self._output(x, o), conv_final.to(conv_state.dtype), state  # [T, hidden]
+            o, state = chunk_gated_delta_rule(q, k, v, g_p, beta_p, state0, self.chunk_size)
+        return unpad(o.transpose(1, 2)).to(mixed.dtype), conv_final, state  # [T, Hv, dv]
 
     def _output(self, x: Tensor, o: Tensor) -> Tensor:  # x [T, hidden], o [T, Hv, dv] in x's dtype
         """The gated norm with z = in_proj_z(x), then out_proj: [T, hidden]."""
@@ -295,16 +361,20 @@ class GatedDeltaNet(nn.Module):
     ) -> Tensor:
         """One decode step of B sequences: `forward(..., recurrent=True)` for one token each plus the write of both
         final states into their pages, by the paged kernels. Returns [B, hidden] (padding rows: unspecified)."""
-        B = x.shape[0]
+        mixed, g, beta = self.project(x)
+        o = self.decode_rows(mixed, g, beta, conv, conv_pages, ssm, ssm_pages, has_initial_state)
+        return self._output(x, o.to(x.dtype))  # [B, hidden]
+
+    def decode_rows(self, mixed: Tensor, g: Tensor, beta: Tensor, conv: Tensor, conv_pages: Tensor, ssm: Tensor,
+                    ssm_pages: Tensor, has_initial_state: Tensor) -> Tensor:
+        """The paged decode of `decode_paged` from the projections (project) of B rows, one token each: row b's states
+        in pages conv_pages[b] and ssm_pages[b] (< 0: nothing read or written, o 0). Returns o [B, Hv, dv] fp32."""
+        B = mixed.shape[0]
         Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        mixed = self.in_proj_qkv(x)  # [B, conv_dim]
         conv_out = causal_conv1d_update(mixed, conv, self.conv1d.weight.squeeze(1), conv_pages,
-                                        has_initial_state)  # [B, conv_dim] x's dtype, SiLU applied
+                                        has_initial_state)  # [B, conv_dim] mixed's dtype, SiLU applied
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2_normalize(q.reshape(B, Hk, dk).float()) * dk**-0.5  # [B, Hk, dk]: key heads, grouped in the kernel
         k = l2_normalize(k.reshape(B, Hk, dk).float())
         v = v.reshape(B, Hv, dv)  # read as fp32 by the kernel
-        beta = self.in_proj_b(x).sigmoid().float()  # [B, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [B, Hv]
-        o = gated_delta_decode(q, k, v, g, beta, ssm, ssm_pages, has_initial_state).to(x.dtype)  # [B, Hv, dv]
-        return self._output(x, o)  # [B, hidden]
+        return gated_delta_decode(q, k, v, g, beta.float(), ssm, ssm_pages, has_initial_state)  # [B, Hv, dv]

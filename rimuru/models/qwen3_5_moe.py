@@ -48,15 +48,20 @@ class LinearAttentionDecoderLayer(DecoderLayer):
     ) -> Tensor:  # [T, d] -> [T, d]
         if state_cache is None:
             raise ValueError("a hybrid model needs its state pages bound (bind_state_cache) before a forward pass")
+        if state_cache.splits(batch) and not state_cache.decodes_in_place(batch):
+            # decode rows by the paged kernels, prefill rows by the chunk form, no host sync
+            return state_cache.mixed(self.linear_attn, self.linear_idx, batch, x)
         qsl = batch.query_start_loc
         # A sequence with context before this pass continues its state; one without starts from zero
         # (a prefix-cache hit has context: its pages hold a copy of the cached state, engine/state_cache_manager.py).
         has_initial_state = batch.seq_lens.long() > (qsl[1:] - qsl[:-1]).long()  # [B]
         if state_cache.decodes_in_place(batch):  # pure decode on the GPU: the paged kernels, states in place
             return state_cache.decode(self.linear_attn, self.linear_idx, batch, x, has_initial_state)
+        # the reference path (the CPU's): every sequence's states gathered, the layer, the final states scattered
         conv, recurrent = state_cache.read(self.linear_idx, batch)
         out, conv, recurrent = self.linear_attn(
             x, qsl, conv, recurrent, has_initial_state, recurrent=batch.max_query_len == 1,  # decode: per token
+            max_len=batch.max_query_len,
         )
         state_cache.write(self.linear_idx, batch, conv, recurrent)
         return out

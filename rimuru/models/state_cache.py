@@ -12,33 +12,95 @@ SELECTED inside GatedDeltaNet (a page's previous bytes are garbage: another requ
 weights, NaN), so what a fresh request's page held never matters. A page id < 0 is a padding row: it reads
 page 0 (its state is not used) and writes nothing.
 
-This gather/scatter is the CPU path, and the path of every pass with a prefill chunk. A pure-decode pass (one token
-per sequence) on CUDA with Triton takes `decode` instead: GatedDeltaNet.decode_paged, whose conv and recurrent
-kernels read and write each sequence's state in its pages in place through the page ids (no gather, no scatter;
-the recurrent state's read and write of its [Hv, dk, dv] fp32 page is the whole memory cost of the step there).
-`decodes_in_place` is the one test that picks it.
+Three paths, picked per pass:
 
-CUDA graphs: that decode has no host sync and no data-dependent branch on the host (launch grids depend on B and
-the shapes only; fresh sequences and padding rows are decided on the device from `has_initial_state` and the page
-ids), so a pure-decode step of a hybrid model replays a decode graph (engine/cuda_graphs.py): its batch carries
-`ssm_pages` / `conv_pages` as static [L_lin, B_graph] buffers updated in place each step, -1 in padding rows (the
-kernels neither read nor write their pages). The gather/scatter path syncs the host (`write`'s padding test, the
-chunk form's lengths), so passes with a prefill chunk run eagerly, and no graph is captured where `in_place_decode`
-is off.
+  * `decode` (`decodes_in_place`: a pure-decode pass, one token per sequence, on CUDA with Triton):
+    GatedDeltaNet.decode_paged, whose conv and recurrent kernels read and write each sequence's state in its pages
+    in place through the page ids (no gather, no scatter; the recurrent state's read and write of its [Hv, dk, dv]
+    fp32 page is the whole memory cost of the step there).
+  * `mixed` (`splits`: a pass with prefill rows where the paged kernels run, its StepLayout known on the host):
+    the runner puts the single-token sequences first, so rows 0..D-1 are decodes and take the same paged decode
+    kernels (`begin_pass` names their pages once per pass), and only the prefill sequences D..B-1 take the chunk
+    form (`prefill_rows`), their rows num_decodes..T-1 contiguous, their states gathered and scattered by page id.
+    Every size is a host int of the layout (the longest prefill, the row ranges) and the pages of real sequences
+    are never < 0, so nothing reads the device from the host; the offsets of the prefill rows are one int64 tensor
+    per pass, so fla-core (whose chunk indices it derives from it on the host, cached by the tensor's identity)
+    syncs in the first layer only.
+  * the gather / scatter reference (the CPU's, and a batch without a layout): every sequence's states gathered
+    (`read`), the layer, the final states scattered (`write`, whose padding-row test syncs the host).
+
+CUDA graphs (engine/cuda_graphs.py): the decode path has no host sync and no data-dependent branch on the host
+(launch grids depend on B and the shapes only; fresh sequences and padding rows are decided on the device from
+`has_initial_state` and the page ids), so a pure-decode step of a hybrid model replays a decode graph: its batch
+carries `ssm_pages` / `conv_pages` as static [L_lin, B_graph] buffers updated in place each step, -1 in padding rows
+(the kernels neither read nor write their pages). A mixed step replays a piecewise graph over a static batch
+(`ForwardBatch.padded`, no layout): `begin_pass` finds its decode rows on the device, `mixed` runs them inside the
+pieces and, while capturing, cuts the pass (`capture`, a PassCut) where the prefill sequences' chunk form goes; a
+replay runs `prefill_rows` there eagerly with the step's layout, on the static rows the pieces share
+(`reserve_graph_rows`). No graph is captured where `in_place_decode` is off.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 from rimuru.kernels.triton_import import triton
-from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.forward_batch import ForwardBatch, StepLayout
 
 if TYPE_CHECKING:
     from rimuru.models.gated_deltanet import GatedDeltaNet
+
+
+class PassCut(Protocol):
+    """What captures a pass as CUDA-graph pieces (engine/piecewise_graphs.py PieceCapture): `cut(run)` ends the
+    piece being captured and begins the next; a replay calls `run(layout)` between the two, eagerly, with the
+    layout of the step it serves."""
+
+    @property
+    def capturing(self) -> bool: ...
+
+    def cut(self, run: Callable[[StepLayout | None], None]) -> None: ...
+
+
+@dataclass
+class _DecodeRows:
+    """This pass's rows 0..n-1 that the paged decode kernels take: their state pages [L_lin, n] per kind, -1 where
+    the row is not a decode (nothing read or written there), and whether each continues a state [n]."""
+
+    n: int
+    ssm: Tensor
+    conv: Tensor
+    has_state: Tensor
+
+
+@dataclass
+class _GraphRows:
+    """Static rows a mixed step's graph pieces and eager stretches share (one set for every layer and every graph
+    size: graphs never replay at once): each gated DeltaNet layer's projections, copied in by the piece before its
+    cut, read by the stretch, and its output, written by both and read by the piece after."""
+
+    mixed: Tensor  # [R, conv_dim] model dtype
+    g: Tensor  # [R, Hv] fp32
+    beta: Tensor  # [R, Hv] model dtype
+    o: Tensor  # [R, Hv, dv] model dtype
+
+
+@dataclass
+class _PrefillSeqs:
+    """The prefill sequences of one pass (layout.num_decodes .. num_seqs-1), from the batch's tensors: their rows'
+    offsets from row num_decodes [P+1] int64 (one tensor object for every layer of the pass: fla-core caches what
+    it derives from it on the host by identity), and whether each continues a state [P]."""
+
+    layout: StepLayout
+    batch: ForwardBatch
+    cu_seqlens: Tensor
+    has_state: Tensor
 
 
 class LinearStateCache:
@@ -51,6 +113,11 @@ class LinearStateCache:
         # pure-decode passes through the paged kernels: by default on CUDA with Triton (the tests force it on the
         # CPU, where the kernels' dispatchers run their torch references, or Triton's interpreter when patched)
         self.in_place_decode = (ssm.is_cuda and triton is not None) if in_place_decode is None else in_place_decode
+        self.capture: PassCut | None = None  # set while CUDA graphs of mixed steps are captured
+        self.step_layout: StepLayout | None = None  # set while a graph's pass is run eagerly for a step (the CPU's)
+        self._rows: _DecodeRows | None = None  # this pass's (begin_pass)
+        self._graph_rows: _GraphRows | None = None  # reserve_graph_rows
+        self._prefill: _PrefillSeqs | None = None  # the last pass's prefill sequences, by (layout, batch)
 
     @staticmethod
     def _pages(batch: ForwardBatch, linear_idx: int) -> tuple[Tensor, Tensor]:
@@ -71,6 +138,116 @@ class LinearStateCache:
         """True when this pass is pure decode (every sequence one token; host ints only, no sync) and the paged
         decode kernels run: the layer then calls `decode` instead of read -> forward -> write."""
         return self.in_place_decode and batch.max_query_len == 1 and batch.num_tokens == batch.num_seqs
+
+    def splits(self, batch: ForwardBatch) -> bool:
+        """True when a pass with prefill rows takes the split (`mixed`): the paged decode kernels run, and the batch's
+        layout is known on the host (an eager pass) or comes with the replay (a CUDA graph's static batch)."""
+        return self.in_place_decode and (batch.layout is not None or batch.padded)
+
+    def begin_pass(self, batch: ForwardBatch) -> None:
+        """Once per pass, before the first layer: which rows the paged decode kernels take in every layer. An eager
+        pass's are its leading decodes (host ints); a graph's static batch finds them on the device (row t is a
+        decode when the sequences before it are single tokens: query_start_loc[t] == t and [t + 1] == t + 1),
+        among its first min(T, B) rows, so the graph's decode work is bounded by the batch's sequences."""
+        self._rows = None
+        if not self.splits(batch) or self.decodes_in_place(batch):
+            return
+        ssm, conv = batch.ssm_pages, batch.conv_pages
+        if ssm is None or conv is None:
+            raise ValueError("a hybrid model's batch needs ssm_pages and conv_pages for its linear-attention layers")
+        layout = batch.layout
+        if layout is not None:
+            d = layout.num_decodes
+            if d:
+                self._rows = _DecodeRows(d, ssm[:, :d], conv[:, :d], batch.seq_lens[:d] > 1)
+            return
+        n = min(batch.num_tokens, batch.num_seqs)
+        qsl = batch.query_start_loc.long()
+        t = torch.arange(n, device=qsl.device)
+        decode = (qsl[:n] == t) & (qsl[1 : n + 1] == t + 1)  # [n]
+        self._rows = _DecodeRows(n, torch.where(decode[None], ssm[:, :n], -1),
+                                 torch.where(decode[None], conv[:, :n], -1), decode & (batch.seq_lens[:n] > 1))
+
+    def reserve_graph_rows(self, rows: int) -> None:
+        """The static buffers of mixed-step graphs of up to `rows` token rows (engine/cuda_graphs.py, before capture):
+        what a piece hands its layer's eager stretch and takes back. Without them a stretch's inputs would have to
+        live in the graph pool, one set per layer."""
+        _, conv_dim, _ = self.conv.shape
+        _, hv, _, dv = self.ssm.shape
+        dtype, dev = self.conv.dtype, self.conv.device
+        self._graph_rows = _GraphRows(mixed=torch.zeros(rows, conv_dim, dtype=dtype, device=dev),
+                                      g=torch.zeros(rows, hv, dtype=torch.float32, device=dev),
+                                      beta=torch.zeros(rows, hv, dtype=dtype, device=dev),
+                                      o=torch.zeros(rows, hv, dv, dtype=dtype, device=dev))
+
+    def mixed(self, layer: GatedDeltaNet, linear_idx: int, batch: ForwardBatch, x: Tensor) -> Tensor:
+        """One layer over a pass with prefill rows, split (`splits`): the projections of every row, the paged decode
+        kernels over the decode rows (their states in place), the chunk form over the prefill sequences
+        (`prefill_rows`: their states gathered and scattered by page id), the output of every row. No step reads the
+        device from the host. While graphs are captured the prefill sequences are a cut between two pieces, run
+        eagerly at each replay."""
+        T = x.shape[0]
+        mixed, g, beta = layer.project(x)
+        rows = self._rows
+        if batch.layout is not None:  # eager: every row is written below (decodes, then the prefill rows)
+            o = x.new_empty(T, layer.num_v_heads, layer.head_v_dim)  # [T, Hv, dv]
+        else:  # a graph's static batch: the rows its eager stretch reads and writes, static
+            io = self._graph_rows
+            if io is None or io.mixed.shape[0] < T:
+                raise RuntimeError(f"no static rows reserved for a mixed graph of {T} rows (reserve_graph_rows)")
+            for buf, t in ((io.mixed, mixed), (io.g, g), (io.beta, beta)):
+                buf[:T].copy_(t)
+            mixed, g, beta, o = io.mixed[:T], io.g[:T], io.beta[:T], io.o[:T]
+            # padding rows belong to no sequence: zeros, so no stale value flows through the layers after
+            o[rows.n if rows is not None else 0 :].zero_()
+        if rows is not None:
+            n = rows.n
+            o[:n] = layer.decode_rows(mixed[:n], g[:n], beta[:n], self.conv, rows.conv[linear_idx], self.ssm,
+                                      rows.ssm[linear_idx], rows.has_state)
+        run = functools.partial(self._stretch, layer, linear_idx, batch, mixed, g, beta, o)
+        if self.capture is not None and self.capture.capturing:
+            self.capture.cut(run)
+        else:
+            layout = batch.layout or self.step_layout
+            if layout is not None:  # None: a graph's warm-up, which has no step
+                run(layout)
+        return layer._output(x, o)
+
+    def prefill_rows(self, layer: GatedDeltaNet, linear_idx: int, batch: ForwardBatch, mixed: Tensor, g: Tensor,
+                     beta: Tensor, o: Tensor, layout: StepLayout | None) -> None:
+        """The chunk form over the prefill sequences of `layout` (rows num_decodes..num_tokens-1 of the projections
+        mixed / g / beta): their states read by page id (fresh ones selected as zero), the final ones written back,
+        their outputs into those rows of `o`. Every size is a host int of the layout: no host sync."""
+        if layout is None or layout.num_prefills == 0:
+            return
+        d, b, t = layout.num_decodes, layout.num_seqs, layout.num_tokens
+        seqs = self._prefill_seqs(batch, layout)
+        ssm_ids, conv_ids = self._pages(batch, linear_idx)
+        ssm_ids, conv_ids = ssm_ids[d:b], conv_ids[d:b]  # [P]: real sequences, every page >= 0
+        keep = seqs.has_state
+        # fresh sequences' states are selected as zero (their pages hold garbage, never multiplied)
+        conv0 = torch.where(keep[:, None, None], self.conv.index_select(0, conv_ids), 0)
+        state0 = torch.where(keep[:, None, None, None], self.ssm.index_select(0, ssm_ids), 0)
+        out, conv_f, state_f = layer.varlen_core(mixed[d:t], g[d:t], beta[d:t], conv0, state0, seqs.cu_seqlens,
+                                                 layout.max_prefill_len)
+        self.conv.index_copy_(0, conv_ids, conv_f.to(self.conv.dtype))
+        self.ssm.index_copy_(0, ssm_ids, state_f.to(self.ssm.dtype))
+        o[d:t] = out
+
+    def _stretch(self, *args: object) -> None:
+        """`prefill_rows`, looked up when it runs: what a graph's cut calls at replay (so a wrapper of prefill_rows,
+        a profiler's, sees the replays' stretches too)."""
+        self.prefill_rows(*args)  # type: ignore[arg-type]
+
+    def _prefill_seqs(self, batch: ForwardBatch, layout: StepLayout) -> _PrefillSeqs:
+        cached = self._prefill
+        if cached is not None and cached.layout is layout and cached.batch is batch:
+            return cached
+        d, b = layout.num_decodes, layout.num_seqs
+        qsl = batch.query_start_loc[d : b + 1].long()
+        cu = qsl - d  # decodes are one row each: the prefill rows start at row d
+        self._prefill = _PrefillSeqs(layout, batch, cu, batch.seq_lens[d:b] > cu[1:] - cu[:-1])
+        return self._prefill
 
     def decode(self, layer: GatedDeltaNet, linear_idx: int, batch: ForwardBatch, x: Tensor,
                has_initial_state: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from torch import Tensor
 from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.model_spec import ModelSpec
 from rimuru.models.causal_lm import MoECausalLM
-from rimuru.models.forward_batch import ForwardBatch
+from rimuru.models.forward_batch import ForwardBatch, StepLayout
 from rimuru.models.loader import load_checkpoint, write_expert_to_pages
 from rimuru.models.registry import build_model, build_model_of_class
 from rimuru.models.state_cache import LinearStateCache
@@ -113,6 +113,7 @@ class PagedModel:
             max_seq_len=max(seq_lens),
             ssm_pages=ssm_pages,
             conv_pages=conv_pages,
+            layout=StepLayout.of([len(t) for _, t in chunks]) if self.spec.is_hybrid else None,
         )
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[Tensor]:
