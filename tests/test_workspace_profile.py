@@ -27,6 +27,9 @@ def test_workspace_adds_what_is_held_at_once() -> None:
     capped = WorkspaceProfile(mode="elastic", forward=100, outside=7, graphs=50, sampling=9,
                               eager_steps_beside_graphs=True)
     assert capped.workspace == 166  # steps above the capture cap run eagerly beside the graphs' pool
+    penalised = WorkspaceProfile(mode="static", forward=100, outside=7, graphs=50, sampling=9,
+                                 eager_steps_beside_graphs=False, penalties=5)
+    assert penalised.workspace == 71  # the penalty table is held beside everything else
 
 
 def test_cpu_engine_reserves_the_bound_and_measures_nothing(tmp_path: Path) -> None:

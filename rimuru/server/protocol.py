@@ -1,10 +1,10 @@
 """Request and response bodies of the OpenAI API subset we serve (pydantic), plus vLLM's extra fields.
 
 Unknown fields are ignored, as vLLM does, so existing clients keep working; fields we cannot honour (echo,
-penalties, vLLM's prompt_logprobs, tools, structured output) are accepted at their neutral values only and rejected
-with a 400 otherwise, never silently dropped. logit_bias is served (keys: token ids as strings, as OpenAI's), and so
-are logprobs: completions' `logprobs: k`, chat's `logprobs: true` with `top_logprobs: k` (k = -1: the whole
-vocabulary, as vLLM takes it).
+vLLM's prompt_logprobs, tools, structured output) are accepted at their neutral values only and rejected with a 400
+otherwise, never silently dropped. logit_bias is served (keys: token ids as strings, as OpenAI's), and so are the
+presence, frequency and repetition penalties (vLLM's ranges: [-2, 2], [-2, 2], > 0) and logprobs: completions'
+`logprobs: k`, chat's `logprobs: true` with `top_logprobs: k` (k = -1: the whole vocabulary, as vLLM takes it).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ class GenerationRequest(BaseModel):
     min_tokens: NonNegativeInt = 0  # vLLM's: EOS and stop_token_ids cannot end a choice before this many tokens
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Accepted only at their neutral values (vLLM's benchmark sends repetition_penalty=1.0).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    # Accepted only at their neutral values.
     best_of: int | None = None
     prompt_logprobs: int | None = None  # vLLM's field: the prompt tokens' logprobs are not computed
     logit_bias: dict[str, float] | None = None
@@ -68,9 +68,6 @@ class GenerationRequest(BaseModel):
     def unsupported(self) -> list[str]:
         """The fields set to a value this server cannot honour."""
         bad = {
-            "presence_penalty": self.presence_penalty not in (None, 0.0),
-            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
             "best_of": self.best_of not in (None, self.n),
             "prompt_logprobs": self.prompt_logprobs is not None,
             "response_format": self.response_format not in (None, {"type": "text"}),
