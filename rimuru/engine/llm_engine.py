@@ -228,7 +228,7 @@ class LLMEngine:
         copies queued before it)."""
         assert self.workers is not None
         tables = self.runtime.cache.host_tables.numpy().copy() if self.runtime.mode == "elastic" else None
-        self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies)))
+        self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies), h.prompt_rows))
 
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:
@@ -354,14 +354,13 @@ class LLMEngine:
             self._inbox.append(req)
 
     def _check_logprobs(self, params: SamplingParams) -> None:
-        """vLLM's limit and message: -1 asks for the whole vocabulary; max_logprobs -1 allows it."""
-        if params.logprobs is None:
-            return
+        """vLLM's limits and messages: -1 asks for the whole vocabulary; max_logprobs -1 allows it."""
         vocab = self.vocab_size
         limit = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
-        asked = vocab if params.logprobs == -1 else params.logprobs
-        if asked > limit:
-            raise ValueError(f"Requested sample logprobs of {asked}, which is greater than max allowed: {limit}")
+        for what, n in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            asked = vocab if n == -1 else n
+            if asked is not None and asked > limit:
+                raise ValueError(f"Requested {what} logprobs of {asked}, which is greater than max allowed: {limit}")
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -445,7 +444,7 @@ class LLMEngine:
 
     def _drain(self, launched: InFlight) -> list[RequestOutput]:
         sched, tokens = launched
-        outputs = self.outputs.process(sched, tokens.tolist(), tokens.logprobs())
+        outputs = self.outputs.process(sched, tokens.tolist(), tokens.logprobs(), tokens.prompt_logprobs())
         self.trace.mark("process")
         return outputs
 

@@ -29,6 +29,14 @@ import torch
 from rimuru.engine.cuda_graphs import StepGraphs
 from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs, logprob_rows, unpack_logprobs
 from rimuru.engine.penalties import PenaltyTable
+from rimuru.engine.prompt_logprobs import (
+    PromptLogprobRows,
+    compute_prompt_logprobs,
+    follow_prompt_logits,
+    has_prompt_rows,
+    prompt_logprob_rows,
+    unpack_prompt_logprobs,
+)
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler, logit_edits
 from rimuru.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -61,6 +69,9 @@ class HostBatch:
     # hybrid models: [L_lin, B] int64 state page ids (models/state_cache.py), None for the others
     ssm_pages: np.ndarray | None = None
     conv_pages: np.ndarray | None = None
+    # prompt logprobs (engine/prompt_logprobs.py): [R] int64 hidden rows the LM head runs over after the sampled
+    # rows; not a device input of the pass (tensor parallelism sends it beside the arrays)
+    prompt_rows: np.ndarray | None = None
 
     def fields(self) -> list[np.ndarray]:
         """The arrays the device gets, in order: the seven of every batch, q_tile_start (mixed graphs), then the
@@ -121,34 +132,46 @@ class InputStager:
 class SampledTokens:
     """A launched step's sampled tokens on their way to the host: one non-blocking copy into pinned memory
     and an event, so reading them (`tolist`, the step's one device->host wait) can come after the next
-    step has been launched. Rows that asked for logprobs bring their packed logprobs (engine/logprobs.py) in
-    one more non-blocking copy behind the same event: the same single wait reads both."""
+    step has been launched. Rows that asked for logprobs bring their packed logprobs (engine/logprobs.py), and
+    prompt chunks that asked for prompt logprobs theirs (engine/prompt_logprobs.py), in more non-blocking copies
+    behind the same event: the same single wait reads them all."""
 
     def __init__(self, tokens: torch.Tensor | None, device: torch.device, trace: StepTrace,
-                 logprobs: tuple[torch.Tensor, LogprobRows] | None = None) -> None:
+                 logprobs: tuple[torch.Tensor, LogprobRows] | None = None,
+                 prompt: tuple[torch.Tensor, PromptLogprobRows] | None = None) -> None:
         self._trace = trace
         self._event: torch.cuda.Event | None = None
         self._rows = None if logprobs is None else logprobs[1]
         self._logprobs = None if logprobs is None else logprobs[0]
-        if tokens is None:
-            self._host = None
-        elif device.type == "cuda":
-            self._host = _to_pinned(tokens)
+        self._prompt_rows = None if prompt is None else prompt[1]
+        self._prompt = None if prompt is None else prompt[0]
+        self._host = tokens
+        if device.type == "cuda" and (tokens is not None or prompt is not None):
+            self._host = None if tokens is None else _to_pinned(tokens)
             if self._logprobs is not None:
                 self._logprobs = _to_pinned(self._logprobs)
+            if self._prompt is not None:
+                self._prompt = _to_pinned(self._prompt)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = tokens
 
     def tolist(self) -> list[int]:
-        if self._host is None:
-            return []
         if self._event is not None:
             self._event.synchronize()
+        if self._host is None:
+            return []
         out = self._host.tolist()
         self._trace.mark("readback")
         return out
+
+    def prompt_logprobs(self) -> dict[int, tuple[int, list[TokenLogprobs]]] | None:
+        """By scheduled index, the step's prompt logprobs (engine/prompt_logprobs.py), read after `tolist`; None when
+        no chunk asked."""
+        if self._prompt is None or self._prompt_rows is None:
+            return None
+        if self._event is not None:
+            self._event.synchronize()  # already passed in `tolist`
+        return unpack_prompt_logprobs(self._prompt, self._prompt_rows)
 
     def logprobs(self) -> list[TokenLogprobs | None] | None:
         """Each sampled row's logprobs (None: the row did not ask), read after `tolist`; None when no row asked."""
@@ -208,7 +231,7 @@ class ModelRunner:
         kinds)."""
         if sched.is_empty:
             return "idle"
-        graphs = self.graphs
+        graphs = None if has_prompt_rows(sched.scheduled) else self.graphs  # prompt rows run eagerly
         decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1 and s.samples)
         if decodes == len(sched.scheduled):
             return "decode-graph" if graphs is not None and graphs.can_run(sched) else "decode-eager"
@@ -362,9 +385,10 @@ class ModelRunner:
             state_cache.copy(*copy)
 
     def follow(self, arrays: list[np.ndarray], max_query_len: int, sample: bool,
-               state_copies: list[StateCopy] | None = None) -> None:
-        """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample),
-        after the state copies rank 0 queued before it (the same page ids in every rank's pool)."""
+               state_copies: list[StateCopy] | None = None, prompt_rows: np.ndarray | None = None) -> None:
+        """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample, its
+        prompt rows' logits rank 0's to turn into prompt logprobs), after the state copies rank 0 queued before it
+        (the same page ids in every rank's pool)."""
         if state_copies:
             self.copy_states(state_copies)
         ids, pos, qsl, seq_lens, bt, slots, li, *state = arrays
@@ -376,6 +400,8 @@ class ModelRunner:
         hidden = self.model(batch)  # [T, d]
         if sample:
             self.model.compute_logits(hidden[batch.logits_indices])
+        if prompt_rows is not None:
+            follow_prompt_logits(self.model.compute_logits, hidden, prompt_rows)
 
     # ---- the step --------------------------------------------------------------------------------------
     def _fill_pending(self, input_ids: torch.Tensor, h: HostBatch) -> None:
@@ -399,7 +425,9 @@ class ModelRunner:
         sampling = [s.request for s in sched.scheduled if s.samples]
         if sched.state_copies:  # prefix caching's state snapshots, behind the last pass on the same stream
             self.copy_states(sched.state_copies)
-        graphs = self.graphs
+        prompt = prompt_logprob_rows(sched.scheduled, self.model.spec.vocab_size)
+        hidden = None
+        graphs = self.graphs if prompt is None else None  # prompt rows need the pass's hidden states: eager
         if graphs is not None and graphs.can_run(sched):
             B = len(sched.scheduled)
             bp = graphs.padded_size(B)
@@ -422,6 +450,8 @@ class ModelRunner:
             self.mixed_graph_steps += 1
         else:
             h = self.host_arrays(sched)
+            if prompt is not None:
+                h.prompt_rows = prompt.hidden_rows
             if self.peers is not None:
                 self.peers(h, bool(sampling), sched.state_copies)
             batch = self.device_batch(h)
@@ -434,7 +464,9 @@ class ModelRunner:
         trace.mark("forward")
         if not sampling:
             self._last_sampled = None
-            return SampledTokens(None, self.device, trace)
+            packed = None if prompt is None or hidden is None else \
+                (compute_prompt_logprobs(self.model.compute_logits, hidden, prompt), prompt)
+            return SampledTokens(None, self.device, trace, prompt=packed)
         params = [r.params for r in sampling]
         penalties = self.penalties.prepare(sampling, logits.shape[-1], self._last_sampled)
         tokens = self.sampler(logits, params, [r.generator for r in sampling],
@@ -445,7 +477,10 @@ class ModelRunner:
         # the raw logits (the sampler never writes them; a graph's logits_out is not replayed before this)
         asked = logprob_rows([p.logprobs for p in params], logits.shape[-1])
         logprobs = None if asked is None else (compute_logprobs(logits, tokens, asked), asked)
-        out = SampledTokens(tokens, self.device, trace, logprobs)
+        # after the sampler: the prompt rows' chunks reuse its working set
+        packed = None if prompt is None or hidden is None else \
+            (compute_prompt_logprobs(self.model.compute_logits, hidden, prompt), prompt)
+        out = SampledTokens(tokens, self.device, trace, logprobs, packed)
         trace.mark("sample")
         return out
 

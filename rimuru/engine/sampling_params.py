@@ -28,7 +28,9 @@ class SamplingParams:
     # top log-probabilities returned per generated token, beside the sampled token's own (-1: the whole
     # vocabulary); None: none. Bounded by the engine's max_logprobs.
     logprobs: int | None = None
-    prompt_logprobs: int | None = None  # not served: refused
+    # vLLM's: the prompt tokens' logprobs (each after the first, given those before it) and this many top ones (-1:
+    # the whole vocabulary); None: none. Bounded by max_logprobs; such a request does not start from a cached prefix.
+    prompt_logprobs: int | None = None
     # vLLM's: before this many generated tokens neither EOS nor stop_token_ids can be sampled (the sampler masks
     # them) and stop strings do not stop
     min_tokens: int = 0
@@ -68,9 +70,11 @@ class SamplingParams:
                                           or self.logprobs < -1):
             raise ValueError(f"logprobs must be a non-negative integer or -1 (the whole vocabulary), "
                              f"got {self.logprobs!r}")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported: only the generated tokens' logprobs (logprobs=k) "
-                             "are computed")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < -1):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer or -1 (the whole vocabulary), "
+                             f"got {self.prompt_logprobs!r}")
         for t, bias in (self.logit_bias or {}).items():
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {t!r}")
