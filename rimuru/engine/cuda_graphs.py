@@ -19,7 +19,8 @@ A step's numbers arrive on the device in the runner's one packed host->device co
 read through these buffers and expert tables through the provider's own [L_moe, E, 3] tensor, both
 updated in place, so pages and experts may move between steps without invalidating any graph. The
 logits of every graph land in one static fp32 buffer [max rows, V] (rows past the sampled ones are
-garbage); a step reads its rows before the next replay overwrites them.
+garbage), and a mixed graph's hidden states in one static [max tokens, d] buffer (prompt logprobs read rows of
+it: engine/prompt_logprobs.py); a step reads its rows before the next replay overwrites them.
 
 Elastic mode captures both kinds for every size: piecewise graphs (for passes with experts in host memory)
 and whole graphs over the live resident tables (`resident_provider`, a StaticExpertProvider on the expert
@@ -129,6 +130,9 @@ class StepGraphs:
         self.slot_mapping = torch.full((L, n), -1, dtype=torch.int64, device=device)
         self.block_tables = i32(L, max(S, self.max_bs), max_blocks)
         self.logits_out: torch.Tensor | None = None  # [max(S, max_bs), V] fp32, made at capture
+        # [largest mixed graph's tokens, d] in the model's dtype, made at capture: each mixed pass's hidden states,
+        # which prompt logprobs read rows of (engine/prompt_logprobs.py)
+        self.hidden_out: torch.Tensor | None = None
         # decode ladder: one token per row, so query_start_loc and logits_indices never change
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
@@ -190,7 +194,12 @@ class StepGraphs:
         if self.logits_out is None:
             rows = max(self.max_seqs, self.max_bs)
             self.logits_out = torch.empty(rows, logits.shape[1], dtype=torch.float32, device=self.device)
+            if self.token_sizes:
+                self.hidden_out = torch.empty(self.token_sizes[-1], hidden.shape[1], dtype=hidden.dtype,
+                                              device=self.device)
         self.logits_out[: logits.shape[0]].copy_(logits)
+        if batch.q_tile_start is not None and self.hidden_out is not None:  # a mixed pass
+            self.hidden_out[: hidden.shape[0]].copy_(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -405,3 +414,9 @@ class StepGraphs:
         self._replay(self.mixed_graphs[tp], self.whole_mixed_graphs.get(tp))
         assert self.logits_out is not None
         return self.logits_out[:num_sampled]
+
+    def mixed_hidden(self, tokens: int) -> torch.Tensor:
+        """[tokens, d]: the hidden states of the mixed pass just replayed (its padded token rows), read before the
+        next replay overwrites them."""
+        assert self.hidden_out is not None
+        return self.hidden_out[:tokens]

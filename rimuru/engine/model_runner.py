@@ -33,7 +33,6 @@ from rimuru.engine.prompt_logprobs import (
     PromptLogprobRows,
     compute_prompt_logprobs,
     follow_prompt_logits,
-    has_prompt_rows,
     prompt_logprob_rows,
     unpack_prompt_logprobs,
 )
@@ -231,7 +230,7 @@ class ModelRunner:
         kinds)."""
         if sched.is_empty:
             return "idle"
-        graphs = None if has_prompt_rows(sched.scheduled) else self.graphs  # prompt rows run eagerly
+        graphs = self.graphs
         decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1 and s.samples)
         if decodes == len(sched.scheduled):
             return "decode-graph" if graphs is not None and graphs.can_run(sched) else "decode-eager"
@@ -426,9 +425,10 @@ class ModelRunner:
         if sched.state_copies:  # prefix caching's state snapshots, behind the last pass on the same stream
             self.copy_states(sched.state_copies)
         prompt = prompt_logprob_rows(sched.scheduled, self.model.spec.vocab_size)
-        hidden = None
-        graphs = self.graphs if prompt is None else None  # prompt rows need the pass's hidden states: eager
+        hidden = None  # the pass's hidden states, where prompt rows are read (eager passes, mixed graphs)
+        graphs = self.graphs
         if graphs is not None and graphs.can_run(sched):
+            assert prompt is None, "a decode step has no prompt rows: each of its rows samples"
             B = len(sched.scheduled)
             bp = graphs.padded_size(B)
             h = self.host_arrays(sched, pad_to=bp)  # a hybrid's state page ids: -1 in the padding rows
@@ -446,6 +446,8 @@ class ModelRunner:
             trace.mark("prepare")
             trace.forward_begin()
             logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts)
+            if prompt is not None:
+                hidden = graphs.mixed_hidden(ids.shape[0])
             self.graph_steps += 1
             self.mixed_graph_steps += 1
         else:
@@ -464,8 +466,7 @@ class ModelRunner:
         trace.mark("forward")
         if not sampling:
             self._last_sampled = None
-            packed = None if prompt is None or hidden is None else \
-                (compute_prompt_logprobs(self.model.compute_logits, hidden, prompt), prompt)
+            packed = None if prompt is None else (self._prompt_logprobs(hidden, prompt), prompt)
             return SampledTokens(None, self.device, trace, prompt=packed)
         params = [r.params for r in sampling]
         penalties = self.penalties.prepare(sampling, logits.shape[-1], self._last_sampled)
@@ -478,11 +479,14 @@ class ModelRunner:
         asked = logprob_rows([p.logprobs for p in params], logits.shape[-1])
         logprobs = None if asked is None else (compute_logprobs(logits, tokens, asked), asked)
         # after the sampler: the prompt rows' chunks reuse its working set
-        packed = None if prompt is None or hidden is None else \
-            (compute_prompt_logprobs(self.model.compute_logits, hidden, prompt), prompt)
+        packed = None if prompt is None else (self._prompt_logprobs(hidden, prompt), prompt)
         out = SampledTokens(tokens, self.device, trace, logprobs, packed)
         trace.mark("sample")
         return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor | None, sel: PromptLogprobRows) -> torch.Tensor:
+        assert hidden is not None, "prompt rows in a pass whose hidden states are not kept"
+        return compute_prompt_logprobs(self.model.compute_logits, hidden, sel)
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

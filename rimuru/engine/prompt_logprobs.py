@@ -14,8 +14,9 @@ Only requests that ask get rows, and the LM head runs over those rows alone, SAM
 chunk's [b, V] logits and log_softmax are the sampler chunk's working set, which the workspace reserves). The values
 travel packed as the sampled tokens' logprobs do (engine/logprobs.py), one [R, 2K+2] int32 tensor for the step.
 
-A step with such rows runs eagerly: the hidden states of a CUDA graph's pass are not kept. A request that asks does
-not start from a cached prefix (engine/kv_cache_manager.py): its prompt's positions must all be computed.
+The hidden states are those of the pass: an eager pass's, or a mixed CUDA graph's static copy of them
+(engine/cuda_graphs.py; a pure-decode step never has prompt rows: each of its rows samples). A request that asks
+does not start from a cached prefix (engine/kv_cache_manager.py): its prompt's positions must all be computed.
 """
 
 from __future__ import annotations
@@ -53,12 +54,6 @@ class PromptLogprobRows:
     @property
     def width(self) -> int:
         return max(self.nums)
-
-
-def has_prompt_rows(scheduled: Sequence[ScheduledRequest]) -> bool:
-    """Whether any scheduled chunk has prompt rows (what `prompt_logprob_rows` would find), without building them."""
-    return any(s.request.params.prompt_logprobs is not None and s.start < len(s.request.prompt_token_ids) - 1
-               for s in scheduled)
 
 
 def prompt_logprob_rows(scheduled: Sequence[ScheduledRequest], vocab_size: int) -> PromptLogprobRows | None:
