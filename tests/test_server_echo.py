@@ -129,7 +129,8 @@ def test_prompt_logprobs_ride_on_completions_choices_and_chat_bodies(client: ope
         client.completions.create(prompt=PROMPT, **_greedy(extra_body={"prompt_logprobs": -2}))
     assert err.value.body["param"] == "prompt_logprobs"
     with pytest.raises(openai.BadRequestError, match="Requested prompt logprobs of 21, which is greater than max "
-                                                     "allowed: 20"):
+                                                     "allowed: 20") as err:
         client.completions.create(prompt=PROMPT, **_greedy(extra_body={"prompt_logprobs": 21}))
+    assert err.value.body["param"] == "prompt_logprobs"
     with pytest.raises(openai.BadRequestError, match="not available when `stream=True`"):
         client.chat.completions.create(messages=MESSAGES, stream=True, **_greedy(extra_body={"prompt_logprobs": 2}))

@@ -122,8 +122,9 @@ def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI, engine_outputs:
 
 def test_more_logprobs_than_max_logprobs_is_a_400_naming_it(client: openai.OpenAI) -> None:
     """And the other logprobs refusals: top_logprobs without logprobs, a negative number."""
-    with pytest.raises(openai.BadRequestError, match="greater than max allowed: 20"):
+    with pytest.raises(openai.BadRequestError, match="greater than max allowed: 20") as err:
         client.completions.create(prompt=PROMPT, logprobs=21, **_greedy())
+    assert err.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError, match="greater than max allowed: 20"):
         client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=21, **_greedy())
     with pytest.raises(openai.BadRequestError, match="`logprobs` must be set to true") as err:

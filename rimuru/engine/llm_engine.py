@@ -43,7 +43,7 @@ from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.recent_tpot import RecentTpot
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampler import Sampler
-from rimuru.engine.sampling_params import SamplingParams
+from rimuru.engine.sampling_params import InvalidParam, SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerOutput
 from rimuru.engine.setup import (
     CPU_WORKSPACE_SCRATCH,
@@ -357,10 +357,12 @@ class LLMEngine:
         """vLLM's limits and messages: -1 asks for the whole vocabulary; max_logprobs -1 allows it."""
         vocab = self.vocab_size
         limit = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
-        for what, n in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+        for what, param, n in (("sample", "logprobs", params.logprobs),
+                               ("prompt", "prompt_logprobs", params.prompt_logprobs)):
             asked = vocab if n == -1 else n
             if asked is not None and asked > limit:
-                raise ValueError(f"Requested {what} logprobs of {asked}, which is greater than max allowed: {limit}")
+                raise InvalidParam(param, f"Requested {what} logprobs of {asked}, which is greater than max allowed: "
+                                          f"{limit}")
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

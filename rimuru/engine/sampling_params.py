@@ -6,6 +6,14 @@ import math
 from dataclasses import dataclass, field
 
 
+class InvalidParam(ValueError):
+    """A sampling parameter's value refused, with the parameter's name (the server's 400 names it as `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -45,10 +53,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+                raise InvalidParam(name, f"{name} must be in [-2, 2], got {value!r}")
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r) or r <= 0.0:
-            raise ValueError(f"repetition_penalty must be a finite number greater than zero, got {r!r}")
+            raise InvalidParam("repetition_penalty",
+                               f"repetition_penalty must be a finite number greater than zero, got {r!r}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -73,8 +82,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
                                                  or not isinstance(self.prompt_logprobs, int)
                                                  or self.prompt_logprobs < -1):
-            raise ValueError(f"prompt_logprobs must be a non-negative integer or -1 (the whole vocabulary), "
-                             f"got {self.prompt_logprobs!r}")
+            raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be a non-negative integer or -1 (the whole "
+                                                  f"vocabulary), got {self.prompt_logprobs!r}")
         for t, bias in (self.logit_bias or {}).items():
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {t!r}")

@@ -78,7 +78,7 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
             logit_bias=_logit_bias(req.logit_bias),
         )
     except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from exc
+        raise APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_value") from exc
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -66,8 +66,8 @@ async def submit(
     ]
     try:
         return await engine.add(batch, n=req.n)
-    except ValueError as exc:  # the engine's reasons: too long, can never fit in the pool, ...
-        raise APIError(400, str(exc), code="invalid_request") from exc
+    except ValueError as exc:  # the engine's reasons: too long, can never fit in the pool, over max_logprobs, ...
+        raise APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_request") from exc
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_dead") from exc
 
