@@ -1,24 +1,29 @@
 """Presence, frequency and repetition penalties as vLLM computes them, checked against transformers: greedy decoding
 with a repetition penalty is transformers' `generate(repetition_penalty=...)`, and every token of a penalised
 decode (greedy, and the sampling path at top_k=1) is the argmax of transformers' logits with the penalties applied
-by hand. The device table is checked against counts taken on the host, through slot reuse and an in-flight token;
-a batch without penalties does no penalty work; bad values are refused naming the field, by the engine and by the
+by hand. A chunk's counts are checked against the host's tokens, kept from step to step, with an in-flight token;
+a batch without penalties does no penalty work, penalties hold no memory between steps, and a penalised chunk peaks
+no higher than the sampler's measured chunk; bad values are refused naming the field, by the engine and by the
 server (read by the official `openai` client)."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import openai
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rimuru import LLM, SamplingParams
 from rimuru.config import EngineConfig
 from rimuru.engine import penalties as penalties_module
 from rimuru.engine.llm_engine import LLMEngine
-from rimuru.engine.penalties import PenaltyTable
+from rimuru.engine.penalties import PenaltyHistory
 from rimuru.engine.request import Request
+from rimuru.engine.sampler import SAMPLE_ROWS_PER_CHUNK, SAMPLER_BYTES_PER_ENTRY, Sampler
 from rimuru.server.app import ServerConfig
 from rimuru.server.background import BackgroundServer
 from rimuru.testing.reference import random_prompts
@@ -116,10 +121,40 @@ def test_a_batch_without_penalties_does_no_penalty_work(ckpt: Path, monkeypatch:
         raise AssertionError("penalty work in a batch without penalties")
 
     monkeypatch.setattr(penalties_module.Penalties, "apply", refuse)
-    monkeypatch.setattr(penalties_module.PenaltyTable, "count", refuse)
+    monkeypatch.setattr(penalties_module.Penalties, "counts", refuse)
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, temperature=0.7, seed=0))
     assert len(out[0].outputs[0].token_ids) == 4
-    assert llm.engine.runner.penalties.counts is None  # never made: no request asked
+    assert not llm.engine.runner.penalties.histories  # no request asked: nothing kept
+
+
+def _tensor_bytes() -> int:
+    """Bytes of every torch tensor alive in the process (each storage once)."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
+            s = obj.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def test_penalties_hold_no_memory_between_steps(ckpt: Path) -> None:
+    """The engine holds the same tensors before and after serving penalised requests, and its budget split (the
+    workspace) is what it is without them; what the host kept for them goes with the requests."""
+    llm = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu")
+    split = dict(llm.engine.budget_split)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts((6, 13))]
+    last = SamplingParams(max_tokens=1, temperature=0.0)  # the same last step before both counts
+    llm.generate(prompts, greedy())  # anything made on first use, made
+    llm.generate(prompts[:1], last)
+    before = _tensor_bytes()
+    pen = greedy(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4)
+    out = llm.generate(prompts, [pen, greedy()])
+    assert len(out[0].outputs[0].token_ids) == STEPS
+    llm.generate(prompts[:1], last)
+    assert _tensor_bytes() == before
+    assert not llm.engine.runner.penalties.histories
+    assert llm.engine.budget_split == split
 
 
 def _request(seq_id: int, prompt: list[int], output: list[int], **params: float) -> Request:
@@ -136,39 +171,94 @@ def _expected_row(req: Request, pending: list[int], vocab: int) -> torch.Tensor:
     return row
 
 
-def test_the_table_counts_as_the_host_would_through_slot_reuse_and_an_in_flight_token() -> None:
-    """Two slots, three penalised requests: the third takes the slot of one not in its step and rebuilds it from
-    the host's tokens; a request built while its last token is in flight counts that token from the device."""
+def test_chunk_counts_are_the_hosts_tokens_and_the_in_flight_one() -> None:
+    """The counts a chunk builds are the host's prompt and output tokens, kept from step to step with only the new
+    tokens added, plus a token the step in flight sampled, read on the device; a request whose output list was
+    replaced is rebuilt, and a finished one is dropped."""
     V = 50
-    table = PenaltyTable(2, torch.device("cpu"))
+    state = PenaltyHistory(torch.device("cpu"))
     a = _request(0, [1, 2, 2, 3], [], repetition_penalty=1.2)
     b = _request(1, [4, 5], [7], frequency_penalty=0.5)
     plain = _request(2, [9], [])
-    p = table.prepare([plain, a, b], V, None)
-    assert p is not None and p.rows == [1, 2]
-    table.count(p, torch.tensor([0, 11, 12]))  # the step's sampled rows: plain, a, b
-    a.output_token_ids.append(11)
-    b.output_token_ids.append(12)
-    p = table.prepare([a, b], V, None)
-    assert p is not None and p.rows == [0, 1]
-    table.count(p, torch.tensor([11, 13]))
-    a.output_token_ids.append(11)
-    b.output_token_ids.append(13)
-    assert table.counts is not None
-    assert torch.equal(table.counts[table._slots[a]], _expected_row(a, [], V))
-    assert torch.equal(table.counts[table._slots[b]], _expected_row(b, [], V))
-    # c arrives with a token in flight (row 1 of the last launch) while b sits out: c takes b's slot
+    for step, (ta, tb) in enumerate([(11, 12), (11, 13), (7, 4)]):
+        p = state.prepare([plain, a, b], V, None)
+        assert p is not None and p.rows == [1, 2]
+        counts, values = p.counts(0, 2, torch.device("cpu"))
+        assert values[:, 1].tolist() == [2.0, 1.0, 0.5, 0.0]  # b: its row, repetition, frequency, presence
+        assert torch.equal(counts[0], _expected_row(a, [], V)) and torch.equal(counts[1], _expected_row(b, [], V))
+        assert state.histories[a].seen == step
+        a.output_token_ids.append(ta)
+        b.output_token_ids.append(tb)
+    # c's last token is in flight (row 1 of the last launch); a's output list is replaced
     c = _request(3, [6, 6], [8, 8], repetition_penalty=0.9, presence_penalty=1.0)
     c.num_pending_tokens = 1
+    a.output_token_ids = [20, 20, 21]
     in_flight = (torch.tensor([30, 21]), {a.seq_id: 0, c.seq_id: 1})
-    p = table.prepare([a, c], V, in_flight)
-    assert p is not None and b not in table._slots
-    assert torch.equal(table.counts[table._slots[c]], _expected_row(c, [21], V))
-    assert torch.equal(table.counts[table._slots[a]], _expected_row(a, [], V))
-    # a finished request's slot is free again
+    p = state.prepare([a, c], V, in_flight)
+    assert p is not None and p.pending == [-1, 1]
+    counts, _ = p.counts(0, 2, torch.device("cpu"))
+    assert torch.equal(counts[0], _expected_row(a, [], V)) and torch.equal(counts[1], _expected_row(c, [21], V))
+    counts, values = p.counts(1, 2, torch.device("cpu"), lo=1)  # c alone, in a chunk from row 1
+    assert torch.equal(counts[0], _expected_row(c, [21], V)) and values[0].tolist() == [0.0]
     a.status = a.status.FINISHED_STOPPED
-    table.prepare([c], V, None)
-    assert a not in table._slots and len(table._free) == 1
+    c.num_pending_tokens = 0
+    c.output_token_ids.append(21)  # read
+    p = state.prepare([c], V, None)
+    assert p is not None and torch.equal(p.counts(0, 1, torch.device("cpu"))[0][0], _expected_row(c, [], V))
+    assert a not in state.histories and set(state.histories) == {b, c}
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The most bytes of tensors made inside the mode alive at once (each storage once), checked after every op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                seen = self.live.get(s.data_ptr())
+                if seen is None or seen[0].expired():
+                    self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+def test_penalised_chunks_fit_in_the_room_measured_for_the_samplers_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the workspace reserves for sampling is the sampler's working set measured with every cut on (the
+    start-up profile, engine/workspace_profile.py; on the CPU SAMPLER_BYTES_PER_ENTRY per entry of a chunk). A batch
+    whose every row is penalised, with histories over the whole vocabulary (the most the copied array can hold),
+    peaks no higher on the greedy path, on the temperature path, or with every cut on, so the penalties need no
+    room of their own."""
+    V, B = 2048, SAMPLE_ROWS_PER_CHUNK + 5  # one whole chunk and a partial one
+    device = torch.device("cpu")
+    # the copy to the device is a new tensor there: count it (on the CPU the host array itself is used)
+    monkeypatch.setattr(penalties_module, "to_device", lambda host, device: host.clone())
+    g = torch.Generator().manual_seed(0)
+    reqs = [_request(i, torch.randperm(V, generator=g).tolist(), torch.randint(0, V, (3 * V,), generator=g).tolist(),
+                     repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1) for i in range(B)]
+    for r in reqs[::3]:
+        r.num_pending_tokens = 1
+    in_flight = (torch.randint(0, V, (B,), generator=g), {r.seq_id: r.seq_id for r in reqs})
+    logits = torch.randn(B, V, generator=g)
+    sampler = Sampler(device, 0)
+
+    def peak(params: SamplingParams, penalised: bool) -> int:
+        pen = PenaltyHistory(device).prepare(reqs, V, in_flight) if penalised else None
+        with _LiveBytes() as mode:
+            sampler(logits, [params] * B, [None] * B, None, pen)
+        return mode.peak
+
+    profile = peak(SamplingParams(temperature=0.8, top_k=50, top_p=0.9), penalised=False)
+    assert profile <= SAMPLE_ROWS_PER_CHUNK * V * SAMPLER_BYTES_PER_ENTRY  # the CPU bound holds the measured set
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
+                   SamplingParams(temperature=0.8, top_k=50, top_p=0.9)):
+        assert peak(params, penalised=True) <= profile, params
 
 
 def test_penalties_apply_only_to_their_rows_in_vllms_order() -> None:
@@ -176,9 +266,8 @@ def test_penalties_apply_only_to_their_rows_in_vllms_order() -> None:
     repetition penalty first (divide positive, multiply negative logits), then the frequency and presence terms;
     -inf stays -inf."""
     V = 8
-    table = PenaltyTable(4, torch.device("cpu"))
     req = _request(0, [1, 2], [2, 3, 3], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    p = table.prepare([_request(1, [0], []), req], V, None)
+    p = PenaltyHistory(torch.device("cpu")).prepare([_request(1, [0], []), req], V, None)
     assert p is not None
     logits = torch.tensor([[1.0, -1.0, 3.0, -3.0, 5.0, 0.5, -0.5, 2.0],
                            [1.0, -1.0, 3.0, -3.0, 5.0, float("-inf"), -0.5, 2.0]])

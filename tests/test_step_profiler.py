@@ -152,8 +152,7 @@ def _request(i: int, prompt: int, outputs: int, blocks: int, L: int, rng: np.ran
 def test_host_arrays_equal_the_per_request_reference_and_follow_page_growth() -> None:
     L, bs = 3, 4
     rng = np.random.default_rng(0)
-    runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"), L, bs, Sampler(torch.device("cpu"), 0),
-                         max_num_seqs=8)
+    runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"), L, bs, Sampler(torch.device("cpu"), 0))
     reqs = [_request(i, p, o, -(-(p + o + 1) // bs), L, rng) for i, (p, o) in
             enumerate([(5, 0), (9, 3), (17, 0), (3, 8), (12, 0)])]
     sched = SchedulerOutput(scheduled=[
@@ -185,8 +184,7 @@ def test_host_arrays_equal_the_per_request_reference_and_follow_page_growth() ->
 def test_host_arrays_pad_decode_rows_for_graphs() -> None:
     L, bs = 2, 4
     rng = np.random.default_rng(1)
-    runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"), L, bs, Sampler(torch.device("cpu"), 0),
-                         max_num_seqs=8)
+    runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"), L, bs, Sampler(torch.device("cpu"), 0))
     reqs = [_request(i, 6, 2 + i, 3, L, rng) for i in range(3)]
     sched = SchedulerOutput(scheduled=[ScheduledRequest(r, r.num_tokens - 1, 1) for r in reqs])
     h = runner.host_arrays(sched, pad_to=4)

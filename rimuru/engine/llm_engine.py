@@ -164,7 +164,7 @@ class LLMEngine:
                                    reclaimable=self.runtime.reclaimable_kv_pages,
                                    admission_reserve=self.runtime.admission_reserve_kv_pages, state=self.state)
         self.runner = ModelRunner(model, device, num_attn, config.block_size, Sampler(device, config.seed),
-                                  max_num_seqs=config.max_num_seqs, num_linear_layers=len(spec.linear_layer_ids),
+                                  num_linear_layers=len(spec.linear_layer_ids),
                                   peers=self._send_pass if self.workers is not None else None)
         self.piecewise_overhead_s: float | None = None  # measured after capture where whole graphs exist too
         if device.type == "cuda" and not config.enforce_eager:

@@ -28,7 +28,7 @@ import torch
 
 from rimuru.engine.cuda_graphs import StepGraphs
 from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs, logprob_rows, unpack_logprobs
-from rimuru.engine.penalties import PenaltyTable
+from rimuru.engine.penalties import PenaltyHistory
 from rimuru.engine.prompt_logprobs import (
     PromptLogprobRows,
     compute_prompt_logprobs,
@@ -195,7 +195,7 @@ PassSender = Callable[[HostBatch, bool, list[StateCopy]], None]
 
 class ModelRunner:
     def __init__(self, model: MoECausalLM, device: torch.device, num_attention_layers: int,
-                 block_size: int, sampler: Sampler, *, max_num_seqs: int, num_linear_layers: int = 0,
+                 block_size: int, sampler: Sampler, *, num_linear_layers: int = 0,
                  peers: PassSender | None = None) -> None:
         self.model = model
         self.peers = peers
@@ -204,7 +204,7 @@ class ModelRunner:
         self.num_linear_layers = num_linear_layers  # hybrid models: linear-attention layers, each with state pages
         self.block_size = block_size
         self.sampler = sampler
-        self.penalties = PenaltyTable(max_num_seqs, device)  # the penalised requests' state (engine/penalties.py)
+        self.penalties = PenaltyHistory(device)  # the penalised requests' token histories (engine/penalties.py)
         self.graphs: StepGraphs | None = None  # set by use_cuda_graphs()
         self.graph_steps = 0  # steps replayed from a CUDA graph (decode or mixed)
         self.mixed_graph_steps = 0
@@ -472,8 +472,6 @@ class ModelRunner:
         penalties = self.penalties.prepare(sampling, logits.shape[-1], self._last_sampled)
         tokens = self.sampler(logits, params, [r.generator for r in sampling],
                               logit_edits(sampling, logits.shape[-1], logits.device), penalties)
-        if penalties is not None:  # the next step's penalties count these tokens, on the device
-            self.penalties.count(penalties, tokens)
         self._last_sampled = (tokens, {r.seq_id: i for i, r in enumerate(sampling)})
         # the raw logits (the sampler never writes them; a graph's logits_out is not replayed before this)
         asked = logprob_rows([p.logprobs for p in params], logits.shape[-1])

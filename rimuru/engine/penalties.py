@@ -8,21 +8,28 @@ after its logit_bias and min_tokens bans and before the temperature:
 Only requests that set one (r != 1, f != 0 or p != 0) hold state or cost work: rows without penalties are skipped,
 and a batch where no row has any makes no tensor and runs no op.
 
-The state is a device table, one int32 row over the vocabulary per penalised request (its slot):
+Nothing stands on the device. The sampler works SAMPLE_ROWS_PER_CHUNK rows at a time (engine/sampler.py), and for
+a chunk with penalised rows `Penalties.apply` builds their counts there and then, as vLLM bin-counts its penalised
+rows each step, in a chunk-local int32 temporary freed with the chunk:
 
-    counts[slot, t] = 2 * (times t was generated) + (1 if t is in the prompt)
+    counts[i, t] = 2 * (times t was generated) + (1 if t is in the prompt)      i: the chunk's i-th penalised row
 
-so the repetition penalty's mask is counts > 0 and the output count counts >> 1. After each step the tokens sampled
-for penalised rows are added on the device (+2 at their token, `PenaltyTable.count`): the host reads nothing to
-keep the table current, and under async scheduling the token the step in flight sampled is counted before the next
-step samples. A request given a slot (its first sampled step, or after its slot went to another request) has its
-row built from what the host knows: its prompt, its output tokens, and the token sampled by the step in flight,
-copied on the device from that step's output.
+so the repetition penalty's mask is counts > 0 and the output count counts >> 1. What goes in comes from the host's
+token history of each penalised request (`_History`, kept from step to step: its prompt's distinct tokens, when its
+repetition penalty reads them, and its distinct generated tokens with their weights; a step adds only the tokens
+it has not seen, so the host's work is O(new tokens) plus one concatenation per chunk), sent as one int32 array per
+chunk (the rows' places and factors, flat indices i * V + t and their weights) in one pinned non-blocking
+host->device copy and added with index_add_. Under async scheduling a request's last token was sampled by the step
+still in flight and the host has not read it: its entry is added on the device from that step's sampled-token
+tensor. No step reads anything back.
 
-Size, measured: 4 bytes per vocabulary entry per slot, a 152k vocabulary's row 608 KB, max_num_seqs = 256 rows
-156 MB (a 32k vocabulary: 33 MB). The table is made the first time a request asks for a penalty, all max_num_seqs
-rows at once (every sampled request of a step may hold one; no growth, so no transient second copy), and the
-workspace reserves it (engine/setup.py, engine/workspace_profile.py), so the budget holds either way.
+Memory: nothing between steps (the host's histories are numpy arrays). Within a chunk, per entry of its [b, V]
+rows: the counts 4 bytes a penalised row, the copied array at most 8 while they are built (every token of a row
+distinct: at most V entries, an index and a weight each; then given back), and the arithmetic's temporaries (the
+repetition's where over the divided and multiplied logits) at most ~26 with the chunk's copy and the counts. A chunk
+sampled with top-k and top-p, what the workspace is measured with (engine/workspace_profile.py on a GPU;
+SAMPLER_BYTES_PER_ENTRY = 48 in the CPU bound), peaks higher (~33 in tensors alone, before a GPU sort's scratch), so
+the penalties need no room of their own (tests/test_penalties.py measures both).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from rimuru.engine.sampler import to_device
@@ -39,25 +47,113 @@ from rimuru.engine.sampler import to_device
 if TYPE_CHECKING:
     from rimuru.engine.request import Request
 
-COUNT_BYTES_PER_ENTRY = 4  # int32
+_PROMPT, _GENERATED = 1, 2  # the weights of a prompt token (once) and of each generated occurrence
 
 
-def penalty_table_bytes(num_slots: int, vocab_size: int) -> int:
-    """What the penalty table holds once made: the workspace reserves it."""
-    return num_slots * vocab_size * COUNT_BYTES_PER_ENTRY
+class _History:
+    """One penalised request's tokens as the host knows them, deduplicated: `tokens[:size]` distinct ids and
+    `weights[:size]` their counts' weights (1 if in the prompt, where its repetition penalty reads it, + 2 per
+    generated occurrence)."""
+
+    def __init__(self, req: Request, vocab_size: int) -> None:
+        prompt = np.zeros(0, dtype=np.int64)
+        if req.params.repetition_penalty != 1.0:
+            prompt = np.unique(np.asarray(req.prompt_token_ids, dtype=np.int64))
+            prompt = prompt[(prompt >= 0) & (prompt < vocab_size)]
+        n = len(prompt)
+        self.tokens = np.empty(max(16, 2 * n), dtype=np.int32)
+        self.weights = np.empty(len(self.tokens), dtype=np.int32)
+        self.tokens[:n] = prompt
+        self.weights[:n] = _PROMPT
+        self.size = n
+        self.where: dict[int, int] = dict(zip(prompt.tolist(), range(n), strict=True))
+        self.outputs = req.output_token_ids  # the list read (a request given a new list is rebuilt)
+        self.seen = 0  # how many of its tokens are in
+
+    def follows(self, req: Request) -> bool:
+        return req.output_token_ids is self.outputs and len(req.output_token_ids) >= self.seen
+
+    def update(self) -> None:
+        """The output tokens the host read since the last step: O(new tokens)."""
+        new = self.outputs[self.seen :]
+        self.seen = len(self.outputs)
+        for t in new:
+            i = self.where.get(t)
+            if i is None:
+                i = self.where[t] = self.size
+                if i == len(self.tokens):
+                    self.tokens = np.concatenate([self.tokens, np.empty_like(self.tokens)])
+                    self.weights = np.concatenate([self.weights, np.empty_like(self.weights)])
+                self.tokens[i] = t
+                self.weights[i] = 0
+                self.size += 1
+            self.weights[i] += _GENERATED
 
 
 @dataclass(frozen=True)
 class Penalties:
-    """One step's penalised sampled rows, applied by the sampler chunk by chunk."""
+    """One step's penalised sampled rows, on the host, applied by the sampler chunk by chunk."""
 
-    rows: list[int]  # the sampled rows with a penalty, ascending (host)
-    values: torch.Tensor  # [5, R] float32 on the device: row, slot, repetition, frequency, presence
-    counts: torch.Tensor  # [S, V] int32: the table
+    rows: list[int]  # the sampled rows with a penalty, ascending
+    factors: np.ndarray  # [R, 3] float32: repetition, frequency, presence
+    tokens: list[np.ndarray]  # [R] each row's distinct known tokens (int32)
+    weights: list[np.ndarray]  # [R] their weights (int32)
+    pending: list[int]  # [R] each row's token in `in_flight` (the step in flight sampled it), -1: none
+    in_flight: torch.Tensor | None  # [B'] int64: the sampled tokens of the step in flight (device)
+    vocab_size: int
 
     def touches(self, lo: int, hi: int) -> bool:
         """Whether any of rows lo .. hi - 1 has a penalty."""
         return bisect_left(self.rows, lo) < bisect_left(self.rows, hi)
+
+    def _send(self, a: int, b: int, lo: int, device: torch.device) -> tuple[torch.Tensor, int, int]:
+        """Penalised rows a .. b - 1 (indices into `rows`) of a chunk starting at row `lo`, in one int32 array copied
+        to `device` (pinned, non-blocking: no host sync):
+
+            [chunk rows (r) | factors as float32 (3r) | flat index i * V + t (n) | weight (n) |
+             in-flight tokens: i * V (p) | their rows in `in_flight` (p) | weight (p)]
+
+        Returns it, n and p."""
+        V, r = self.vocab_size, b - a
+        assert r * V < 2**31, (r, V)  # flat int32 indices
+        lens = np.fromiter((len(t) for t in self.tokens[a:b]), dtype=np.int64, count=r)
+        n = int(lens.sum())
+        pend = [(i, self.pending[a + i]) for i in range(r) if self.pending[a + i] >= 0]
+        p = len(pend)
+        host = np.empty(4 * r + 2 * n + 3 * p, dtype=np.int32)
+        host[:r] = self.rows[a:b]
+        host[:r] -= lo
+        host[r : 4 * r].view(np.float32)[:] = self.factors[a:b].T.reshape(-1)
+        k = 4 * r
+        if n:
+            np.concatenate(self.tokens[a:b], out=host[k : k + n])
+            host[k : k + n] += np.repeat(np.arange(r, dtype=np.int32) * V, lens)
+            np.concatenate(self.weights[a:b], out=host[k + n : k + 2 * n])
+        k += 2 * n
+        if p:
+            host[k : k + p] = [i * V for i, _ in pend]
+            host[k + p : k + 2 * p] = [j for _, j in pend]
+            host[k + 2 * p :] = _GENERATED
+        return to_device(torch.from_numpy(host), device), n, p
+
+    def counts(self, a: int, b: int, device: torch.device, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The counts of penalised rows a .. b - 1 (indices into `rows`), [b - a, V] int32, built on `device`; and
+        [4, b - a] float32 there: their rows in the chunk from row `lo`, and their repetition, frequency and presence
+        penalties."""
+        r = b - a
+        sent, n, p = self._send(a, b, lo, device)
+        counts = torch.zeros(r * self.vocab_size, dtype=torch.int32, device=device)
+        k = 4 * r
+        if n:
+            counts.index_add_(0, sent[k : k + n], sent[k + n : k + 2 * n])
+        k += 2 * n
+        if p:
+            assert self.in_flight is not None
+            flat = sent[k : k + p] + self.in_flight.index_select(0, sent[k + p : k + 2 * p])
+            counts.index_add_(0, flat, sent[k + 2 * p :])
+        head = sent[: 4 * r].clone()  # the index is given back now, before the arithmetic
+        values = torch.cat([head[:r].float()[None], head[r:].view(torch.float32).view(3, r)])
+        return counts.view(r, self.vocab_size), values
 
     def apply(self, chunk: torch.Tensor, lo: int) -> None:
         """Penalises, in place, the rows of `chunk` (the sampler's copy of rows lo .. lo + len(chunk) - 1) that have
@@ -65,14 +161,14 @@ class Penalties:
         a, b = bisect_left(self.rows, lo), bisect_left(self.rows, lo + chunk.shape[0])
         if a == b:
             return
-        v = self.values[:, a:b]  # [5, r]
-        counts = self.counts.index_select(0, v[1].long())  # [r, V] int32
+        counts, v = self.counts(a, b, chunk.device, lo)  # [r, V] int32 (this chunk's alone), [4, r]
         every = b - a == chunk.shape[0]  # every row of the chunk: no gather
-        local = None if every else v[0].long() - lo  # [r]
+        local = None if every else v[0].long()  # [r]
         x = chunk if every else chunk.index_select(0, local)  # [r, V]
-        rep, freq, pres = v[2][:, None], v[3][:, None], v[4][:, None]  # [r, 1] each
+        rep, freq, pres = v[1][:, None], v[2][:, None], v[3][:, None]  # [r, 1] each
         x = torch.where(counts > 0, torch.where(x > 0, x / rep, x * rep), x)
         generated = (counts >> 1).float()  # [r, V]
+        del counts
         x -= freq * generated  # two subtractions in vLLM's order, so the float32 results are its own
         x -= pres * (generated > 0)
         if every:
@@ -81,102 +177,39 @@ class Penalties:
             chunk.index_copy_(0, local, x)
 
 
-class PenaltyTable:
-    """The engine's penalty state: the device table and which request holds which slot (the runner keeps one)."""
+class PenaltyHistory:
+    """The engine's penalty state, on the host: each penalised request's token history (the runner keeps one)."""
 
-    def __init__(self, num_slots: int, device: torch.device) -> None:
-        self.num_slots = num_slots  # the most rows a step samples (max_num_seqs)
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.counts: torch.Tensor | None = None  # [S, V] int32, made on first use
-        self._steps: torch.Tensor | None = None  # [2] int32: 1 (a prompt token), 2 (a generated token)
-        self._slots: dict[Request, int] = {}
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.histories: dict[Request, _History] = {}
 
     def prepare(self, requests: Sequence[Request], vocab_size: int,
                 in_flight: tuple[torch.Tensor, dict[int, int]] | None) -> Penalties | None:
-        """The step's penalties over its sampled rows (`requests`, one each, in order, of a `vocab_size` vocabulary):
-        slots for the penalised requests that have none, built on the device; None when no row has a penalty.
-        `in_flight`: the last launch's sampled tokens (device) and each request's row in them by seq_id, where a
-        request's pending token is."""
+        """The step's penalties over its sampled rows (`requests`, one each, in order, of a `vocab_size` vocabulary);
+        None when no row has a penalty. `in_flight`: the last launch's sampled tokens (device) and each request's row
+        in them by seq_id, where a request's pending token is."""
+        if self.histories:
+            for req in [r for r in self.histories if r.status.finished]:
+                del self.histories[req]
         rows = [i for i, req in enumerate(requests) if req.params.penalized]
         if not rows:
-            if self._slots:
-                self._release_finished()
             return None
-        if self.counts is None:
-            self.counts = torch.zeros(self.num_slots, vocab_size, dtype=torch.int32, device=self.device)
-            self._steps = torch.arange(1, 3, dtype=torch.int32, device=self.device)  # made on the device: no copy
-        self._release_finished()
-        batch = [requests[i] for i in rows]
-        new = [req for req in batch if req not in self._slots]
-        if new:
-            taken = set(batch)
-            for req in new:
-                self._slots[req] = self._take(taken)
-            self._build(new, in_flight)
-        packed = [[float(i) for i in rows], [float(self._slots[req]) for req in batch],
-                  [req.params.repetition_penalty for req in batch], [req.params.frequency_penalty for req in batch],
-                  [req.params.presence_penalty for req in batch]]
-        values = to_device(torch.tensor(packed, dtype=torch.float32), self.device)  # slots < 2**24: exact
-        return Penalties(rows, values, self.counts)
-
-    def count(self, penalties: Penalties, tokens: torch.Tensor) -> None:
-        """After sampling: each penalised row's sampled token (tokens [B] int64, on the device) is generated once
-        more."""
-        assert self.counts is not None and self._steps is not None
-        v = penalties.values
-        sampled = tokens.index_select(0, v[0].long())  # [R]
-        self.counts.index_put_((v[1].long(), sampled), self._steps[1:].expand(len(penalties.rows)), accumulate=True)
-
-    def _release_finished(self) -> None:
-        for req in [r for r in self._slots if r.status.finished]:
-            self._free.append(self._slots.pop(req))
-
-    def _take(self, keep: set[Request]) -> int:
-        """A free slot, else the slot of a request not in this step (preempted, or sitting out; rebuilt when it
-        samples again)."""
-        if self._free:
-            return self._free.pop()
-        victim = next(r for r in self._slots if r not in keep)  # a step samples at most num_slots rows
-        return self._slots.pop(victim)
-
-    def _build(self, new: list[Request], in_flight: tuple[torch.Tensor, dict[int, int]] | None) -> None:
-        """The rows of requests given a slot this step: zero, +1 at their prompt's tokens (where the repetition
-        penalty reads them), +2 per output token known to the host and per token sampled by the step in flight."""
-        assert self.counts is not None and self._steps is not None
-        one, two = self._steps[:1], self._steps[1:]
-        slots = [self._slots[req] for req in new]
-        prompt: list[list[int]] = [[], []]
-        output: list[list[int]] = [[], []]
-        pending_slots: list[int] = []
-        pending_rows: list[int] = []
-        for req, slot in zip(new, slots, strict=True):
-            if req.params.repetition_penalty != 1.0:
-                ids = sorted(set(req.prompt_token_ids))
-                prompt[0] += [slot] * len(ids)
-                prompt[1] += ids
-            output[0] += [slot] * len(req.output_token_ids)
-            output[1] += req.output_token_ids
+        tokens, weights, pending = [], [], []
+        for i in rows:
+            req = requests[i]
+            h = self.histories.get(req)
+            if h is None or not h.follows(req):
+                h = self.histories[req] = _History(req, vocab_size)
+            h.update()
+            tokens.append(h.tokens[: h.size])
+            weights.append(h.weights[: h.size])
             if req.num_pending_tokens:
                 assert req.num_pending_tokens == 1 and in_flight is not None, (req.request_id, req.num_pending_tokens)
-                pending_slots.append(slot)
-                pending_rows.append(in_flight[1][req.seq_id])  # KeyError: the token was not sampled by that step
-        n_prompt, n_output = len(prompt[0]), len(output[0])
-        index = to_device(torch.tensor([slots + prompt[0] + output[0] + pending_slots,
-                                        [0] * len(slots) + prompt[1] + output[1] + pending_rows],
-                                       dtype=torch.int64), self.device)  # [2, N]: one copy for the whole build
-        counts = self.counts
-        k = len(slots)
-        counts.index_fill_(0, index[0, :k], 0)
-        if n_prompt:  # every entry writes 1: a token repeated in the prompt is still 1
-            counts.index_put_((index[0, k : k + n_prompt], index[1, k : k + n_prompt]),
-                              one.expand(n_prompt))
-        k += n_prompt
-        if n_output:
-            counts.index_put_((index[0, k : k + n_output], index[1, k : k + n_output]),
-                              two.expand(n_output), accumulate=True)
-        k += n_output
-        if pending_slots:
-            tokens = in_flight[0].index_select(0, index[1, k:]) if in_flight is not None else None
-            assert tokens is not None
-            counts.index_put_((index[0, k:], tokens), two.expand(len(pending_slots)), accumulate=True)
+                pending.append(in_flight[1][req.seq_id])  # KeyError: the token was not sampled by that step
+            else:
+                pending.append(-1)
+        factors = np.array([[requests[i].params.repetition_penalty, requests[i].params.frequency_penalty,
+                             requests[i].params.presence_penalty] for i in rows], dtype=np.float32)
+        return Penalties(rows, factors, tokens, weights, pending, None if in_flight is None else in_flight[0],
+                         vocab_size)

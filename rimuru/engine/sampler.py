@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 # Rows sampled together. The sampler's working copies ([rows, V] float32 scaled logits, sort values and
 # int64 order, masks, probabilities, the race) cost ~48 bytes per vocabulary entry and row: a 256-row batch
-# of a 152k vocabulary would need ~1.9 GB at once, a 32-row chunk ~230 MB. workspace_bytes reserves one chunk.
+# of a 152k vocabulary would need ~1.9 GB at once, a 32-row chunk ~230 MB. workspace_bytes reserves one chunk (the
+# GPU's start-up profile measures it), and a chunk's penalty counts are built inside that room (engine/penalties.py).
 SAMPLE_ROWS_PER_CHUNK = 32
 SAMPLER_BYTES_PER_ENTRY = 48
 

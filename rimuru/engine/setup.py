@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 import torch
 
 from rimuru.config import EngineConfig, format_bytes
-from rimuru.engine.penalties import penalty_table_bytes
 from rimuru.engine.sampler import SAMPLE_ROWS_PER_CHUNK, SAMPLER_BYTES_PER_ENTRY
 from rimuru.experts.popularity import ExpertPopularity
 from rimuru.experts.runtime import ExpertRuntime
@@ -108,9 +107,9 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, s
     Per token: hidden states and residual, q/k/v/o, the MLP intermediates (routed: top-k copies of
     2f; shared expert: 2 * its width), the router logits, and for a hybrid model one gated DeltaNet layer's
     chunk-form intermediates. Per sampled sequence: the lm-head output (dtype)
-    and the float32 logits, and its row of the penalty table (engine/penalties.py, made when a request first asks
-    for a penalty); plus one sampler chunk's working copies (engine/sampler.py samples
-    SAMPLE_ROWS_PER_CHUNK rows at a time); a hybrid model's states of one layer, three copies per sequence.
+    and the float32 logits; plus one sampler chunk's working copies (engine/sampler.py samples
+    SAMPLE_ROWS_PER_CHUNK rows at a time; a chunk's penalty counts are built inside them, engine/penalties.py); a
+    hybrid model's states of one layer, three copies per sequence.
     Plus `scratch`: what does not shrink with the step (kernel scratch,
     library workspaces, graph pools, fragmentation).
     """
@@ -125,7 +124,6 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, s
         per_token += (2 * spec.linear_conv_dim + 2 * spec.linear_value_dim) * el
         per_token += 4 * (2 * hv * spec.linear_key_head_dim + 2 * spec.linear_value_dim + 4 * hv * c)
     logits = S * spec.vocab_size * (el + 4) + min(S, SAMPLE_ROWS_PER_CHUNK) * spec.vocab_size * SAMPLER_BYTES_PER_ENTRY
-    logits += penalty_table_bytes(S, spec.vocab_size)
     # hybrid models: one layer's states of every sequence, gathered, selected and final (models/state_cache.py)
     states = 3 * S * spec.state_bytes_per_request(dtype) // max(1, len(spec.linear_layer_ids))
     return T * per_token + logits + states + scratch

@@ -21,18 +21,18 @@ What is measured (device memory seen by torch's allocator and by the driver, `to
               then given back
     sampling  S rows of logits sampled eagerly, the transient beside the graphs' pool
 
-Not measured, added by its known size: the penalty table (engine/penalties.py, max_num_seqs x vocabulary int32,
-`penalties`), made when a request first asks for a penalty and kept.
+The presence, frequency and repetition penalties hold nothing between steps: a chunk's counts are built inside the
+sampler chunk's working set that `sampling` (and `forward`) measure (engine/penalties.py), so they add no term.
 
 Device memory is read with `torch.cuda.mem_get_info`, which sees the whole GPU: like vLLM's profile, this one assumes
 no other process allocates on the GPU while the engine starts (another process's memory would be charged to the
 workspace; the GPU tests that start engines run one at a time for this reason).
 
-The workspace is `forward + outside + penalties` when every step runs eagerly; with CUDA graphs it is `graphs +
-sampling + outside + penalties`, plus the eager `forward` when steps above --max-cudagraph-capture-size run eagerly
-beside the graphs (a hybrid model's steps with a prefill chunk always do: it has no mixed graphs). The capture's
-decode graphs read state page ids of -1 (their static buffers as captured), so the paged decode kernels touch no
-state page. On the CPU nothing is measured (host memory; see setup.workspace_bytes for the bound used there).
+The workspace is `forward + outside` when every step runs eagerly; with CUDA graphs it is `graphs + sampling +
+outside`, plus the eager `forward` when steps above --max-cudagraph-capture-size run eagerly beside the graphs (a
+hybrid model's steps with a prefill chunk always do: it has no mixed graphs). The capture's decode graphs read
+state page ids of -1 (their static buffers as captured), so the paged decode kernels touch no state page. On the
+CPU nothing is measured (host memory; see setup.workspace_bytes for the bound used there).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import torch
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.cuda_graphs import StepGraphs
 from rimuru.engine.kv_cache_manager import KV
-from rimuru.engine.penalties import penalty_table_bytes
 from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.sampling_params import SamplingParams
@@ -75,20 +74,17 @@ class WorkspaceProfile:
     graphs: int  # CUDA graphs' pool and graph objects (0: eager)
     sampling: int  # S rows sampled eagerly (beside the graphs)
     eager_steps_beside_graphs: bool  # steps above the capture cap run eagerly while the graphs hold their pool
-    penalties: int = 0  # the penalty table, by its size (engine/penalties.py)
 
     @property
     def workspace(self) -> int:
         if self.graphs == 0:
-            return self.forward + self.outside + self.penalties
-        return (self.graphs + self.sampling + self.outside + self.penalties
-                + (self.forward if self.eager_steps_beside_graphs else 0))
+            return self.forward + self.outside
+        return self.graphs + self.sampling + self.outside + (self.forward if self.eager_steps_beside_graphs else 0)
 
     def describe(self) -> str:
         parts = [f"forward {format_bytes(self.forward)}", f"outside torch {format_bytes(self.outside)}"]
         if self.graphs:
             parts += [f"CUDA graphs {format_bytes(self.graphs)}", f"sampling {format_bytes(self.sampling)}"]
-        parts.append(f"penalty table {format_bytes(self.penalties)}")
         return ", ".join(parts)
 
 
@@ -219,8 +215,7 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     profile = WorkspaceProfile(mode=mode, forward=forward, outside=outside, graphs=graphs, sampling=sampling,
-                               eager_steps_beside_graphs=eager_beside,
-                               penalties=penalty_table_bytes(S, spec.vocab_size))
+                               eager_steps_beside_graphs=eager_beside)
     logger.info("workspace measured before the pool: %s (%s)", format_bytes(profile.workspace), profile.describe())
     return profile
 
