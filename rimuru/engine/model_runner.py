@@ -447,7 +447,7 @@ class ModelRunner:
             trace.forward_begin()
             logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts)
             if prompt is not None:
-                hidden = graphs.mixed_hidden(ids.shape[0])
+                hidden = graphs.mixed_hidden()  # valid until the next replay: read below, in this launch
             self.graph_steps += 1
             self.mixed_graph_steps += 1
         else:

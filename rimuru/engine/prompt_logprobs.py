@@ -14,9 +14,11 @@ Only requests that ask get rows, and the LM head runs over those rows alone, SAM
 chunk's [b, V] logits and log_softmax are the sampler chunk's working set, which the workspace reserves). The values
 travel packed as the sampled tokens' logprobs do (engine/logprobs.py), one [R, 2K+2] int32 tensor for the step.
 
-The hidden states are those of the pass: an eager pass's, or a mixed CUDA graph's static copy of them
-(engine/cuda_graphs.py; a pure-decode step never has prompt rows: each of its rows samples). A request that asks
-does not start from a cached prefix (engine/kv_cache_manager.py): its prompt's positions must all be computed.
+The hidden states are those of the pass: an eager pass's, or the ones a mixed CUDA graph's replay leaves in the
+graphs' memory pool, valid until the next replay, which the runner queues only after these reads
+(engine/cuda_graphs.py `mixed_hidden`; a pure-decode step never has prompt rows: each of its rows samples). A
+request that asks does not start from a cached prefix (engine/kv_cache_manager.py): its prompt's positions must all
+be computed.
 """
 
 from __future__ import annotations
