@@ -13,10 +13,26 @@ import pytest
 import torch
 
 from rimuru import LLM, SamplingParams
-from rimuru.engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, StepGraphs, capture_sizes, token_buckets
+from rimuru.engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, StepGraphs, _TensorPlace, capture_sizes, token_buckets
 from rimuru.testing.tiny_models import ARCHS, make_tiny_checkpoint
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_an_unowned_view_reads_the_memory_without_keeping_it() -> None:
+    """What mixed graphs' hidden states are read through: the same elements, and the memory's owner alone decides
+    when it is freed (no reference that would keep a graph's output out of later captures' reach)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    with torch.inference_mode():
+        owner = torch.arange(24, dtype=torch.float32).view(4, 6)[1:]  # an offset into its storage
+        view = _TensorPlace.of(owner).unowned_view()
+        assert view.shape == owner.shape and view.stride() == owner.stride() and torch.equal(view, owner)
+        owner[0, 2] = -1.0
+        assert view[0, 2] == -1.0
+        alive = StorageWeakRef(owner.untyped_storage())
+        del owner
+        assert alive.expired()  # the view kept nothing
 
 
 def test_capture_ladder() -> None:
@@ -153,3 +169,32 @@ def test_mixed_graphs_agree_with_eager(arch: str, tmp_path: Path) -> None:
     assert graph_runner.mixed_graph_steps >= 6 and graph_runner.graph_steps > graph_runner.mixed_graph_steps
     assert capped_runner.graphs.token_sizes[-1] == 64 and 0 < capped_runner.graph_steps < graph_runner.graph_steps
     assert results[0] == results[1] == results[2]
+
+
+@gpu
+@pytest.mark.gpu
+def test_prompt_logprobs_from_mixed_graphs_equal_eager(tmp_path: Path) -> None:
+    """Prompt rows read a mixed graph's own hidden states in the graphs' pool, no copy: the prompt logprobs of
+    chunked prefills (a 96-token step budget: every step with a chunk replays a mixed graph of its size, decode graphs
+    between them, async scheduling launching the next step before the last is read) equal the eager run's, and so
+    do the tokens."""
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=2)
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=g).tolist()} for n in (150, 7, 61)]
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=3),
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)]
+    results, runners = [], []
+    for eager in (True, False):
+        llm = LLM(str(path), device="cuda", dtype="float32", gpu_memory_budget="1GiB", enforce_eager=eager,
+                  max_num_seqs=16, max_num_batched_tokens=96)
+        results.append(llm.generate(prompts, params))
+        runners.append(llm.engine.runner)
+    assert runners[1].mixed_graph_steps >= 2 and runners[1].graph_steps > runners[1].mixed_graph_steps
+    eager_outs, graph_outs = results
+    assert [o.outputs[0].token_ids for o in graph_outs] == [o.outputs[0].token_ids for o in eager_outs]
+    for i in (0, 2):
+        a, b = graph_outs[i].prompt_logprobs, eager_outs[i].prompt_logprobs
+        assert a is not None and b is not None and len(a) == len(b) == len(prompts[i]["prompt_token_ids"])
+        for x, y in zip(a[1:], b[1:], strict=True):
+            assert list(x) == list(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)

@@ -36,8 +36,14 @@ def test_bad_choices_are_named(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     with pytest.raises(ValueError, match="temperature must be a number"):
         load_sampling_defaults("auto", str(_folder(tmp_path / "bad", temperature="hot")))
     with caplog.at_level(logging.WARNING, logger="rimuru"):
-        load_sampling_defaults("auto", str(_folder(tmp_path / "pen", repetition_penalty=1.05)))
-    assert any("repetition_penalty" in r.getMessage() for r in caplog.records)
+        defaults = load_sampling_defaults("auto", str(_folder(tmp_path / "pen", repetition_penalty=1.05,
+                                                              presence_penalty=0.5)))
+    # vLLM's reading: repetition_penalty is a default, presence_penalty is not read from a generation config
+    assert defaults.repetition_penalty == 1.05
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("presence_penalty" in m for m in warned) and not any("repetition_penalty" in m for m in warned)
+    with pytest.raises(ValueError, match="repetition_penalty must be a finite number greater than zero"):
+        load_sampling_defaults("auto", str(_folder(tmp_path / "zero", repetition_penalty=0)))
 
 
 def test_defaults_fill_only_what_the_request_leaves_out() -> None:
@@ -54,3 +60,13 @@ def test_defaults_fill_only_what_the_request_leaves_out() -> None:
     assert p.max_tokens == 16 and p.temperature == 0.7
     plain = to_sampling_params(chat, prompt_len=4, max_model_len=64, choice=0)
     assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens) == (1.0, 1.0, -1, None)
+    assert (plain.repetition_penalty, plain.presence_penalty, plain.frequency_penalty) == (1.0, 0.0, 0.0)
+
+
+def test_a_repetition_penalty_default_fills_only_what_the_request_leaves_out() -> None:
+    defaults = SamplingDefaults(repetition_penalty=1.1)
+    req = CompletionRequest(model="m", prompt="x", frequency_penalty=0.5)
+    p = to_sampling_params(req, 1, 64, 0, defaults)
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.1, 0.5, 0.0)
+    own = CompletionRequest(model="m", prompt="x", repetition_penalty=1.0)
+    assert to_sampling_params(own, 1, 64, 0, defaults).repetition_penalty == 1.0

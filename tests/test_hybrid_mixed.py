@@ -122,6 +122,33 @@ def test_the_runner_puts_decodes_first_and_samples_in_scheduled_order(ckpt: Path
                                    zip(reqs, [sched.scheduled[i] for i in (1, 2, 0)], strict=True)]
 
 
+def test_prompt_logprob_rows_follow_the_decodes_first_order(ckpt: Path) -> None:
+    from rimuru.engine.prompt_logprobs import prompt_logprob_rows
+
+    llm = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu", max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(random_prompts((5, 9), seed=30)):
+        engine.add_request(str(i), p, params)
+    engine.step()
+    prompt = random_prompts((20,), seed=31)[0]
+    engine.add_request("new", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                     prompt_logprobs=2))
+    engine._take_inbox()
+    sched = engine.scheduler.schedule()
+    sched.scheduled = [sched.scheduled[2], sched.scheduled[0], sched.scheduled[1]]  # the prompt before the decodes
+    order = engine.runner.batch_order(sched.scheduled)
+    assert order == [1, 2, 0]
+    h = engine.runner.host_arrays(sched)
+    rows = prompt_logprob_rows(sched.scheduled, engine.spec.vocab_size, order)
+    assert rows is not None and rows.hidden_rows.tolist() == list(range(2, 21))  # after the two decode rows
+    # each row's hidden state is the one of the token before its target
+    assert h.input_ids[rows.hidden_rows].tolist() == prompt[:19] and rows.targets.tolist() == prompt[1:20]
+    # in scheduled order (no reordering) the rows would have been the decodes' and the prompt's first ones
+    assert prompt_logprob_rows(sched.scheduled, engine.spec.vocab_size).hidden_rows.tolist() == list(range(19))
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 
 def serve(engine: LLMEngine, prompts: list[list[int]], arrivals: list[int], steps: int = STEPS) -> list[list[int]]:

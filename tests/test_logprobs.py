@@ -135,8 +135,6 @@ def test_limits_are_vllms(ckpt: Path, llm: LLM) -> None:
         llm.generate({"prompt_token_ids": [5, 6]}, params(-1))
     with pytest.raises(ValueError, match="logprobs must be"):
         params(-2)
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
-        SamplingParams(prompt_logprobs=1)
     wide = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu", max_logprobs=-1)
     comp = wide.generate({"prompt_token_ids": [5, 6]}, params(-1, max_tokens=2))[0].outputs[0]
     assert [len(e) for e in comp.logprobs or []] == [300, 300]

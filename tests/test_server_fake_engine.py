@@ -44,6 +44,9 @@ class FakeTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> _Encoding:
         return _Encoding([ord(c) % VOCAB for c in text])
 
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
     def apply_chat_template(self, conversation: list[dict[str, str]], tokenize: bool = False,
                             add_generation_prompt: bool = False) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
@@ -149,14 +152,17 @@ def test_builders_give_the_openai_shapes() -> None:
     out = RequestOutput("r", None, [1, 2, 3], [done], True)
     usage = usage_info([[1, 2, 3], [4]], [out, out])
     assert usage == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
-    assert completion_response(HEAD, [(0, done)], usage) == {
+    assert completion_response(HEAD, [(0, out)], usage) == {
         "id": "cmpl-1", "object": "text_completion", "created": 7, "model": MODEL, "usage": usage,
-        "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop", "stop_reason": "!"}],
+        "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop", "stop_reason": "!",
+                     "prompt_logprobs": None}],
     }
-    assert chat_completion_response(HEAD, [(1, done)], usage)["choices"] == [
+    chat = chat_completion_response(HEAD, [(1, out)], usage)
+    assert chat["choices"] == [
         {"index": 1, "message": {"role": "assistant", "content": "hi"}, "logprobs": None, "finish_reason": "stop",
          "stop_reason": "!"}
     ]
+    assert chat["prompt_logprobs"] is None
     delta = ChoiceDelta(2, "lo", None, None, first=True)
     assert completion_chunk(HEAD, delta) == {
         "id": "cmpl-1", "object": "text_completion", "created": 7, "model": MODEL, "usage": None,
@@ -196,6 +202,32 @@ def test_completion_body_and_stream(url: str) -> None:
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
 
 
+def test_echo_puts_the_prompt_first_and_max_tokens_0_returns_it_alone(url: str) -> None:
+    """Text prompts echo as sent, token-id prompts decoded; each choice once, whole or streamed (its first chunk)."""
+    body = {"model": MODEL, "prompt": [[10, 20], [30]], "n": 2, "max_tokens": 2, "echo": True}
+    data = httpx.post(url + "/v1/completions", json=body).json()
+    assert [c["text"] for c in data["choices"]] == ["<10><20>21 22 "] * 2 + ["<30>31 32 "] * 2
+    assert httpx.post(url + "/v1/completions", json={**body, "prompt": "ab"}).json()["choices"][0]["text"] == \
+        "ab" + "".join(f"{ord('b') % VOCAB + i} " for i in (1, 2))
+    alone = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 0}).json()
+    assert [c["text"] for c in alone["choices"]] == ["<10><20>"] * 2 + ["<30>"] * 2
+    # as vLLM: the engine generated one token per choice, which the text leaves out and the usage counts
+    assert all(c["finish_reason"] == "length" for c in alone["choices"])
+    assert alone["usage"]["completion_tokens"] == 4
+    events = _events(httpx.post(url + "/v1/completions", json={**body, "n": 1, "prompt": [10], "stream": True}))
+    texts = [c["text"] for e in events for c in e["choices"]]
+    assert texts[0].startswith("<10>") and "".join(texts) == "<10>11 12 "
+    events = _events(httpx.post(url + "/v1/completions", json={**body, "n": 1, "prompt": [10], "stream": True,
+                                                              "max_tokens": 0}))
+    assert "".join(c["text"] for e in events for c in e["choices"]) == "<10>"
+    plain = httpx.post(url + "/v1/completions", json={**body, "echo": False, "max_tokens": 0})
+    assert plain.status_code == 400 and plain.json()["error"]["param"] == "max_tokens"
+    assert "0 only with echo" in plain.json()["error"]["message"]
+    streamed = httpx.post(url + "/v1/completions", json={**body, "stream": True, "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    assert "not available when `stream=True`" in streamed.json()["error"]["message"]
+
+
 def test_chat_body_and_stream(url: str) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "ab"}], "max_completion_tokens": 2}
     data = httpx.post(url + "/v1/chat/completions", json=body).json()
@@ -212,8 +244,8 @@ def test_chat_body_and_stream(url: str) -> None:
 
 
 def test_unsupported_fields_and_errors_are_counted(url: str) -> None:
-    resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1], "echo": True})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "echo"
+    resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [1], "suffix": "x"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix"
     resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [VOCAB]})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_token_id"
     # valid JSON, no Unicode text: a lone surrogate is the client's mistake, named, in a prompt or a message

@@ -121,9 +121,10 @@ def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI, engine_outputs:
 
 
 def test_more_logprobs_than_max_logprobs_is_a_400_naming_it(client: openai.OpenAI) -> None:
-    """And the other logprobs refusals: top_logprobs without logprobs, a negative number, prompt_logprobs."""
-    with pytest.raises(openai.BadRequestError, match="greater than max allowed: 20"):
+    """And the other logprobs refusals: top_logprobs without logprobs, a negative number."""
+    with pytest.raises(openai.BadRequestError, match="greater than max allowed: 20") as err:
         client.completions.create(prompt=PROMPT, logprobs=21, **_greedy())
+    assert err.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError, match="greater than max allowed: 20"):
         client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=21, **_greedy())
     with pytest.raises(openai.BadRequestError, match="`logprobs` must be set to true") as err:
@@ -132,9 +133,6 @@ def test_more_logprobs_than_max_logprobs_is_a_400_naming_it(client: openai.OpenA
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(prompt=PROMPT, logprobs=-2, **_greedy())
     assert err.value.body["param"] == "logprobs"
-    with pytest.raises(openai.BadRequestError, match="not supported") as err:
-        client.completions.create(prompt=PROMPT, **_greedy(extra_body={"prompt_logprobs": 1}))
-    assert err.value.body["param"] == "prompt_logprobs"
 
 
 def test_response_builders_name_tokens_floor_minus_inf_and_keep_chat_top_to_the_most_likely() -> None:

@@ -288,6 +288,30 @@ def test_elastic_mode_moves_the_same_experts_on_both_ranks(parity_checkpoints: d
 
 
 @slow
+def test_two_ranks_compute_the_prompt_logprobs_and_penalties_of_one(parity_checkpoints: dict[str, Path]) -> None:
+    """The LM head over a chunked prefill's prompt rows (more rows than one sampler chunk) joins every rank's
+    all-gather; penalties are rank 0's alone."""
+    path = parity_checkpoints["qwen2_moe"]
+    ps = [{"prompt_token_ids": p} for p in random_prompts((45, 9))]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=3,
+                             repetition_penalty=1.3),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, frequency_penalty=1.0)]
+    kwargs = {"device": "cpu", "gpu_memory_budget": "64MiB", "max_num_batched_tokens": 40}
+    want = LLM(str(path), **kwargs).generate(ps, params)
+    two = LLM(str(path), tensor_parallel_size=2, **kwargs)
+    try:
+        got = two.generate(ps, params)
+    finally:
+        two.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    a, b = got[0].prompt_logprobs, want[0].prompt_logprobs
+    assert a is not None and b is not None and len(a) == len(b) == 45 and a[0] is None
+    assert got[1].prompt_logprobs is None
+    for x, y in zip(a[1:], b[1:], strict=True):
+        assert list(x) == list(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+@slow
 def test_preempted_requests_recompute_the_same_tokens(parity_checkpoints: dict[str, Path]) -> None:
     path = parity_checkpoints["qwen3_moe"]
     g = torch.Generator().manual_seed(4)

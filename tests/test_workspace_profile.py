@@ -27,6 +27,9 @@ def test_workspace_adds_what_is_held_at_once() -> None:
     capped = WorkspaceProfile(mode="elastic", forward=100, outside=7, graphs=50, sampling=9,
                               eager_steps_beside_graphs=True)
     assert capped.workspace == 166  # steps above the capture cap run eagerly beside the graphs' pool
+    # nothing else: the penalties' counts live in the sampler chunk's working set (tests/test_penalties.py)
+    assert set(WorkspaceProfile.__dataclass_fields__) == {"mode", "forward", "outside", "graphs", "sampling",
+                                                          "eager_steps_beside_graphs"}
 
 
 def test_cpu_engine_reserves_the_bound_and_measures_nothing(tmp_path: Path) -> None:
@@ -72,5 +75,13 @@ def test_serving_the_worst_step_stays_inside_the_measured_workspace(tmp_path: Pa
     llm.generate([{"prompt_token_ids": long_prompt}], SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0))
     short = [{"prompt_token_ids": torch.randint(3, vocab - 3, (8,), generator=g).tolist()} for _ in range(S)]
     llm.generate(short, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, top_k=5, top_p=0.9))
+    # penalised rows, greedy and sampled, with whole-vocabulary histories: their counts are built inside the room
+    # the sampler's chunk was measured with
+    width = min(vocab - 6, engine.max_model_len - 8)
+    wide = [{"prompt_token_ids": (3 + torch.randperm(vocab - 6, generator=g)[:width]).tolist()} for _ in range(S)]
+    penalised = dict(max_tokens=4, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.5,
+                     presence_penalty=0.5)
+    llm.generate(wide, [SamplingParams(temperature=0.0, **penalised) if i % 2 else
+                        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, **penalised) for i in range(S)])
     peak = torch.cuda.max_memory_reserved() - held
     assert peak <= split["workspace"], (mode, eager, peak, profile)

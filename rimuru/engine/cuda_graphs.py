@@ -19,7 +19,8 @@ A step's numbers arrive on the device in the runner's one packed host->device co
 read through these buffers and expert tables through the provider's own [L_moe, E, 3] tensor, both
 updated in place, so pages and experts may move between steps without invalidating any graph. The
 logits of every graph land in one static fp32 buffer [max rows, V] (rows past the sampled ones are
-garbage); a step reads its rows before the next replay overwrites them.
+garbage); a step reads its rows before the next replay overwrites them. Prompt logprobs read a mixed graph's hidden
+states where the graph itself leaves them, in its memory pool, with no copy (`mixed_hidden` says why that is safe).
 
 Elastic mode captures both kinds for every size: piecewise graphs (for passes with experts in host memory)
 and whole graphs over the live resident tables (`resident_provider`, a StaticExpertProvider on the expert
@@ -53,6 +54,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -141,6 +143,11 @@ class StepGraphs:
         self.slot_mapping = torch.full((L, n), -1, dtype=torch.int64, device=device)
         self.block_tables = i32(L, max(S, self.max_bs), max_blocks)
         self.logits_out: torch.Tensor | None = None  # [max(S, max_bs), V] fp32, made at capture
+        # by id of a captured mixed graph (or piecewise graph): its pass's hidden states [Tp, d], a view that does
+        # not own the graph pool's memory it reads (`mixed_hidden`); the last replayed graph's (None after a decode
+        # graph), until the next replay
+        self._hidden_views: dict[int, torch.Tensor] = {}
+        self._replayed_hidden: torch.Tensor | None = None
         # decode ladder: one token per row, so query_start_loc and logits_indices never change
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
@@ -196,7 +203,9 @@ class StepGraphs:
             conv_pages=self.conv_pages[:, :S] if self.conv_pages is not None else None, padded=True,
         )
 
-    def _forward_into_logits(self, batch: ForwardBatch, piecewise: bool = False) -> None:
+    def _forward_into_logits(self, batch: ForwardBatch, piecewise: bool = False) -> _TensorPlace:
+        """The pass and its logits into `logits_out`; returns where the pass left its hidden states (freed when this
+        returns, inside a capture as any other activation)."""
         if piecewise:  # routing is counted at the boundaries, with this mask
             assert self.boundaries is not None
             self.boundaries.set_row_mask(batch.slot_mapping[0] >= 0)
@@ -212,6 +221,7 @@ class StepGraphs:
             rows = max(self.max_seqs, self.max_bs)
             self.logits_out = torch.empty(rows, logits.shape[1], dtype=torch.float32, device=self.device)
         self.logits_out[: logits.shape[0]].copy_(logits)
+        return _TensorPlace.of(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -285,7 +295,9 @@ class StepGraphs:
     def _capture_whole(self, batch: ForwardBatch, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            self._forward_into_logits(batch)
+            hidden = self._forward_into_logits(batch)
+        if batch.q_tile_start is not None:  # a mixed pass: prompt logprobs may read its hidden states
+            self._hidden_views[id(graph)] = hidden.unowned_view()
         return graph
 
     def _capture_pieces(self, batch: ForwardBatch, table_cuts: bool) -> PiecewiseGraph:
@@ -293,12 +305,15 @@ class StepGraphs:
         the offloading boundaries are installed) and at a hybrid mixed pass's eager stretches."""
         self.pieces.begin(self.pool)
         try:
-            self._forward_into_logits(batch, table_cuts)
+            hidden = self._forward_into_logits(batch, table_cuts)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.pieces.end()
             raise
-        return self.pieces.end()
+        graph = self.pieces.end()
+        if batch.q_tile_start is not None:  # a mixed pass: prompt logprobs may read its hidden states (mixed_hidden)
+            self._hidden_views[id(graph)] = hidden.unowned_view()
+        return graph
 
     def _sized_batch(self, mixed: bool, size: int) -> ForwardBatch:
         """The static batch a graph of the mixed (token count) or decode (batch size) ladder is captured with."""
@@ -383,6 +398,7 @@ class StepGraphs:
         """`whole`: the same size's resident-tables graph, replayed instead while every expert is resident.
         `layout`: the step's (a hybrid mixed graph's eager stretches)."""
         if whole is not None and self.boundaries is not None and self.boundaries.all_resident():
+            graph = whole
             whole.replay(layout) if isinstance(whole, PiecewiseGraph) else whole.replay()
             self.whole_replays += 1
         elif isinstance(graph, PiecewiseGraph) and graph.has_table_decisions:
@@ -392,6 +408,7 @@ class StepGraphs:
             graph.replay(layout)
         else:
             graph.replay()
+        self._replayed_hidden = self._hidden_views.get(id(graph))
 
     def fill_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, slot_mapping: torch.Tensor, ssm_pages: torch.Tensor | None = None,
@@ -462,3 +479,49 @@ class StepGraphs:
         self._replay(self.mixed_graphs[tp], self.whole_mixed_graphs.get(tp), layout)
         assert self.logits_out is not None
         return self.logits_out[:num_sampled]
+
+    def mixed_hidden(self) -> torch.Tensor:
+        """[Tp, d]: the hidden states of the mixed pass just replayed (its padded token rows), where the graph left
+        them in its memory pool. To be read by work queued on the stream before the next replay.
+
+        Why no copy is needed: the tensor is the captured pass's own output, allocated in the graphs' private pool.
+        No eager allocation is ever served from that pool, and its memory stays while the graphs do. Within its own
+        graph nothing is written over it after the final norm writes it (the pass holds it until the capture's
+        forward returns, so no later allocation of that capture reuses its block). After that capture it is a free
+        block of the shared pool, which graphs captured later (smaller sizes, the decode ladder, elastic mode's whole
+        graphs) may reuse: any replay of any graph may overwrite it, and it is valid from its own replay until the
+        next replay on the stream. The runner queues the prompt-logprobs LM head over it (ModelRunner.launch,
+        compute_prompt_logprobs) in the same launch as the replay, on the same stream, before launch returns; the
+        next replay is queued by a later launch, also under async scheduling (step n + 1 is launched before step n
+        is read, but after step n's launch has queued all of its work), so stream order puts it after those reads.
+        The view does not own the pool's memory: a strong reference would keep each mixed graph's [Tp, d] out of
+        every later capture's reach (more memory than a static buffer), this one keeps the pool as if nothing held
+        it."""
+        assert self._replayed_hidden is not None, "the last graph replayed is not a mixed graph"
+        return self._replayed_hidden
+
+
+@dataclass(frozen=True)
+class _TensorPlace:
+    """Where a tensor's elements are: enough to view them again without owning the memory."""
+
+    data_ptr: int
+    nbytes: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _TensorPlace:
+        storage = t.untyped_storage()
+        return cls(storage.data_ptr(), storage.nbytes(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                   t.device)
+
+    def unowned_view(self) -> torch.Tensor:
+        """A tensor over the same memory that does not keep it allocated (the caching allocator may hand the memory
+        to someone else: the owner of the view says when reading it is valid). torch's CUDA-graph trees view their
+        graphs' outputs the same way."""
+        storage = torch._C._construct_storage_from_data_pointer(self.data_ptr, self.device, self.nbytes)
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.shape, self.stride)

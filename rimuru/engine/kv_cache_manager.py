@@ -84,8 +84,12 @@ class KVCacheManager:
     # ------------------------------------------------------------------ prefix caching
     def lookup(self, request: Request) -> CachedPrefix:
         """The longest cached prefix of a waiting request's tokens. At least its last token is left to compute, so
-        the first sampled token has logits; on a full hit that token's KV is already in the last cached block."""
-        if self.cache is None or request.num_computed_tokens or request.kv_pages:
+        the first sampled token has logits; on a full hit that token's KV is already in the last cached block.
+
+        A request asking for prompt logprobs takes no cached prefix, as vLLM's (it skips reading the cache): the
+        logits of every prompt position are computed, and a cached block's positions would have none. Its blocks are
+        still offered to the cache for others."""
+        if self.cache is None or request.num_computed_tokens or request.kv_pages or _skips_reading(request):
             return NO_PREFIX
         n = request.num_tokens
         blocks = self.cache.longest_prefix(self._block_hashes(request, n // self.block_size))
@@ -168,7 +172,7 @@ class KVCacheManager:
                 self.cache.pages_changed(pages)
         if first:
             request.num_cached_tokens = prefix.num_tokens
-            if self.cache is not None:
+            if self.cache is not None and not _skips_reading(request):  # vLLM counts no lookup it skipped
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += prefix.num_tokens
         if self.cache is not None:
@@ -228,3 +232,8 @@ class KVCacheManager:
             self.allocator.num_used(KV), self.pages_in_use, self.num_cached_pages)
         if self.cache is not None:
             self.cache.check()
+
+
+def _skips_reading(request: Request) -> bool:
+    """A request whose prompt positions all need logits: no cached prefix may stand in for them."""
+    return request.params.prompt_logprobs is not None

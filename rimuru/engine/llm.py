@@ -89,7 +89,8 @@ class LLM:
                 outs.append(comp)
             results.append(RequestOutput(request_id=first.request_id, prompt=first.prompt,
                                          prompt_token_ids=first.prompt_token_ids, outputs=outs, finished=True,
-                                         metrics=first.metrics, num_cached_tokens=first.num_cached_tokens))
+                                         metrics=first.metrics, num_cached_tokens=first.num_cached_tokens,
+                                         prompt_logprobs=first.prompt_logprobs))
         return results
 
     def chat(self, messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],

@@ -43,7 +43,7 @@ from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.recent_tpot import RecentTpot
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampler import Sampler
-from rimuru.engine.sampling_params import SamplingParams
+from rimuru.engine.sampling_params import InvalidParam, SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerOutput
 from rimuru.engine.setup import (
     CPU_WORKSPACE_SCRATCH,
@@ -228,7 +228,7 @@ class LLMEngine:
         copies queued before it)."""
         assert self.workers is not None
         tables = self.runtime.cache.host_tables.numpy().copy() if self.runtime.mode == "elastic" else None
-        self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies)))
+        self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies), h.prompt_rows))
 
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:
@@ -354,14 +354,15 @@ class LLMEngine:
             self._inbox.append(req)
 
     def _check_logprobs(self, params: SamplingParams) -> None:
-        """vLLM's limit and message: -1 asks for the whole vocabulary; max_logprobs -1 allows it."""
-        if params.logprobs is None:
-            return
+        """vLLM's limits and messages: -1 asks for the whole vocabulary; max_logprobs -1 allows it."""
         vocab = self.vocab_size
         limit = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
-        asked = vocab if params.logprobs == -1 else params.logprobs
-        if asked > limit:
-            raise ValueError(f"Requested sample logprobs of {asked}, which is greater than max allowed: {limit}")
+        for what, param, n in (("sample", "logprobs", params.logprobs),
+                               ("prompt", "prompt_logprobs", params.prompt_logprobs)):
+            asked = vocab if n == -1 else n
+            if asked is not None and asked > limit:
+                raise InvalidParam(param, f"Requested {what} logprobs of {asked}, which is greater than max allowed: "
+                                          f"{limit}")
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -445,7 +446,7 @@ class LLMEngine:
 
     def _drain(self, launched: InFlight) -> list[RequestOutput]:
         sched, tokens = launched
-        outputs = self.outputs.process(sched, tokens.tolist(), tokens.logprobs())
+        outputs = self.outputs.process(sched, tokens.tolist(), tokens.logprobs(), tokens.prompt_logprobs())
         self.trace.mark("process")
         return outputs
 

@@ -65,23 +65,29 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, sel: LogprobRow
     every = R == logits.shape[0]
     index = None if every else to_device(torch.tensor(sel.rows, dtype=torch.int64), device)  # [R]
     packed = torch.empty(R, 2 * K + 2, dtype=torch.int32, device=device)
-    values = packed[:, : K + 1].view(torch.float32)  # [R, K+1]: the same bytes, read as float32
     for lo in range(0, R, SAMPLE_ROWS_PER_CHUNK):
         hi = min(R, lo + SAMPLE_ROWS_PER_CHUNK)
         if every:
             chunk, sampled = logits[lo:hi], tokens[lo:hi]
         else:
             chunk, sampled = logits.index_select(0, index[lo:hi]), tokens.index_select(0, index[lo:hi])
-        logprobs = torch.log_softmax(chunk.float(), dim=-1)  # [b, V]
-        token_lp = logprobs.gather(1, sampled[:, None])  # [b, 1]
-        values[lo:hi, :1] = token_lp
-        # tokens as likely as the sampled one count ahead of it, as vLLM ranks them
-        packed[lo:hi, K + 1] = (logprobs >= token_lp).sum(dim=-1)  # [b]
-        if K:
-            top_lp, top_ids = logprobs.topk(K, dim=-1)  # [b, K], best first
-            values[lo:hi, 1:] = top_lp
-            packed[lo:hi, K + 2 :] = top_ids
+        pack_chunk(packed[lo:hi], chunk, sampled, K)
     return packed
+
+
+def pack_chunk(packed: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, K: int) -> None:
+    """One chunk of rows into its rows of a packed tensor: logits [b, V] raw, tokens [b] int64 (whose logprob and
+    rank are packed) -> packed [b, 2K+2] int32 (layout above), on the device."""
+    values = packed[:, : K + 1].view(torch.float32)  # [b, K+1]: the same bytes, read as float32
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [b, V]
+    token_lp = logprobs.gather(1, tokens[:, None])  # [b, 1]
+    values[:, :1] = token_lp
+    # tokens as likely as the sampled one count ahead of it, as vLLM ranks them
+    packed[:, K + 1] = (logprobs >= token_lp).sum(dim=-1)  # [b]
+    if K:
+        top_lp, top_ids = logprobs.topk(K, dim=-1)  # [b, K], best first
+        values[:, 1:] = top_lp
+        packed[:, K + 2 :] = top_ids
 
 
 def unpack_logprobs(packed: torch.Tensor, sel: LogprobRows) -> list[TokenLogprobs | None]:

@@ -24,7 +24,7 @@ On a GPU all inputs travel in ONE host->device copy (`InputStager`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +32,14 @@ import torch
 
 from rimuru.engine.cuda_graphs import StepGraphs
 from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs, logprob_rows, unpack_logprobs
+from rimuru.engine.penalties import PenaltyHistory
+from rimuru.engine.prompt_logprobs import (
+    PromptLogprobRows,
+    compute_prompt_logprobs,
+    follow_prompt_logits,
+    prompt_logprob_rows,
+    unpack_prompt_logprobs,
+)
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler, logit_edits
 from rimuru.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -65,6 +73,9 @@ class HostBatch:
     ssm_pages: np.ndarray | None = None
     conv_pages: np.ndarray | None = None
     layout: StepLayout | None = None  # hybrid models: the real rows' split (decodes first)
+    # prompt logprobs (engine/prompt_logprobs.py): [R] int64 hidden rows the LM head runs over after the sampled
+    # rows; not a device input of the pass (tensor parallelism sends it beside the arrays)
+    prompt_rows: np.ndarray | None = None
 
     def fields(self) -> list[np.ndarray]:
         """The arrays the device gets, in order: the seven of every batch, q_tile_start (mixed graphs), then the
@@ -125,34 +136,46 @@ class InputStager:
 class SampledTokens:
     """A launched step's sampled tokens on their way to the host: one non-blocking copy into pinned memory
     and an event, so reading them (`tolist`, the step's one device->host wait) can come after the next
-    step has been launched. Rows that asked for logprobs bring their packed logprobs (engine/logprobs.py) in
-    one more non-blocking copy behind the same event: the same single wait reads both."""
+    step has been launched. Rows that asked for logprobs bring their packed logprobs (engine/logprobs.py), and
+    prompt chunks that asked for prompt logprobs theirs (engine/prompt_logprobs.py), in more non-blocking copies
+    behind the same event: the same single wait reads them all."""
 
     def __init__(self, tokens: torch.Tensor | None, device: torch.device, trace: StepTrace,
-                 logprobs: tuple[torch.Tensor, LogprobRows] | None = None) -> None:
+                 logprobs: tuple[torch.Tensor, LogprobRows] | None = None,
+                 prompt: tuple[torch.Tensor, PromptLogprobRows] | None = None) -> None:
         self._trace = trace
         self._event: torch.cuda.Event | None = None
         self._rows = None if logprobs is None else logprobs[1]
         self._logprobs = None if logprobs is None else logprobs[0]
-        if tokens is None:
-            self._host = None
-        elif device.type == "cuda":
-            self._host = _to_pinned(tokens)
+        self._prompt_rows = None if prompt is None else prompt[1]
+        self._prompt = None if prompt is None else prompt[0]
+        self._host = tokens
+        if device.type == "cuda" and (tokens is not None or prompt is not None):
+            self._host = None if tokens is None else _to_pinned(tokens)
             if self._logprobs is not None:
                 self._logprobs = _to_pinned(self._logprobs)
+            if self._prompt is not None:
+                self._prompt = _to_pinned(self._prompt)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = tokens
 
     def tolist(self) -> list[int]:
-        if self._host is None:
-            return []
         if self._event is not None:
             self._event.synchronize()
+        if self._host is None:
+            return []
         out = self._host.tolist()
         self._trace.mark("readback")
         return out
+
+    def prompt_logprobs(self) -> dict[int, tuple[int, list[TokenLogprobs]]] | None:
+        """By scheduled index, the step's prompt logprobs (engine/prompt_logprobs.py), read after `tolist`; None when
+        no chunk asked."""
+        if self._prompt is None or self._prompt_rows is None:
+            return None
+        if self._event is not None:
+            self._event.synchronize()  # already passed in `tolist`
+        return unpack_prompt_logprobs(self._prompt, self._prompt_rows)
 
     def logprobs(self) -> list[TokenLogprobs | None] | None:
         """Each sampled row's logprobs (None: the row did not ask), read after `tolist`; None when no row asked."""
@@ -177,7 +200,7 @@ PassSender = Callable[[HostBatch, bool, list[StateCopy]], None]
 
 class ModelRunner:
     def __init__(self, model: MoECausalLM, device: torch.device, num_attention_layers: int,
-                 block_size: int, sampler: Sampler, num_linear_layers: int = 0,
+                 block_size: int, sampler: Sampler, *, num_linear_layers: int = 0,
                  peers: PassSender | None = None) -> None:
         self.model = model
         self.peers = peers
@@ -186,6 +209,7 @@ class ModelRunner:
         self.num_linear_layers = num_linear_layers  # hybrid models: linear-attention layers, each with state pages
         self.block_size = block_size
         self.sampler = sampler
+        self.penalties = PenaltyHistory(device)  # the penalised requests' token histories (engine/penalties.py)
         self.graphs: StepGraphs | None = None  # set by use_cuda_graphs()
         self.graph_steps = 0  # steps replayed from a CUDA graph (decode or mixed)
         self.mixed_graph_steps = 0
@@ -238,6 +262,14 @@ class ModelRunner:
         cache[req] = (kv, arr, nb)
         return arr[:nb]
 
+    def batch_order(self, scheduled: Sequence[ScheduledRequest]) -> list[int] | None:
+        """A hybrid model's batch order where a step mixes prefill chunks and decodes: the single-token sequences first
+        (their DeltaNet layers take the paged decode kernels over rows 0..D-1), scheduled order kept within each
+        group; None where the batch keeps scheduled order (every other model, and steps of one kind)."""
+        if self.num_linear_layers and any(s.num_new_tokens > 1 for s in scheduled):
+            return sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens > 1)  # stable
+        return None
+
     def host_arrays(self, sched: SchedulerOutput, pad_to: int | None = None, pad_tokens: int | None = None,
                     pad_seqs: int | None = None) -> HostBatch:
         """The batch as numpy arrays (shared by the eager path and the CUDA-graph paths).
@@ -250,9 +282,8 @@ class ModelRunner:
         bs, L = self.block_size, self.num_layers
         scheduled = sched.scheduled
         B = len(scheduled)
-        order = None  # hybrid models: batch row b holds scheduled[order[b]], single-token sequences first
-        if self.num_linear_layers and any(s.num_new_tokens > 1 for s in scheduled):
-            order = sorted(range(B), key=lambda i: scheduled[i].num_new_tokens > 1)  # stable: scheduled order kept
+        order = self.batch_order(scheduled)  # hybrid models: batch row b holds scheduled[order[b]]
+        if order is not None:
             scheduled = [scheduled[i] for i in order]
         starts_l, ns_l, samples_l, tokens = [], [], [], []
         cache: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
@@ -381,9 +412,10 @@ class ModelRunner:
             state_cache.copy(*copy)
 
     def follow(self, arrays: list[np.ndarray], max_query_len: int, sample: bool,
-               state_copies: list[StateCopy] | None = None) -> None:
-        """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample),
-        after the state copies rank 0 queued before it (the same page ids in every rank's pool)."""
+               state_copies: list[StateCopy] | None = None, prompt_rows: np.ndarray | None = None) -> None:
+        """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample, its
+        prompt rows' logits rank 0's to turn into prompt logprobs), after the state copies rank 0 queued before it
+        (the same page ids in every rank's pool)."""
         if state_copies:
             self.copy_states(state_copies)
         ids, pos, qsl, seq_lens, bt, slots, li, *state = arrays
@@ -395,6 +427,8 @@ class ModelRunner:
         hidden = self.model(batch)  # [T, d]
         if sample:
             self.model.compute_logits(hidden[batch.logits_indices])
+        if prompt_rows is not None:
+            follow_prompt_logits(self.model.compute_logits, hidden, prompt_rows)
 
     # ---- the step --------------------------------------------------------------------------------------
     def _fill_pending(self, input_ids: torch.Tensor, h: HostBatch) -> None:
@@ -418,8 +452,11 @@ class ModelRunner:
         sampling = [s.request for s in sched.scheduled if s.samples]
         if sched.state_copies:  # prefix caching's state snapshots, behind the last pass on the same stream
             self.copy_states(sched.state_copies)
+        prompt = prompt_logprob_rows(sched.scheduled, self.model.spec.vocab_size, self.batch_order(sched.scheduled))
+        hidden = None  # the pass's hidden states, where prompt rows are read (eager passes, mixed graphs)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(sched):
+            assert prompt is None, "a decode step has no prompt rows: each of its rows samples"
             B = len(sched.scheduled)
             bp = graphs.padded_size(B)
             h = self.host_arrays(sched, pad_to=bp)  # a hybrid's state page ids: -1 in the padding rows
@@ -440,10 +477,14 @@ class ModelRunner:
             # a hybrid's state page ids (-1 past the real sequences) and layout: its graphs' eager stretches
             logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts, ssm_pages, conv_pages,
                                       h.layout if ssm_pages is not None else None)
+            if prompt is not None:
+                hidden = graphs.mixed_hidden()  # valid until the next replay: read below, in this launch
             self.graph_steps += 1
             self.mixed_graph_steps += 1
         else:
             h = self.host_arrays(sched)
+            if prompt is not None:
+                h.prompt_rows = prompt.hidden_rows
             if self.peers is not None:
                 self.peers(h, bool(sampling), sched.state_copies)
             batch = self.device_batch(h)
@@ -456,17 +497,25 @@ class ModelRunner:
         trace.mark("forward")
         if not sampling:
             self._last_sampled = None
-            return SampledTokens(None, self.device, trace)
+            packed = None if prompt is None else (self._prompt_logprobs(hidden, prompt), prompt)
+            return SampledTokens(None, self.device, trace, prompt=packed)
         params = [r.params for r in sampling]
+        penalties = self.penalties.prepare(sampling, logits.shape[-1], self._last_sampled)
         tokens = self.sampler(logits, params, [r.generator for r in sampling],
-                              logit_edits(sampling, logits.shape[-1], logits.device))
+                              logit_edits(sampling, logits.shape[-1], logits.device), penalties)
         self._last_sampled = (tokens, {r.seq_id: i for i, r in enumerate(sampling)})
         # the raw logits (the sampler never writes them; a graph's logits_out is not replayed before this)
         asked = logprob_rows([p.logprobs for p in params], logits.shape[-1])
         logprobs = None if asked is None else (compute_logprobs(logits, tokens, asked), asked)
-        out = SampledTokens(tokens, self.device, trace, logprobs)
+        # after the sampler: the prompt rows' chunks reuse its working set
+        packed = None if prompt is None else (self._prompt_logprobs(hidden, prompt), prompt)
+        out = SampledTokens(tokens, self.device, trace, logprobs, packed)
         trace.mark("sample")
         return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor | None, sel: PromptLogprobRows) -> torch.Tensor:
+        assert hidden is not None, "prompt rows in a pass whose hidden states are not kept"
+        return compute_prompt_logprobs(self.model.compute_logits, hidden, sel)
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -1,5 +1,5 @@
-"""A step's sampled tokens become request outputs: append (with their logprobs when asked), detokenise, check
-stop conditions, finish.
+"""A step's sampled tokens become request outputs: append (with their logprobs when asked, and the prompt logprobs
+its chunks brought), detokenise, check stop conditions, finish.
 
 Finished requests leave the scheduler here (their pages are freed at once); outputs are cumulative, as vLLM's.
 """
@@ -26,10 +26,15 @@ class OutputProcessor:
         self.async_scheduling = async_scheduling  # each sampled row was counted as a pending token at launch
         self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs (a vocabulary at most)
 
-    def process(self, sched: SchedulerOutput, tokens: list[int],
-                logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
+    def process(self, sched: SchedulerOutput, tokens: list[int], logprobs: list[TokenLogprobs | None] | None = None,
+                prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] | None = None) -> list[RequestOutput]:
         """`tokens`: the sampled token of each scheduled request that samples, in order; `logprobs`: their
-        logprobs in the same order (None: no row asked)."""
+        logprobs in the same order (None: no row asked); `prompt_logprobs`: by scheduled index, the prompt position
+        of the step's first prompt logprob entry and the entries (None: no chunk asked). A request's prompt entries
+        go in before its sampled token, so its first output holds them all."""
+        if prompt_logprobs is not None:
+            for index, (first, entries) in prompt_logprobs.items():
+                self._add_prompt_logprobs(sched.scheduled[index].request, first, entries)
         outputs = []
         it = iter(tokens)
         lps = iter(logprobs) if logprobs is not None else None
@@ -57,6 +62,16 @@ class OutputProcessor:
             else:
                 outputs.append(running_output(req))
         return outputs
+
+    def _add_prompt_logprobs(self, req: Request, first: int, entries: list[TokenLogprobs]) -> None:
+        """Appends the entries that continue the request's prompt logprobs; a recomputed chunk (after a preemption)
+        brings positions it has already, which stay as they are."""
+        have = req.prompt_logprobs
+        if have is None or req.status.finished:
+            return
+        for pos, lp in enumerate(entries, start=first):
+            if pos == len(have):
+                have.append(self._logprob_entry(req.prompt_token_ids[pos], lp))
 
     def _logprob_entry(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
         """vLLM's shape: the sampled token first, then the top ones by rank; a sampled token among them keeps
@@ -115,7 +130,7 @@ def final_output(req: Request) -> RequestOutput:
                             logprobs=None if req.logprobs is None else list(req.logprobs))
     return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                          outputs=[comp], finished=req.status.finished, metrics=req.metrics,
-                         num_cached_tokens=req.num_cached_tokens)
+                         num_cached_tokens=req.num_cached_tokens, prompt_logprobs=req.prompt_logprobs)
 
 
 def running_output(req: Request) -> RequestOutput:
@@ -133,4 +148,4 @@ def running_output(req: Request) -> RequestOutput:
     comp = CompletionOutput(0, text, req.output_token_ids.copy(), None, req.stop_reason,
                             None if req.logprobs is None else req.logprobs.copy())
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], False, req.metrics,
-                         req.num_cached_tokens)
+                         req.num_cached_tokens, req.prompt_logprobs)

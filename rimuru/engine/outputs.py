@@ -22,6 +22,9 @@ class Logprob:
 # Per generated token: the sampled token and the requested top tokens, by token id. The sampled token comes
 # first, then the top ones by rank; a sampled token that is also a top one appears once, with its top rank.
 SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token, as vLLM's: None for the first (nothing predicts it), then the prompt token's entry first and the
+# requested top tokens, shaped as a SampleLogprobs entry.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -54,3 +57,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (vLLM's field); None: not admitted
+    # SamplingParams.prompt_logprobs asked: one entry per prompt token, whole by the first output with a token
+    prompt_logprobs: PromptLogprobs | None = None

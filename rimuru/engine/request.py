@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rimuru.engine.outputs import RequestMetrics, SampleLogprobs
+from rimuru.engine.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from rimuru.engine.sampling_params import SamplingParams
 
 
@@ -64,6 +64,9 @@ class Request:
     output_text: str = ""
     # one entry per output token when params.logprobs is set (engine/output_processor.py), else None
     logprobs: SampleLogprobs | None = field(init=False, default=None)
+    # params.prompt_logprobs set: the entries of the prompt positions computed so far ([None] for the first), else
+    # None; never changed once whole (the outputs share it)
+    prompt_logprobs: PromptLogprobs | None = field(init=False, default=None)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request sampling stream when a seed is given
@@ -78,6 +81,8 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def all_token_ids(self) -> list[int]:

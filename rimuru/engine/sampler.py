@@ -7,8 +7,9 @@ tokens don't depend on which other requests share the batch.
 
 Rows may come with logit edits (`LogitEdits`): a request's `logit_bias` (added to its raw logits before temperature,
 as vLLM's) and, as vLLM's min-tokens logits processor, -inf at EOS and the stop ids of requests still short of
-`min_tokens`. They are added in the sampler's own copies of the logits, one chunk of rows at a time: the raw logits
-stay as they are for the logprobs (vLLM's default, raw logprobs), and the host never waits.
+`min_tokens`; then, in vLLM's order, the presence, frequency and repetition penalties (`Penalties`,
+engine/penalties.py). All of them go into the sampler's own copies of the logits, one chunk of rows at a time: the
+raw logits stay as they are for the logprobs (vLLM's default, raw logprobs), and the host never waits.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import torch
 from rimuru.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from rimuru.engine.penalties import Penalties
     from rimuru.engine.request import Request
 
 # Rows sampled together. The sampler's working copies ([rows, V] float32 scaled logits, sort values and
 # int64 order, masks, probabilities, the race) cost ~48 bytes per vocabulary entry and row: a 256-row batch
-# of a 152k vocabulary would need ~1.9 GB at once, a 32-row chunk ~230 MB. workspace_bytes reserves one chunk.
+# of a 152k vocabulary would need ~1.9 GB at once, a 32-row chunk ~230 MB. workspace_bytes reserves one chunk (the
+# GPU's start-up profile measures it), and a chunk's penalty counts are built inside that room (engine/penalties.py).
 SAMPLE_ROWS_PER_CHUNK = 32
 SAMPLER_BYTES_PER_ENTRY = 48
 
@@ -91,17 +94,18 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-        edits: LogitEdits | None = None,
+        edits: LogitEdits | None = None, penalties: Penalties | None = None,
     ) -> torch.Tensor:
         """logits [B, V] float32 -> token ids [B] int64 (on the logits' device), without any host sync; `edits`
-        are added to the rows' logits first (a -inf entry: the row never draws that token).
+        are added to the rows' logits first (a -inf entry: the row never draws that token), then `penalties` are
+        applied.
 
         A greedy-only batch is one argmax. Otherwise the per-request numbers travel in ONE packed
         host->device copy: rows temperature, top-k, top-p, greedy of a float32 [4, B] tensor.
         """
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return _argmax(logits, edits)  # [B]
+            return _argmax(logits, edits, penalties)  # [B]
         V = logits.shape[-1]
         top_k = [p.top_k if p.top_k > 0 else V for p in params]
         top_p = [p.top_p for p in params]
@@ -113,18 +117,17 @@ class Sampler:
         for lo in range(0, B, SAMPLE_ROWS_PER_CHUNK):
             hi = min(B, lo + SAMPLE_ROWS_PER_CHUNK)
             sampled[lo:hi] = self._draw(logits[lo:hi], packed[:, lo:hi], cut, generators[lo:hi], greedy[lo:hi],
-                                        edits, lo)
+                                        edits, penalties, lo)
         if not any(greedy):
             return sampled
-        return torch.where(packed[3] > 0.5, _argmax(logits, edits), sampled)
+        return torch.where(packed[3] > 0.5, _argmax(logits, edits, penalties), sampled)
 
     def _draw(self, logits: torch.Tensor, packed: torch.Tensor, cut: bool, generators: list[torch.Generator | None],
-              greedy: list[bool], edits: LogitEdits | None, lo: int) -> torch.Tensor:
+              greedy: list[bool], edits: LogitEdits | None, penalties: Penalties | None, lo: int) -> torch.Tensor:
         """One chunk of rows (from row `lo`): logits [b, V], packed [4, b] -> sampled ids [b] (greedy rows are
         overwritten later)."""
-        if edits is not None and edits.touches(lo, lo + logits.shape[0]):
-            edited = logits.clone()  # [b, V]: the edits go in before the temperature, as vLLM's logit_bias
-            edits.apply(edited, lo)
+        edited = _edited(logits, lo, edits, penalties)  # [b, V]: before the temperature, as vLLM's
+        if edited is not None:
             scaled = edited.div_(packed[0][:, None])
         else:
             scaled = logits / packed[0][:, None]  # [b, V], a new tensor
@@ -139,18 +142,36 @@ class Sampler:
         return (probs / race).argmax(dim=-1)  # [b]
 
 
-def _argmax(logits: torch.Tensor, edits: LogitEdits | None) -> torch.Tensor:
-    """logits [B, V] -> greedy ids [B] of the edited logits: a chunk of rows with edits is copied (one chunk at a
-    time, within the sampler's workspace) and its argmax replaces theirs."""
+def _edited(logits: torch.Tensor, lo: int, edits: LogitEdits | None,
+            penalties: Penalties | None) -> torch.Tensor | None:
+    """A copy of the chunk logits [b, V] (rows lo .. lo + b - 1) with its edits added, then its penalties applied;
+    None when neither touches the chunk."""
+    hi = lo + logits.shape[0]
+    add = edits is not None and edits.touches(lo, hi)
+    penalize = penalties is not None and penalties.touches(lo, hi)
+    if not (add or penalize):
+        return None
+    edited = logits.clone()
+    if add:
+        assert edits is not None
+        edits.apply(edited, lo)
+    if penalize:
+        assert penalties is not None
+        penalties.apply(edited, lo)
+    return edited
+
+
+def _argmax(logits: torch.Tensor, edits: LogitEdits | None, penalties: Penalties | None = None) -> torch.Tensor:
+    """logits [B, V] -> greedy ids [B] of the edited and penalised logits: a chunk of rows with edits or penalties
+    is copied (one chunk at a time, within the sampler's workspace) and its argmax replaces theirs."""
     ids = logits.argmax(dim=-1)  # [B]
-    if edits is None:
+    if edits is None and penalties is None:
         return ids
     B = logits.shape[0]
     for lo in range(0, B, SAMPLE_ROWS_PER_CHUNK):
         hi = min(B, lo + SAMPLE_ROWS_PER_CHUNK)
-        if edits.touches(lo, hi):
-            chunk = logits[lo:hi].clone()  # [b, V]
-            edits.apply(chunk, lo)
+        chunk = _edited(logits[lo:hi], lo, edits, penalties)  # [b, V]
+        if chunk is not None:
             ids[lo:hi] = chunk.argmax(dim=-1)
     return ids
 

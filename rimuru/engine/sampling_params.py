@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+
+class InvalidParam(ValueError):
+    """A sampling parameter's value refused, with the parameter's name (the server's 400 names it as `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
+    # vLLM's / OpenAI's penalties, applied to a row's raw logits before temperature (engine/penalties.py):
+    # presence and frequency over the generated tokens, in [-2, 2]; repetition over the prompt's and the generated
+    # tokens, > 0 (1: off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
@@ -21,7 +36,9 @@ class SamplingParams:
     # top log-probabilities returned per generated token, beside the sampled token's own (-1: the whole
     # vocabulary); None: none. Bounded by the engine's max_logprobs.
     logprobs: int | None = None
-    prompt_logprobs: int | None = None  # not served: refused
+    # vLLM's: the prompt tokens' logprobs (each after the first, given those before it) and this many top ones (-1:
+    # the whole vocabulary); None: none. Bounded by max_logprobs; such a request does not start from a cached prefix.
+    prompt_logprobs: int | None = None
     # vLLM's: before this many generated tokens neither EOS nor stop_token_ids can be sampled (the sampler masks
     # them) and stop strings do not stop
     min_tokens: int = 0
@@ -33,6 +50,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
+                raise InvalidParam(name, f"{name} must be in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r) or r <= 0.0:
+            raise InvalidParam("repetition_penalty",
+                               f"repetition_penalty must be a finite number greater than zero, got {r!r}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -54,9 +79,11 @@ class SamplingParams:
                                           or self.logprobs < -1):
             raise ValueError(f"logprobs must be a non-negative integer or -1 (the whole vocabulary), "
                              f"got {self.logprobs!r}")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported: only the generated tokens' logprobs (logprobs=k) "
-                             "are computed")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < -1):
+            raise InvalidParam("prompt_logprobs", f"prompt_logprobs must be a non-negative integer or -1 (the whole "
+                                                  f"vocabulary), got {self.prompt_logprobs!r}")
         for t, bias in (self.logit_bias or {}).items():
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {t!r}")
@@ -71,3 +98,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on: only such requests hold penalty state (engine/penalties.py)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

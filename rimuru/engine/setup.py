@@ -108,7 +108,8 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, s
     2f; shared expert: 2 * its width), the router logits, and for a hybrid model one gated DeltaNet layer's
     chunk-form intermediates. Per sampled sequence: the lm-head output (dtype)
     and the float32 logits; plus one sampler chunk's working copies (engine/sampler.py samples
-    SAMPLE_ROWS_PER_CHUNK rows at a time); a hybrid model's states of one layer, three copies per sequence.
+    SAMPLE_ROWS_PER_CHUNK rows at a time; a chunk's penalty counts are built inside them, engine/penalties.py); a
+    hybrid model's states of one layer, three copies per sequence.
     Plus `scratch`: what does not shrink with the step (kernel scratch,
     library workspaces, graph pools, fragmentation).
     """

@@ -9,8 +9,8 @@ pass it sends a `PassPlan` and every rank runs the same pass, meeting in the col
     schedule, plan (evictions, grows: its allocator)
     PassPlan(batch arrays, expert tables) --broadcast-->  receive; new table rows: copy this rank's slice of the
                                                           expert from its host store into the named pages
-    forward + LM head  <------- all-reduce / all-gather ------->  forward + LM head
-    sample, stream outputs                              (logits dropped)
+    forward + LM head  <------- all-reduce / all-gather ------->  forward + LM head (sampled rows, then any
+    sample, stream outputs                              prompt-logprob rows in rank 0's chunks; logits dropped)
     ...
     shutdown: None --broadcast-->                         exit
 
@@ -62,6 +62,8 @@ class PassPlan:
     expert_tables: np.ndarray | None = None  # [L_moe, E, 3] int32: the tables the pass reads (elastic mode)
     # hybrid models' prefix caching: whole states copied page to page before the pass (engine/state_cache_manager.py)
     state_copies: list[StateCopy] = field(default_factory=list)
+    # prompt logprobs: the hidden rows the LM head runs over after the sampled rows (engine/prompt_logprobs.py)
+    prompt_rows: np.ndarray | None = None
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -159,7 +161,7 @@ def follow(engine: LLMEngine, plan: PassPlan) -> None:
     """Runs rank 0's pass on this rank: its expert tables first, then the forward pass and the LM head."""
     if plan.expert_tables is not None:
         apply_expert_tables(engine, plan.expert_tables)
-    engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies)
+    engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows)
 
 
 def apply_expert_tables(engine: LLMEngine, tables: np.ndarray) -> None:

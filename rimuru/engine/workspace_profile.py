@@ -21,6 +21,9 @@ What is measured (device memory seen by torch's allocator and by the driver, `to
               the scratch pool: the graphs' memory pool and the graph objects; then given back
     sampling  S rows of logits sampled eagerly, the transient beside the graphs' pool
 
+The presence, frequency and repetition penalties hold nothing between steps: a chunk's counts are built inside the
+sampler chunk's working set that `sampling` (and `forward`) measure (engine/penalties.py), so they add no term.
+
 Device memory is read with `torch.cuda.mem_get_info`, which sees the whole GPU: like vLLM's profile, this one assumes
 no other process allocates on the GPU while the engine starts (another process's memory would be charged to the
 workspace; the GPU tests that start engines run one at a time for this reason).

@@ -4,8 +4,10 @@
     --generation-config vllm   none: the engine's own defaults (temperature 1, top-p 1, no top-k)
     --generation-config DIR    DIR/generation_config.json
 
-A request's own value always wins; a default fills only what the request leaves out. Fields this server cannot
-apply (penalties, min-p) are named in the start-up log instead of being dropped without a word.
+A request's own value always wins; a default fills only what the request leaves out. The fields read are vLLM's:
+temperature, top_p, top_k, repetition_penalty and max_new_tokens. Fields that are not applied are named in the
+start-up log instead of being dropped without a word: min_p (not served), and presence_penalty and
+frequency_penalty, which vLLM does not read from a generation config either (a request may still set them).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from rimuru.engine.sampling_params import SamplingParams
+
 logger = logging.getLogger("rimuru")
 
-_NOT_APPLIED = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
+_NOT_APPLIED = ("presence_penalty", "frequency_penalty", "min_p")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class SamplingDefaults:
     top_p: float | None = None
     top_k: int | None = None
     max_tokens: int | None = None  # generation_config's max_new_tokens
+    repetition_penalty: float | None = None
 
 
 def load_sampling_defaults(choice: str, model_path: str) -> SamplingDefaults:
@@ -47,7 +52,13 @@ def load_sampling_defaults(choice: str, model_path: str) -> SamplingDefaults:
     if unused:
         logger.warning("generation config %s sets %s, which this server does not apply", path, ", ".join(unused))
     defaults = SamplingDefaults(temperature=_number(raw, "temperature", float), top_p=_number(raw, "top_p", float),
-                                top_k=_number(raw, "top_k", int), max_tokens=_number(raw, "max_new_tokens", int))
+                                top_k=_number(raw, "top_k", int), max_tokens=_number(raw, "max_new_tokens", int),
+                                repetition_penalty=_number(raw, "repetition_penalty", float))
+    if defaults.repetition_penalty is not None:  # a bad default would fail every request: say so at start
+        try:
+            SamplingParams(repetition_penalty=defaults.repetition_penalty)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
     logger.info("default sampling parameters from %s: %s", path, defaults)
     return defaults
 

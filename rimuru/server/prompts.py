@@ -26,18 +26,21 @@ def tokenize_user_text(tokenizer: Any, text: str, add_special_tokens: bool, para
     return list(tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True).input_ids)
 
 
-def completion_prompts(tokenizer: Any, prompt: PromptInput, vocab_size: int) -> list[list[int]]:
-    """One token-id list per prompt; OpenAI allows str, [str], [int] and [[int]]."""
+def prompt_items(prompt: PromptInput) -> list[str | list[int]]:
+    """The prompts of a completions request, each a text or token ids; OpenAI allows str, [str], [int] and [[int]]."""
     if isinstance(prompt, str):
-        items: list[str | list[int]] = [prompt]
-    elif not prompt:
+        return [prompt]
+    if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
-    elif isinstance(prompt[0], int):  # pydantic's union members are homogeneous lists
-        items = [cast(list[int], list(prompt))]
-    else:
-        items = cast(list[str | list[int]], list(prompt))
+    if isinstance(prompt[0], int):  # pydantic's union members are homogeneous lists
+        return [cast(list[int], list(prompt))]
+    return cast(list[str | list[int]], list(prompt))
+
+
+def completion_prompts(tokenizer: Any, prompt: PromptInput, vocab_size: int) -> list[list[int]]:
+    """One token-id list per prompt (`prompt_items`)."""
     result: list[list[int]] = []
-    for item in items:
+    for item in prompt_items(prompt):
         if isinstance(item, str):
             if not item:
                 raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")

@@ -1,10 +1,12 @@
 """Request and response bodies of the OpenAI API subset we serve (pydantic), plus vLLM's extra fields.
 
-Unknown fields are ignored, as vLLM does, so existing clients keep working; fields we cannot honour (echo,
-penalties, vLLM's prompt_logprobs, tools, structured output) are accepted at their neutral values only and rejected
-with a 400 otherwise, never silently dropped. logit_bias is served (keys: token ids as strings, as OpenAI's), and so
-are logprobs: completions' `logprobs: k`, chat's `logprobs: true` with `top_logprobs: k` (k = -1: the whole
-vocabulary, as vLLM takes it).
+Unknown fields are ignored, as vLLM does, so existing clients keep working; fields we cannot honour (best_of other
+than n, suffix, tools, structured output) are accepted at their neutral values only and rejected with a 400
+otherwise, never silently dropped. Served: logit_bias (keys: token ids as strings, as OpenAI's); the presence,
+frequency and repetition penalties (vLLM's ranges: [-2, 2], [-2, 2], > 0); logprobs: completions' `logprobs: k`,
+chat's `logprobs: true` with `top_logprobs: k` (k = -1: the whole vocabulary, as vLLM takes it); vLLM's
+`prompt_logprobs: k` (not with stream=true, as vLLM); and completions' `echo` (the prompt before the completion, its
+tokens' logprobs before the generated ones; with max_tokens=0 the prompt alone, as vLLM).
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ class GenerationRequest(BaseModel):
     min_tokens: NonNegativeInt = 0  # vLLM's: EOS and stop_token_ids cannot end a choice before this many tokens
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Accepted only at their neutral values (vLLM's benchmark sends repetition_penalty=1.0).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    # Accepted only at their neutral values.
     best_of: int | None = None
-    prompt_logprobs: int | None = None  # vLLM's field: the prompt tokens' logprobs are not computed
+    # vLLM's: the prompt tokens' logprobs and this many top ones each (-1: the whole vocabulary)
+    prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None  # neutral: {"type": "text"}
     user: str | None = None
@@ -65,14 +68,21 @@ class GenerationRequest(BaseModel):
         """`SamplingParams.logprobs`: top logprobs per generated token; None: no logprobs."""
         raise NotImplementedError
 
+    def echoes(self) -> bool:
+        """Whether the response repeats the prompt before the completion (completions' `echo`)."""
+        return False
+
+    def num_prompt_logprobs(self) -> int | None:
+        """`SamplingParams.prompt_logprobs`: the request's own, or with echo its `logprobs` (vLLM's: the echoed
+        prompt's tokens carry logprobs as the generated ones do)."""
+        if self.prompt_logprobs is None and self.echoes():
+            return self.num_logprobs()
+        return self.prompt_logprobs
+
     def unsupported(self) -> list[str]:
         """The fields set to a value this server cannot honour."""
         bad = {
-            "presence_penalty": self.presence_penalty not in (None, 0.0),
-            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
             "best_of": self.best_of not in (None, self.n),
-            "prompt_logprobs": self.prompt_logprobs is not None,
             "response_format": self.response_format not in (None, {"type": "text"}),
         }
         return [name for name, is_bad in bad.items() if is_bad]
@@ -80,7 +90,7 @@ class GenerationRequest(BaseModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: PromptInput
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt alone comes back
     logprobs: Annotated[int, Field(ge=-1)] | None = None  # top logprobs per token, beside the sampled one's
     echo: bool = False
     suffix: str | None = None
@@ -91,8 +101,11 @@ class CompletionRequest(GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def echoes(self) -> bool:
+        return self.echo
+
     def unsupported(self) -> list[str]:
-        return super().unsupported() + (["echo"] if self.echo else []) + (["suffix"] if self.suffix else [])
+        return super().unsupported() + (["suffix"] if self.suffix else [])
 
 
 class ContentPart(BaseModel):

@@ -18,6 +18,15 @@ def reject_unsupported(req: GenerationRequest) -> None:
     bad = req.unsupported()
     if bad:
         raise APIError(400, f"'{bad[0]}' is not supported by this server", param=bad[0], code="unsupported")
+    if req.stream and req.prompt_logprobs not in (None, 0):  # vLLM's rule and message
+        raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs",
+                       code="invalid_value")
+
+
+def echo_without_generation(req: GenerationRequest) -> bool:
+    """Completions' echo with max_tokens=0 (OpenAI's): the prompt alone is returned; as vLLM, the engine still
+    generates one token, which the response leaves out."""
+    return req.echoes() and req.token_limit() == 0
 
 
 def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: int, choice: int,
@@ -25,11 +34,12 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
     """The params of one choice (`choice` in [0, n)) of one prompt; each choice gets its own seed so that
     n seeded choices differ from each other and still repeat across identical requests. `defaults` (the model's
     generation config) fill what the request leaves out."""
-    max_tokens = req.token_limit()
+    max_tokens = 1 if echo_without_generation(req) else req.token_limit()
     if max_tokens is None:
         max_tokens = defaults.max_tokens
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
+        hint = " (0 only with echo)" if max_tokens == 0 and "echo" in type(req).model_fields else ""
+        raise APIError(400, f"max_tokens must be at least 1{hint}, got {max_tokens}", param="max_tokens",
                        code="invalid_value")
     if prompt_len >= max_model_len:
         raise APIError(
@@ -52,6 +62,9 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
             temperature=_first(req.temperature, defaults.temperature, 1.0),
             top_p=_first(req.top_p, defaults.top_p, 1.0),
             top_k=_first(req.top_k, defaults.top_k, -1),
+            presence_penalty=_first(req.presence_penalty, 0.0),
+            frequency_penalty=_first(req.frequency_penalty, 0.0),
+            repetition_penalty=_first(req.repetition_penalty, defaults.repetition_penalty, 1.0),
             seed=None if req.seed is None else _wrap_int64(req.seed + choice),
             max_tokens=max_tokens,
             stop=req.stop,
@@ -61,10 +74,11 @@ def to_sampling_params(req: GenerationRequest, prompt_len: int, max_model_len: i
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=req.num_logprobs(),
+            prompt_logprobs=req.num_prompt_logprobs(),
             logit_bias=_logit_bias(req.logit_bias),
         )
     except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from exc
+        raise APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_value") from exc
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

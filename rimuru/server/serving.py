@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from rimuru.engine.outputs import RequestOutput
 from rimuru.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from rimuru.server.echo import Echo
 from rimuru.server.errors import APIError
 from rimuru.server.generation_config import SamplingDefaults
 from rimuru.server.protocol import GenerationRequest
@@ -32,10 +33,12 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 
 
 async def create_response(
-    request: Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], shapes: ResponseShapes
+    request: Request, state: ServerState, req: GenerationRequest, prompts: list[list[int]], shapes: ResponseShapes,
+    echo: Echo | None = None,
 ) -> Response:
+    """`echo`: completions' echo of the prompts (server/echo.py)."""
     head = ResponseHead(f"{shapes.id_prefix}-{uuid.uuid4().hex}", int(time.time()), state.config.served_model_name,
-                        req.num_logprobs(), state.config.enable_prompt_tokens_details, req.n)
+                        req.num_logprobs(), state.config.enable_prompt_tokens_details, req.n, echo)
     stream = await submit(state.engine, req, prompts, head.id, state.config.sampling_defaults)
     if state.config.enable_log_requests:
         logger.info("request %s: %d prompt(s) of %s tokens, n=%d, max_tokens=%s, temperature=%s, top_p=%s, "
@@ -46,8 +49,7 @@ async def create_response(
         events = stream_events(stream, head, shapes.chunk, prompts, include_usage, state.metrics.count_error)
         return event_stream_response(events)
     outs = await collect(request, stream)
-    choices = [(i, o.outputs[0]) for i, o in sorted(outs.items())]
-    return JSONResponse(shapes.response(head, choices, response_usage(head, prompts, outs)))
+    return JSONResponse(shapes.response(head, sorted(outs.items()), response_usage(head, prompts, outs)))
 
 
 async def submit(
@@ -64,8 +66,8 @@ async def submit(
     ]
     try:
         return await engine.add(batch, n=req.n)
-    except ValueError as exc:  # the engine's reasons: too long, can never fit in the pool, ...
-        raise APIError(400, str(exc), code="invalid_request") from exc
+    except ValueError as exc:  # the engine's reasons: too long, can never fit in the pool, over max_logprobs, ...
+        raise APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_request") from exc
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_dead") from exc
 

@@ -1,5 +1,6 @@
 """Server-sent events of one streamed response: each engine output becomes the delta the client lacks (its new
-text, and the logprobs of its new tokens when asked).
+text, and the logprobs of its new tokens when asked; with completions' echo, each choice's first delta starts with
+its prompt, server/echo.py).
 
     data: {chunk of choice i}      one per engine output that adds tokens (or finishes its choice)
     data: {chunk, no choice, usage}  only with stream_options.include_usage
@@ -18,8 +19,9 @@ from fastapi.responses import StreamingResponse
 
 from rimuru.engine.outputs import RequestOutput
 from rimuru.server.async_engine import EngineDeadError, RequestStream
+from rimuru.server.echo import echoed
 from rimuru.server.errors import error_body
-from rimuru.server.responses import Body, ChoiceDelta, ResponseHead, response_usage, token_texts_length
+from rimuru.server.responses import Body, ChoiceDelta, ResponseHead, TokenEntries, response_usage, token_texts_length
 
 Chunk = Callable[[ResponseHead, ChoiceDelta | None, Body | None], Body]
 
@@ -58,12 +60,25 @@ async def stream_events(
                 if len(c.token_ids) == sent_tokens.get(index, 0) and c.finish_reason is None:
                     continue  # nothing new for the client
                 done = sent_tokens.get(index, 0)
-                new_ids, new_logprobs = c.token_ids[done:], None if c.logprobs is None else c.logprobs[done:]
-                delta = ChoiceDelta(index, c.text[sent_text.get(index, 0):], c.finish_reason, c.stop_reason,
-                                    first=index not in sent_tokens, token_ids=new_ids, logprobs=new_logprobs,
-                                    text_offset=sent_offset.get(index, 0))
+                first = index not in sent_tokens
+                text = c.text[sent_text.get(index, 0):]
+                new_ids: list[int] = c.token_ids[done:]
+                new_logprobs: TokenEntries | None = None if c.logprobs is None else list(c.logprobs[done:])
+                first_token_text = None
+                echo = head.echo
+                if echo is not None and first:  # the prompt's part goes before the choice's first delta
+                    p = index // head.n
+                    text, new_ids, new_logprobs = echoed(out, echo.texts[p], text, new_ids, new_logprobs,
+                                                         echo.without_generation)
+                    first_token_text = echo.first_token_texts[p]
+                elif echo is not None and echo.without_generation:  # the generated token is left out
+                    text, new_ids, new_logprobs = "", [], None if new_logprobs is None else []
+                delta = ChoiceDelta(index, text, c.finish_reason, c.stop_reason, first=first, token_ids=new_ids,
+                                    logprobs=new_logprobs, text_offset=sent_offset.get(index, 0),
+                                    first_token_text=first_token_text)
                 if new_logprobs is not None:
-                    sent_offset[index] = delta.text_offset + token_texts_length(new_ids, new_logprobs)
+                    sent_offset[index] = delta.text_offset + token_texts_length(new_ids, new_logprobs,
+                                                                                first_token_text)
                 sent_text[index] = len(c.text)
                 sent_tokens[index] = len(c.token_ids)
                 yield sse(chunk(head, delta, None))
