@@ -43,7 +43,8 @@ def _register_make_tiny_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny-model", help="write a tiny random MoE checkpoint with a tokenizer, to try the "
                                                "engine on in seconds (a CPU is enough)")
     p.add_argument("dir", help="output directory (created)")
-    p.add_argument("--arch", default="qwen2_moe", help="qwen2_moe | qwen3_moe | mixtral | olmoe | qwen3_5_moe_text")
+    p.add_argument("--arch", default="qwen2_moe",
+                   help="qwen2_moe | qwen3_moe | mixtral | olmoe | qwen3_5_moe_text | qwen3_next")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.set_defaults(func=_make_tiny_model)
 

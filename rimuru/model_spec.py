@@ -29,6 +29,11 @@ _FULL_WIDTH_QK_NORM = {"olmoe"}
 # configs carry no norm_topk_prob), and without layer_types every 4th layer is full attention.
 _QWEN3_5 = {"qwen3_5_moe", "qwen3_5_moe_text"}
 _QWEN3_5_FULL_ATTENTION_INTERVAL = 4
+# Qwen3-Next: the same hybrid layers; transformers always gates attention output, and its config defaults are
+# full attention every 4th layer, norm_topk_prob true and partial_rotary_factor 0.25 (used where config.json omits
+# them).
+_QWEN3_NEXT = {"qwen3_next"}
+_QWEN3_NEXT_PARTIAL_ROTARY_FACTOR = 0.25
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
@@ -122,7 +127,8 @@ class ModelSpec:
             raise ModelSpecError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
 
         qwen3_5 = model_type in _QWEN3_5
-        if qwen3_5 and d.get("layer_types") is None and not d.get("full_attention_interval"):
+        qwen3_next = model_type in _QWEN3_NEXT
+        if (qwen3_5 or qwen3_next) and d.get("layer_types") is None and not d.get("full_attention_interval"):
             d["full_attention_interval"] = _QWEN3_5_FULL_ATTENTION_INTERVAL
         layer_types = cls._layer_types(d, layers)
         moe_layers = cls._moe_layers(d, layers)
@@ -131,6 +137,8 @@ class ModelSpec:
         rope_theta = d.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None)
         partial_factor = d.get("partial_rotary_factor") or (
             rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
+        if partial_factor is None and qwen3_next:
+            partial_factor = _QWEN3_NEXT_PARTIAL_ROTARY_FACTOR
         partial_factor = float(partial_factor if partial_factor is not None else 1.0)
         if not 0.0 < partial_factor <= 1.0:
             raise ModelSpecError(f"partial_rotary_factor={partial_factor} must be in (0, 1]")
@@ -149,7 +157,7 @@ class ModelSpec:
             moe_intermediate_size=moe_inter,
             intermediate_size=dense_inter,
             shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=qwen3_5 or bool(d.get("norm_topk_prob", model_type == "mixtral")),
+            norm_topk_prob=qwen3_5 or bool(d.get("norm_topk_prob", model_type in {"mixtral", *_QWEN3_NEXT})),
             layer_types=layer_types,
             moe_layers=moe_layers,
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
@@ -158,7 +166,7 @@ class ModelSpec:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
             attention_bias=bool(d.get("attention_bias", model_type in _QKV_BIAS_BY_DEFAULT)),
-            attn_output_gate=qwen3_5 or bool(d.get("attn_output_gate", False)),
+            attn_output_gate=qwen3_5 or qwen3_next or bool(d.get("attn_output_gate", False)),
             linear_num_key_heads=int(d.get("linear_num_key_heads") or 0),
             linear_num_value_heads=int(d.get("linear_num_value_heads") or 0),
             linear_key_head_dim=int(d.get("linear_key_head_dim") or 0),

@@ -11,7 +11,8 @@ from rimuru.model_spec import (
     preset_names,
 )
 
-PRESETS = ["mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "qwen3.5-122b-a10b", "qwen3.5-35b-a3b"]
+PRESETS = ["mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "qwen3-next-80b-a3b",
+           "qwen3.5-122b-a10b", "qwen3.5-35b-a3b"]
 
 
 def test_all_presets_ship():
@@ -72,6 +73,17 @@ def test_qwen35_text_config_is_unwrapped():
     assert s.num_moe_layers == 40
     # Qwen3.5 always renormalises its top-k (the config has no norm_topk_prob) and rotates 64 of 256 dims
     assert s.norm_topk_prob is True and s.attn_output_gate is True and s.partial_rotary_factor == 0.25
+
+
+def test_qwen3_next_80b():
+    s = load_model_spec("qwen3-next-80b-a3b")
+    assert s.model_type == "qwen3_next" and s.num_hidden_layers == 48 and s.num_moe_layers == 48
+    assert (s.num_experts, s.num_experts_per_tok, s.moe_intermediate_size, s.shared_expert_intermediate_size) == (
+        512, 10, 512, 512)
+    assert (s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim) == (16, 32, 128)
+    assert s.attention_layer_ids == tuple(range(3, 48, 4)) and (s.num_attention_heads, s.head_dim) == (16, 256)
+    assert s.norm_topk_prob and s.attn_output_gate and s.partial_rotary_factor == 0.25
+    assert s.routed_expert_params() + s.non_expert_params() == 79_674_391_296
 
 
 def test_qwen35_122b():

@@ -189,6 +189,23 @@ def test_a_hybrid_ranks_weights_are_its_heads(tiny_checkpoint) -> None:
     assert torch.equal(q, q1[q1.shape[0] // 2 :])  # heads 2 and 3, each [q | gate]
 
 
+def test_a_qwen3_next_rank_takes_its_slices_of_the_split_projections(tiny_checkpoint) -> None:
+    """Qwen3-Next rank 1 of 2: the loader splits in_proj_qkvz / in_proj_ba whole, then each part is cut as Qwen3.5's
+    in_proj_qkv / z / b / a are: the rank's parameters equal its slices of the one-rank model's."""
+    from rimuru.models.loader import load_checkpoint
+
+    path = tiny_checkpoint("qwen3_next", seed=3)
+    spec = load_model_spec(str(path))
+    kv = torch.empty(0)
+    one = build_model(spec, torch.float32, "cpu", kv)
+    load_checkpoint(one, spec, path, lambda *a: None)
+    rank = build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=1, size=2))
+    load_checkpoint(rank, spec, path, lambda *a: None)
+    assert_rank_holds_its_slices(one, rank)
+    dn, dn1 = rank.model.layers[0].linear_attn, one.model.layers[0].linear_attn
+    assert torch.equal(dn.in_proj_b.weight, dn1.in_proj_b.weight[dn1.num_v_heads // 2 :])
+
+
 # ---------------------------------------------------------------- two ranks
 
 def serve_both(path: Path, steps: int = STEPS, ps: list[list[int]] | None = None,

@@ -22,6 +22,8 @@ is not attention) and the checkpoint-name hooks only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -35,6 +37,9 @@ from rimuru.models.moe import SparseMoE
 from rimuru.models.parallel_linear import ParallelLMHead, VocabParallelEmbedding
 from rimuru.models.rotary import RotaryEmbedding, check_rope_config
 from rimuru.models.state_cache import LinearStateCache
+
+# A fused checkpoint tensor's parameters: their names, and the whole tensor -> each one's whole tensor, in that order.
+CheckpointSplit = tuple[tuple[str, ...], Callable[[Tensor], tuple[Tensor, ...]]]
 
 
 class DecoderLayer(nn.Module):
@@ -93,6 +98,12 @@ class MoECausalLM(nn.Module):
     checkpoint_skipped: tuple[str, ...] = ()
     # The x_hat * (1 + w) form of every plain RMSNorm (input, post-attention, final) instead of x_hat * w.
     zero_centred_norms: bool = False
+
+    def split_checkpoint_tensor(self, name: str) -> CheckpointSplit | None:
+        """A checkpoint tensor (its name after `checkpoint_renames`) that holds several of this model's parameters:
+        the parameters' names and a function from the whole tensor to each parameter's whole tensor (before any
+        tensor-parallel cut), in that order. None: the tensor is not such a fused one."""
+        return None
 
     def __init__(self, spec: ModelSpec, kv_cache: Tensor, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

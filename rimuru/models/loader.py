@@ -15,7 +15,9 @@ the caller points at expert pages (see `write_expert_to_pages`). Two checkpoint 
                  (transformers 5 `save_pretrained(..., save_original_format=False)`)
 
 An architecture may rename checkpoint prefixes (`checkpoint_renames`, e.g. a multimodal wrapper's
-`model.language_model.`) and skip the parts it does not run (`checkpoint_skipped`).
+`model.language_model.`), skip the parts it does not run (`checkpoint_skipped`) and split a checkpoint tensor that
+fuses several of its parameters (`split_checkpoint_tensor`, e.g. Qwen3-Next's `in_proj_qkvz`): such a tensor is read
+whole, split, and each parameter takes its part (its rank's slice of it under tensor parallelism).
 
 Tensor-parallel, a rank reads only its slice of each cut tensor (the parameter's `Shard`,
 models/parallel_linear.py) and of each expert: rows [r f/N, (r+1) f/N) of W1 and W3, those columns of W2, which
@@ -40,7 +42,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from rimuru.model_spec import ModelSpec
-from rimuru.models.causal_lm import MoECausalLM
+from rimuru.models.causal_lm import CheckpointSplit, MoECausalLM
 from rimuru.models.layers import MergedLinear
 from rimuru.models.parallel_linear import Shard, param_shards
 
@@ -103,6 +105,7 @@ def load_checkpoint(
 
         targets: dict[str, str] = {}  # parameter name -> checkpoint name
         shard_targets: dict[str, str] = {}  # shard name (checkpoint style) -> checkpoint name
+        split_targets: dict[str, CheckpointSplit] = {}  # checkpoint name -> (parameter names, splitter)
         experts: dict[int, _LayerExperts] = {}
         unexpected: list[str] = []
         skipped = [re.compile(p) for p in model.checkpoint_skipped]
@@ -118,6 +121,8 @@ def load_checkpoint(
                 targets[canon] = name
             elif canon in shard_of:
                 shard_targets[canon] = name
+            elif (split := model.split_checkpoint_tensor(canon)) is not None and all(p in params for p in split[0]):
+                split_targets[name] = split
             elif (m := _PER_EXPERT.match(canon)) and m.group(3) in slot_of and int(m.group(1)) in moe_ordinal:
                 layer = experts.setdefault(moe_ordinal[int(m.group(1))], _LayerExperts())
                 layer.per_expert[(int(m.group(2)), slot_of[m.group(3)])] = name
@@ -130,6 +135,7 @@ def load_checkpoint(
                 f"unexpected tensors in checkpoint (not in the {spec.model_type} model): {unexpected[:8]}"
             )
         covered = {shard_of[s][0] for s in shard_targets}
+        covered |= {p for pnames, _ in split_targets.values() for p in pnames}
         missing = [s for s in shard_of if s not in shard_targets]
         missing += [p for p in params if p not in targets and p not in covered]
         if missing:
@@ -141,6 +147,10 @@ def load_checkpoint(
         for sname, cname in shard_targets.items():
             pname, _, rows, cut = shard_of[sname]
             full_shapes[cname] = (rows * (cut.chunks if cut else 1), *params[pname].shape[1:])
+        for cname, (pnames, _) in split_targets.items():  # the parts stacked by rows, in some order
+            parts = [cut_of[p].full_shape(tuple(params[p].shape)) if p in cut_of else tuple(params[p].shape)
+                     for p in pnames]
+            full_shapes[cname] = (sum(shape[0] for shape in parts), *parts[0][1:])
         for cname, want in full_shapes.items():
             _check_shape(cname, handles[cname].get_slice(cname).get_shape(), want)
         plans = [
@@ -159,6 +169,9 @@ def load_checkpoint(
             for sname, cname in shard_targets.items():
                 pname, offset, rows, cut = shard_of[sname]
                 params[pname][offset : offset + rows].copy_(read(cname, cut))
+            for cname, (pnames, split_fn) in split_targets.items():
+                for pname, whole in zip(pnames, split_fn(handles[cname].get_tensor(cname)), strict=True):
+                    params[pname].copy_(cut_of[pname].take(whole) if pname in cut_of else whole)
             for moe_idx, read_expert in enumerate(plans):
                 for e in range(spec.num_experts):
                     expert_sink(moe_idx, e, *read_expert(e))

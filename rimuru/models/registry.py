@@ -14,6 +14,7 @@ from rimuru.models.olmoe import OlmoeForCausalLM
 from rimuru.models.qwen2_moe import Qwen2MoeForCausalLM
 from rimuru.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from rimuru.models.qwen3_moe import Qwen3MoeForCausalLM
+from rimuru.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: dict[str, type[MoECausalLM]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
@@ -23,6 +24,7 @@ MODEL_CLASSES: dict[str, type[MoECausalLM]] = {
     # hybrids: gated DeltaNet layers whose per-request state lives in ssm and conv pages of the pool
     "qwen3_5_moe": Qwen3_5MoeForCausalLM,  # the multimodal checkpoint, served as text only
     "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,  # Qwen3.5-MoE's layers; fused linear-attention projections in the checkpoint
 }
 
 

@@ -18,7 +18,7 @@ import torch
 ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 # Hybrid architectures (gated DeltaNet layers with state pages): their engine tests are their own
 # (tests/test_hybrid_engine.py), so they are not in ARCHS, which the other engine tests sweep.
-HYBRID_ARCHS = ("qwen3_5_moe_text",)
+HYBRID_ARCHS = ("qwen3_5_moe_text", "qwen3_next")
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # ids 0, 1, 2
@@ -80,15 +80,31 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                             "mrope_section": [1, 1, 0], "mrope_interleaved": True},
     },
+    # Qwen3-Next: Qwen3.5's shapes, with its fused in_proj_qkvz / in_proj_ba checkpoint tensors; layer 1 is dense
+    # (mlp_only_layers) and the value heads per key head (2) make the per-group layout matter.
+    "qwen3_next": {
+        "num_hidden_layers": 4, "num_experts": 8, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "intermediate_size": 96, "mlp_only_layers": [1], "norm_topk_prob": True,
+        "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    },
 }
 # Zero-centred RMSNorms (x_hat * (1 + w)) store offsets from 1: every norm of these architectures but the
 # gated norm inside their linear-attention layers.
-_ZERO_CENTRED_NORMS = {"qwen3_5_moe_text"}
+_ZERO_CENTRED_NORMS = {"qwen3_5_moe_text", "qwen3_next"}
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
     """transformers config object of the tiny `arch` model."""
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3MoeConfig
+    from transformers import (
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3_5MoeTextConfig,
+        Qwen3MoeConfig,
+        Qwen3NextConfig,
+    )
 
     classes = {
         "qwen2_moe": Qwen2MoeConfig,
@@ -96,6 +112,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         "mixtral": MixtralConfig,
         "olmoe": OlmoeConfig,
         "qwen3_5_moe_text": Qwen3_5MoeTextConfig,
+        "qwen3_next": Qwen3NextConfig,
     }
     if arch not in classes:
         raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCHS + HYBRID_ARCHS)}")
