@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
+from test_qwen3_5_model import hf_logits, hf_model
 
 from rimuru import LLM, SamplingParams
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
@@ -27,24 +27,6 @@ ARCH = "qwen3_next"
 ATOL = 1e-3  # as for Qwen3.5: the chunk form of the delta rule sums in another order than transformers'
 PROMPT_LENS = (5, 17, 70, 1)  # inside one page, past one, past a 64-token delta-rule chunk, one token
 L, F = LINEAR_ATTENTION, FULL_ATTENTION
-
-_HF_CACHE: dict[Path, torch.nn.Module] = {}
-
-
-def hf_model(ckpt: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    if ckpt not in _HF_CACHE:
-        _HF_CACHE[ckpt] = AutoModelForCausalLM.from_pretrained(
-            ckpt, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
-        ).eval()
-    return _HF_CACHE[ckpt]
-
-
-def hf_logits(ckpt: Path, tokens: list[int]) -> Tensor:
-    with torch.inference_mode():
-        return hf_model(ckpt)(torch.tensor([tokens]), use_cache=False).logits[0].float()
-
 
 def test_spec_of_the_tiny_model(tiny_checkpoint: Callable[..., Path]) -> None:
     spec = ModelSpec.from_pretrained(tiny_checkpoint(ARCH))

@@ -20,7 +20,7 @@ from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.tp_workers import PassPlan, WorkerFailed
 from rimuru.memory.geometry import PageGeometry
-from rimuru.model_spec import load_model_spec
+from rimuru.model_spec import ModelSpec, load_model_spec
 from rimuru.models.layers import MergedLinear
 from rimuru.models.loader import init_dummy_weights
 from rimuru.models.parallel_linear import (
@@ -161,13 +161,11 @@ def test_dummy_weights_of_a_rank_are_its_slice_of_one_ranks(parity_checkpoints: 
     assert rank.model.layers[0].self_attn.num_heads == 2 and rank.lm_head.weight.shape[0] == spec.vocab_size // 2
 
 
-def test_a_hybrid_ranks_weights_are_its_heads(tiny_checkpoint) -> None:
-    """Qwen3.5-MoE rank 1 of 2: gated DeltaNet's in_proj_qkv and conv channels hold the rank's q, k and v heads of
-    each section, z / b / a / A_log / dt_bias its value heads; the gated attention's q_proj its heads' [q | gate]
-    rows; the checkpoint's slices read by the loader equal the dummy weights' slices of the full tensors."""
+def one_rank_and_rank_1_of_2(path: Path) -> tuple[ModelSpec, torch.nn.Module, torch.nn.Module]:
+    """The checkpoint loaded by one rank and by rank 1 of 2 (float32, CPU), the rank's tensors checked to be its
+    slices of the one rank's."""
     from rimuru.models.loader import load_checkpoint
 
-    path = tiny_checkpoint("qwen3_5_moe_text", seed=3)
     spec = load_model_spec(str(path))
     kv = torch.empty(0)
     one = build_model(spec, torch.float32, "cpu", kv)
@@ -175,6 +173,14 @@ def test_a_hybrid_ranks_weights_are_its_heads(tiny_checkpoint) -> None:
     rank = build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=1, size=2))
     load_checkpoint(rank, spec, path, lambda *a: None)
     assert_rank_holds_its_slices(one, rank)
+    return spec, one, rank
+
+
+def test_a_hybrid_ranks_weights_are_its_heads(tiny_checkpoint) -> None:
+    """Qwen3.5-MoE rank 1 of 2: gated DeltaNet's in_proj_qkv and conv channels hold the rank's q, k and v heads of
+    each section, z / b / a / A_log / dt_bias its value heads; the gated attention's q_proj its heads' [q | gate]
+    rows; the checkpoint's slices read by the loader equal the dummy weights' slices of the full tensors."""
+    spec, one, rank = one_rank_and_rank_1_of_2(tiny_checkpoint("qwen3_5_moe_text", seed=3))
     lin = spec.linear_layer_ids[0]
     dn, dn1 = rank.model.layers[lin].linear_attn, one.model.layers[lin].linear_attn
     kd, vd = dn1.key_dim, dn1.value_dim  # full widths: q and k [Hk*dk] each, v [Hv*dv]
@@ -192,16 +198,7 @@ def test_a_hybrid_ranks_weights_are_its_heads(tiny_checkpoint) -> None:
 def test_a_qwen3_next_rank_takes_its_slices_of_the_split_projections(tiny_checkpoint) -> None:
     """Qwen3-Next rank 1 of 2: the loader splits in_proj_qkvz / in_proj_ba whole, then each part is cut as Qwen3.5's
     in_proj_qkv / z / b / a are: the rank's parameters equal its slices of the one-rank model's."""
-    from rimuru.models.loader import load_checkpoint
-
-    path = tiny_checkpoint("qwen3_next", seed=3)
-    spec = load_model_spec(str(path))
-    kv = torch.empty(0)
-    one = build_model(spec, torch.float32, "cpu", kv)
-    load_checkpoint(one, spec, path, lambda *a: None)
-    rank = build_model(spec, torch.float32, "cpu", kv, tp=TensorParallel(rank=1, size=2))
-    load_checkpoint(rank, spec, path, lambda *a: None)
-    assert_rank_holds_its_slices(one, rank)
+    spec, one, rank = one_rank_and_rank_1_of_2(tiny_checkpoint("qwen3_next", seed=3))
     dn, dn1 = rank.model.layers[0].linear_attn, one.model.layers[0].linear_attn
     assert torch.equal(dn.in_proj_b.weight, dn1.in_proj_b.weight[dn1.num_v_heads // 2 :])
 
