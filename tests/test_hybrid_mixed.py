@@ -141,7 +141,7 @@ def test_prompt_logprob_rows_follow_the_decodes_first_order(ckpt: Path) -> None:
     order = engine.runner.batch_order(sched.scheduled)
     assert order == [1, 2, 0]
     h = engine.runner.host_arrays(sched)
-    rows = prompt_logprob_rows(sched.scheduled, engine.spec.vocab_size, order)
+    rows = prompt_logprob_rows(sched.scheduled, engine.spec.vocab_size, engine.runner.batch_order)
     assert rows is not None and rows.hidden_rows.tolist() == list(range(2, 21))  # after the two decode rows
     # each row's hidden state is the one of the token before its target
     assert h.input_ids[rows.hidden_rows].tolist() == prompt[:19] and rows.targets.tolist() == prompt[1:20]

@@ -452,7 +452,7 @@ class ModelRunner:
         sampling = [s.request for s in sched.scheduled if s.samples]
         if sched.state_copies:  # prefix caching's state snapshots, behind the last pass on the same stream
             self.copy_states(sched.state_copies)
-        prompt = prompt_logprob_rows(sched.scheduled, self.model.spec.vocab_size, self.batch_order(sched.scheduled))
+        prompt = prompt_logprob_rows(sched.scheduled, self.model.spec.vocab_size, self.batch_order)
         hidden = None  # the pass's hidden states, where prompt rows are read (eager passes, mixed graphs)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(sched):

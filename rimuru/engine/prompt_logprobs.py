@@ -58,15 +58,21 @@ class PromptLogprobRows:
         return max(self.nums)
 
 
-def prompt_logprob_rows(scheduled: Sequence[ScheduledRequest], vocab_size: int,
-                        order: Sequence[int] | None = None) -> PromptLogprobRows | None:
+def prompt_logprob_rows(
+    scheduled: Sequence[ScheduledRequest], vocab_size: int,
+    batch_order: Callable[[Sequence[ScheduledRequest]], Sequence[int] | None] | None = None,
+) -> PromptLogprobRows | None:  # fmt: skip
     """The step's prompt rows (batch layout above); None when no scheduled chunk has any, the common case, which
-    costs one pass over the requests. `order`: the batch's order of the scheduled requests where it is not theirs
-    (ModelRunner.batch_order: a hybrid model's mixed step puts its decodes first), which places their rows."""
+    costs one pass over the requests. `batch_order`: the batch's order of the scheduled requests where it is not
+    theirs (ModelRunner.batch_order: a hybrid model's mixed step puts its decodes first), asked only when someone
+    wants prompt logprobs; it places their rows."""
+    if all(s.request.params.prompt_logprobs is None for s in scheduled):
+        return None
     rows: list[np.ndarray] = []
     targets: list[int] = []
     nums: list[int] = []
     spans: list[PromptSpan] = []
+    order = batch_order(scheduled) if batch_order is not None else None
     first_row = [0] * len(scheduled)  # the hidden row of each scheduled request's first token
     offset = 0
     for i in order if order is not None else range(len(scheduled)):
