@@ -73,6 +73,17 @@ _TOKEN_LADDER = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
 MAX_MIXED_GRAPH_TOKENS = _TOKEN_LADDER[-1]  # larger steps run eagerly (activation memory of the graph pool)
 
 
+def release_cublas_workspaces(device: torch.device) -> None:
+    """Gives back every cuBLAS workspace torch holds (after the device's work is done). torch keeps one workspace per
+    (cuBLAS handle, stream) for the life of the process, 32 MiB on Hopper, made by the first matmul on that stream
+    and outside any graph pool: a workspace made by an eager warm-up or by the start-up profile would stay held
+    beside what was measured. Cleared, the next matmul on a stream makes its workspace where it runs: inside the
+    pool of the graph being captured (as torch's own cudagraph trees do), or in the allocator for an eager pass.
+    Safe for graphs captured here, whose workspace lives in their pool; eager passes find theirs made anew."""
+    torch.cuda.synchronize(device)
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Decode ladder: 1, 2, 4, 8, then every 16 up to max_num_seqs (vLLM's ladder, shortened)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
@@ -281,15 +292,18 @@ class StepGraphs:
             if self.resident_provider is not None:
                 self._capture_resident(todo, stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        # the captures' cuBLAS workspace was made inside the graphs' pool (the warm-ups' was released): the graphs
+        # keep its bytes there as one more activation, and no later matmul on this stream reuses it outside them
+        release_cublas_workspaces(self.device)
         # the eager warm-ups cached activation blocks outside the graphs' pool: give them back, so the process
         # holds the pool once and not the same peak twice (the budget's workspace bound covers one)
         torch.cuda.empty_cache()
 
     def _release_warmup_cache(self) -> None:
         """The eager warm-up's activations are dead but cached outside the graphs' pool; give them back before
-        the capture allocates the same activations inside the pool, so start-up holds them once, not twice."""
-        torch.cuda.synchronize(self.device)
+        the capture allocates the same activations inside the pool, so start-up holds them once, not twice. The
+        same for the capture stream's cuBLAS workspace: the first captured matmul then makes it inside the pool."""
+        release_cublas_workspaces(self.device)
         torch.cuda.empty_cache()
 
     def _capture_whole(self, batch: ForwardBatch, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:

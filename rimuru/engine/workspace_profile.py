@@ -14,12 +14,20 @@ activation are those of the engine's worst step.
 What is measured (device memory seen by torch's allocator and by the driver, `torch.cuda.mem_get_info`):
 
     forward   the eager pass of max_num_batched_tokens tokens over min(max_num_seqs, T) prompts, with every
-              sequence's last row sampled (temperature, top-k and top-p: the sampler's largest working set)
-    outside   memory the passes made outside torch's allocator (cuBLAS workspaces, loaded kernel images)
+              sequence's last row sampled (temperature, top-k and top-p: the sampler's largest working set), and
+              the default stream's cuBLAS workspace its matmuls make
+    outside   memory the passes made outside torch's allocator (cuBLAS handles, loaded kernel images)
     graphs    a throwaway capture of the same CUDA graphs the engine captures (whole, piecewise, or both; a hybrid
               model's mixed ladder cut at its gated DeltaNet layers, with the static rows those cuts share), over
-              the scratch pool: the graphs' memory pool and the graph objects; then given back
-    sampling  S rows of logits sampled eagerly, the transient beside the graphs' pool
+              the scratch pool: the graphs' memory pool (with the cuBLAS workspace their matmuls made inside it) and
+              the graph objects; then given back
+    sampling  what runs eagerly beside the graphs' pool: S rows of logits sampled, and one chunk of prompt logprobs
+              (the LM head over SAMPLE_ROWS_PER_CHUNK hidden rows, with the default stream's cuBLAS workspace that
+              its matmul makes, unless `forward` is counted beside the graphs and holds it already)
+
+torch keeps a cuBLAS workspace per stream for the life of the process (32 MiB on Hopper, `release_cublas_workspaces`
+in engine/cuda_graphs.py): the profile gives every one back before each measurement and at its end, so each term
+counts the workspace its own passes make, and the engine makes each again where it first needs it.
 
 The presence, frequency and repetition penalties hold nothing between steps: a chunk's counts are built inside the
 sampler chunk's working set that `sampling` (and `forward`) measure (engine/penalties.py), so they add no term.
@@ -42,13 +50,15 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rimuru.config import EngineConfig, format_bytes
-from rimuru.engine.cuda_graphs import StepGraphs
+from rimuru.engine.cuda_graphs import StepGraphs, release_cublas_workspaces
 from rimuru.engine.kv_cache_manager import KV
 from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
-from rimuru.engine.sampler import Sampler
+from rimuru.engine.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs
+from rimuru.engine.sampler import SAMPLE_ROWS_PER_CHUNK, Sampler
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.experts.residency import EXPERT
 from rimuru.experts.static_provider import StaticExpertProvider
@@ -168,7 +178,7 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     T, S = config.max_num_batched_tokens, config.max_num_seqs
     num_attn = len(spec.attention_layer_ids)
     kv_heads = max(1, spec.num_key_value_heads // config.tensor_parallel_size)
-    torch.cuda.synchronize(device)
+    release_cublas_workspaces(device)  # the forward pass makes the default stream's workspace: it counts
     torch.cuda.empty_cache()
     scratch = _ScratchPool(spec, geometry, dtype, device, kv_heads, config.block_size)
     held = torch.cuda.memory_reserved(device)  # the scratch pool is not workspace
@@ -196,6 +206,7 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     # kernels' (the gather path syncs the host)
     in_place = scratch.state is None or scratch.state.in_place_decode
     if not config.enforce_eager and config.tensor_parallel_size == 1 and in_place:
+        release_cublas_workspaces(device)  # the capture counts the workspace it makes in the graphs' pool
         torch.cuda.empty_cache()
         before = _device_used(device)
         step_graphs = _capture_like_the_engine(model, scratch, mode, device, num_attn, len(spec.linear_layer_ids),
@@ -204,24 +215,47 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
         # eager passes beside the graphs' pool: steps above the largest graph, and a hybrid's eager stretches
         # between the pieces of its mixed graphs (its prefill sequences' chunk form, bounded by the eager pass)
         eager_beside = not step_graphs.token_sizes or step_graphs.token_sizes[-1] < T or bool(spec.is_hybrid)
-        # the sampler's transient beside the graphs: its input is the graphs' logits buffer, counted above
-        logits = torch.zeros(S, spec.vocab_size, dtype=torch.float32, device=device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_reserved(device)
-        _sample(logits, sampler)
-        sampling = torch.cuda.max_memory_reserved(device) - start
-        del step_graphs, logits
+        sampling = _eager_beside_graphs(model, spec, config, sampler, device, counts_cublas=not eager_beside)
+        del step_graphs
     model.bind_kv_cache(torch.empty(0, device=device))
     model.attach_experts(NO_EXPERTS)  # nothing of the scratch pool stays reachable
     if scratch.state is not None:
         model.bind_state_cache(no_state_cache(device, dtype))
     del scratch
-    torch.cuda.synchronize(device)
+    release_cublas_workspaces(device)  # made again by the engine's first pass that needs one, as measured
     torch.cuda.empty_cache()
     profile = WorkspaceProfile(mode=mode, forward=forward, outside=outside, graphs=graphs, sampling=sampling,
                                eager_steps_beside_graphs=eager_beside)
     logger.info("workspace measured before the pool: %s (%s)", format_bytes(profile.workspace), profile.describe())
     return profile
+
+
+def _eager_beside_graphs(model: MoECausalLM, spec: ModelSpec, config: EngineConfig, sampler: Sampler,
+                         device: torch.device, counts_cublas: bool) -> int:
+    """What the engine runs eagerly beside the graphs' pool in a step that replays a graph: the sampler over S rows
+    of the graphs' logits buffer (counted with the graphs), and the prompt logprobs' LM head over one chunk of
+    hidden rows with its packing (engine/prompt_logprobs.py), whose matmul makes the default stream's cuBLAS
+    workspace. That workspace stays once made: counted here unless the eager forward pass, counted beside the graphs
+    too, already holds it (`counts_cublas` False)."""
+    S, V, K = config.max_num_seqs, spec.vocab_size, config.max_logprobs
+    rows = min(SAMPLE_ROWS_PER_CHUNK, config.max_num_batched_tokens)
+    width = V if K == -1 else min(K, V)
+    hidden = torch.zeros(rows, spec.hidden_size, dtype=next(model.parameters()).dtype, device=device)
+    prompt = PromptLogprobRows(hidden_rows=np.arange(rows, dtype=np.int64), targets=np.zeros(rows, dtype=np.int64),
+                               nums=[width] * rows, spans=[])
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_reserved(device)
+    compute_prompt_logprobs(model.compute_logits, hidden, prompt)  # makes the default stream's workspace
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    cublas = torch.cuda.memory_reserved(device) - start  # what stays: the workspace
+    logits = torch.zeros(S, V, dtype=torch.float32, device=device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_reserved(device)
+    compute_prompt_logprobs(model.compute_logits, hidden, prompt)
+    _sample(logits, sampler)
+    transient = torch.cuda.max_memory_reserved(device) - start
+    return transient + (cublas if counts_cublas else 0)
 
 
 def _capture_like_the_engine(model: MoECausalLM, scratch: _ScratchPool, mode: str, device: torch.device,
