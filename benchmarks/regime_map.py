@@ -258,8 +258,10 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(modes)}  # one colour per mode in every panel
     for j, cell in enumerate(cells):
         for mode in sorted({r["mode"] for r in rows if (r["model"], r["budget_gib"], r["routing"]) == cell}):
-            pts = sorted((float(r["rate"]), r) for r in rows
-                         if (r["model"], r["budget_gib"], r["routing"]) == cell and r["mode"] == mode)
+            # one point per rate: the last file's row where several runs measured it (as `capacities` reads them)
+            by_rate = {float(r["rate"]): r for r in rows
+                       if (r["model"], r["budget_gib"], r["routing"]) == cell and r["mode"] == mode}
+            pts = sorted(by_rate.items(), key=lambda p: p[0])
             xs = [x for x, _ in pts]
             axes[0][j].plot(xs, [r["output_throughput"] for _, r in pts], "o-", label=mode, color=colors[mode])
             axes[1][j].plot(xs, [r["p99_ttft_ms"] / 1e3 for _, r in pts], "o-", label=mode, color=colors[mode])

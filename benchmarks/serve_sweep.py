@@ -158,6 +158,7 @@ _TIMELINE = {  # timeline key -> metric names (first present wins)
     "pool_free_bytes": ("rimuru:pool_free_bytes",),
     "kv_bytes_used": ("rimuru:kv_bytes_used",),
     "expert_bytes_used": ("rimuru:expert_bytes_used",),
+    "state_bytes_used": ("rimuru:state_bytes_used",),  # hybrid models' ssm and conv pages
     "resident_experts": ("rimuru:resident_experts_total", "rimuru:resident_experts"),
     "cost_compute_ms": ("rimuru:cost_compute_ms",),
     "cost_copy_overlap": ("rimuru:cost_copy_overlap",),

@@ -54,7 +54,8 @@ def plot(json_paths: list[Path], out: Path) -> None:
 
 def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
     """The memory split over time at one rate, one panel per configuration. Rimuru: the pool's bytes held by
-    experts (resident and load buffers), by KV pages, and free (stacked), with running and waiting requests;
+    experts (resident and load buffers), by KV pages, by a hybrid model's state pages, and free (stacked), with
+    running and waiting requests;
     vLLM: its KV-cache usage with running and waiting (it exposes no byte split)."""
     import matplotlib
 
@@ -78,8 +79,10 @@ def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
         t = tl["t"]
         name = row["config"] + (f" ({row['label']})" if row.get("label") else "")
         if tl.get("expert_bytes_used") and tl.get("kv_bytes_used"):
-            parts = [("experts", tl["expert_bytes_used"]), ("KV cache", tl["kv_bytes_used"]),
-                     ("free", tl.get("pool_free_bytes") or [0] * len(t))]
+            parts = [("experts", tl["expert_bytes_used"]), ("KV cache", tl["kv_bytes_used"])]
+            if any(tl.get("state_bytes_used") or []):  # a hybrid model's ssm and conv pages
+                parts.append(("recurrent state", tl["state_bytes_used"]))
+            parts.append(("free", tl.get("pool_free_bytes") or [0] * len(t)))
             ax.stackplot(t, *[[(v or 0) / gib for v in vals] for _, vals in parts], labels=[p[0] for p in parts],
                          alpha=0.7)
             ax.set_ylabel("pool (GiB)")
