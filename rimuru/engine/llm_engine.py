@@ -58,6 +58,7 @@ from rimuru.engine.setup import (
     resolve_max_model_len,
     workspace_bytes,
 )
+from rimuru.engine.startup_clock import StartupClock
 from rimuru.engine.state_cache_manager import StateCacheManager, StateCopy
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import NULL_TRACE, StepProfiler, StepTrace
@@ -110,6 +111,7 @@ class LLMEngine:
         if device.type == "cuda" and tp.size > 1:
             torch.cuda.set_device(device)
         start_memory = DeviceMemoryMark.now(device) if device.type == "cuda" else None
+        clock = self._clock = StartupClock()
         dtype = resolve_dtype(config.dtype, spec, device)
         self.tokenizer = load_tokenizer(config.tokenizer or (config.model if os.path.isdir(config.model) else None))
         load_format = resolve_load_format(config)
@@ -118,6 +120,7 @@ class LLMEngine:
         self.geometry = geometry
         # non-expert weights first: the workspace is measured with them, before the pool exists
         model = build_model(spec, dtype, device, torch.empty(0, device=device), tp=tp)
+        clock.mark("model built")
         self.workspace_profile: WorkspaceProfile | None = None  # measured on a GPU
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device.type == "cuda")
@@ -126,6 +129,7 @@ class LLMEngine:
             self.async_scheduling = False
         self._host_store: HostExpertStore | None = None  # made before the pool where the mode needs one
         memory = self._agree(self._plan_memory(model, geometry, dtype, start_memory))
+        clock.mark("memory plan (the workspace profile)")
         self.pool = PagePool(geometry, memory.pool_bytes, device)
         num_attn = len(spec.attention_layer_ids)
         model.bind_kv_cache(self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size),
@@ -138,9 +142,11 @@ class LLMEngine:
         self.runtime = build_runtime(self._runtime_settings(memory.mode), spec, dtype, self.pool, model,
                                      load_popularity(config, spec), self.fence, self._host_store)
         self._host_store = None  # the runtime's now
+        clock.mark("pool and expert runtime")
         load_weights(model, spec, config, load_format, self.runtime, device)
         if device.type == "cuda":  # start-up transients (the copy-bandwidth probe, weight staging) go back
             torch.cuda.empty_cache()
+        clock.mark("weights" + (" (random)" if load_format == "dummy" else ""))
         self.model = model
         prefix_caching = config.enable_prefix_caching
         self.kv = KVCacheManager(self.pool.allocator, num_attn, config.block_size,
@@ -179,8 +185,10 @@ class LLMEngine:
                                 "replay piecewise graphs cut at every gated DeltaNet layer, whose prefill sequences "
                                 "run eagerly between the pieces", spec.model_type)
                 self._capture_graphs()
+                clock.mark("CUDA graphs")
         if start_memory is not None:
             self._check_workspace(start_memory)
+        logger.info("start-up: %s", clock.describe())
         self._requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self._requests,
                                        self.async_scheduling)
@@ -213,7 +221,9 @@ class LLMEngine:
         """Pins the host expert store of an offloading mode before the graph profile: its device-side mappings
         (hundreds of MB for a 58 GB store) are memory outside torch the workspace must hold."""
         if needs_host_store(self._runtime_settings(mode), self.spec):
+            t0 = time.monotonic()
             self._host_store = build_host_store(self.spec, dtype, self.device, self.tp.size)
+            self._clock.add("the host store", time.monotonic() - t0)
 
     def _agree(self, memory: MemoryPlan) -> MemoryPlan:
         """Tensor parallelism: rank 0's mode and split, with the smallest pool of any rank, so that every rank's
