@@ -55,8 +55,13 @@ from rimuru.models.forward_batch import ForwardBatch  # noqa: E402
 from rimuru.models.moe import SparseMoE  # noqa: E402
 from rimuru.testing.op_count import Counts, OpCounter, box_kernels, stub_kernels  # noqa: E402
 
-# gated_deltanet: what a mixed graph runs eagerly between its pieces
-REGIONS = ("gated_deltanet", "deltanet_prefill", "gated_attention", "moe", "norm", "embed_rotary", "logits", "other")
+# Regions, in table order. attention: a plain (or q/k-normed) attention layer's token mixer; gated_deltanet and
+# gated_attention: a hybrid's; deltanet_prefill: the chunk form over a pass's prefill sequences
+# (LinearStateCache.prefill_rows), inside gated_deltanet: what a mixed graph runs eagerly between its pieces. The
+# MoE block: moe_router (gate GEMM, routing), moe_experts (the expert table, the fused MoE), moe_shared (the shared
+# expert and its gate's GEMM), moe (the rest: the shared expert's combine, the all-reduce).
+REGIONS = ("attention", "gated_deltanet", "deltanet_prefill", "gated_attention", "moe_router", "moe_experts",
+           "moe_shared", "moe", "norm", "embed_rotary", "logits", "other")
 _SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                 "cuStreamSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH")
 _LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
@@ -415,7 +420,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--shrink", type=int, default=None, help="divide the widths (default: 16 on the CPU, 1 on CUDA)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: 4096 on the CPU)")
-    ap.add_argument("--gpu-memory-budget", default=None, help="default: 72GiB on CUDA, 3GiB on the CPU")
+    ap.add_argument("--gpu-memory-budget", default=None, help="default: 72GiB on CUDA, 8GiB on the CPU")
     ap.add_argument("--batch-sizes", default="32,64", help="decoding sequences per pass, comma-separated")
     ap.add_argument("--prompt-len", type=int, default=300, help="prompt tokens of each request (its context)")
     ap.add_argument("--graphs", action="store_true", help="CUDA: also replay the pass from the engine's decode graph")
@@ -433,7 +438,7 @@ def main() -> None:
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     shrink = args.shrink if args.shrink is not None else (1 if cuda else 16)
     vocab = args.vocab if args.vocab is not None else (None if cuda else 4096)
-    budget = args.gpu_memory_budget or ("72GiB" if cuda else "3GiB")
+    budget = args.gpu_memory_budget or ("72GiB" if cuda else "8GiB")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     meta = metadata("count_pass", model=args.model, shrink=shrink, vocab=vocab, dtype=dtype, batch_sizes=sizes,
                     prompt_len=args.prompt_len, graphs=args.graphs)

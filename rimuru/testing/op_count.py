@@ -280,8 +280,7 @@ KERNELS: tuple[tuple[str, str, int | Callable[..., int]], ...] = (
     ("rimuru.models.moe", "fused_moe", _fused_moe_launches),
     ("rimuru.models.rotary", "cos_sin", 1),
     ("rimuru.models.rotary", "apply_rotary_qk", 1),
-    ("rimuru.models.attention", "apply_rotary_qk", 1),
-    ("rimuru.models.attention", "write_kv", 1),
+    ("rimuru.models.attention", "rotary_write_kv", 1),
     ("rimuru.models.attention", "paged_attention", _paged_attention_launches),
     ("rimuru.models.gated_attention", "write_kv", 1),
     ("rimuru.models.gated_attention", "paged_attention", _paged_attention_launches),
@@ -396,8 +395,7 @@ STUBS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("rimuru.models.moe", "fused_moe", _like(0)),
     ("rimuru.models.rotary", "cos_sin", _cos_sin_stub),
     ("rimuru.models.rotary", "apply_rotary_qk", _like(0, 1)),
-    ("rimuru.models.attention", "apply_rotary_qk", _like(0, 1)),
-    ("rimuru.models.attention", "write_kv", lambda *args, **kwargs: None),
+    ("rimuru.models.attention", "rotary_write_kv", _like(0)),
     ("rimuru.models.attention", "paged_attention", _like(0)),
 )
 
