@@ -64,12 +64,13 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch
     ) -> Tensor:  # x [T, d], cos/sin [T, D/2]
         q, k, v = self.qkv(x)
+        block_table, slots = batch.attention_rows(self.attn_idx)  # this layer's rows, views made once per pass
         # q rotated [T, Hq, D]; k rotated and v written to this step's slots: one kernel on CUDA
-        q = rotary_write_kv(q, k, v, cos, sin, kv_cache, batch.slot_mapping[self.attn_idx])
+        q = rotary_write_kv(q, k, v, cos, sin, kv_cache, slots)
         out = paged_attention(
             q,
             kv_cache,
-            batch.block_tables[self.attn_idx],
+            block_table,
             batch.query_start_loc,
             batch.seq_lens,
             self.scale,
