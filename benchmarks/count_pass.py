@@ -381,7 +381,7 @@ def profile_top(run: Callable[[], Any], reps: int, top: int) -> tuple[list[dict[
 
 def capture_decode(llm: LLM, batch: int, prompt_len: int) -> tuple[SchedulerOutput, Any]:
     """Serves `batch` requests of `prompt_len` random tokens until they all decode; returns the schedule and the host
-    arrays of the first step where every one of them decodes (the requests stay: `abort_batch` ends them)."""
+    arrays of the first step where every one of them decodes."""
     engine = llm.engine
     runner = engine.runner
     seen: list[tuple[SchedulerOutput, Any]] = []
@@ -406,11 +406,6 @@ def capture_decode(llm: LLM, batch: int, prompt_len: int) -> tuple[SchedulerOutp
     if not seen:
         raise RuntimeError(f"no step decoded all {batch} sequences")
     return seen[0]
-
-
-def abort_batch(llm: LLM, batch: int) -> None:
-    for i in range(batch):
-        llm.engine.abort_request(f"b{batch}-{i}")
 
 
 def main() -> None:
@@ -443,21 +438,22 @@ def main() -> None:
     meta = metadata("count_pass", model=args.model, shrink=shrink, vocab=vocab, dtype=dtype, batch_sizes=sizes,
                     prompt_len=args.prompt_len, graphs=args.graphs)
     print(f"{meta['device']}  commit {meta['git_commit'][:10]}  {meta['date']}")
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(shrunk_config(args.model, shrink, vocab)))
-        llm = LLM(tmp, load_format="dummy", device=args.device, dtype=dtype, gpu_memory_budget=budget,
-                  offload_mode="static", max_num_seqs=max(sizes), max_num_batched_tokens=max(2048, args.prompt_len),
-                  max_model_len=args.prompt_len + 128, enforce_eager=not args.graphs, async_scheduling=False,
-                  enable_prefix_caching=False)
-    engine = llm.engine
-    model, runner = engine.model, engine.runner
-    layers = engine.spec.num_hidden_layers
+    cfg = shrunk_config(args.model, shrink, vocab)
     out: dict[str, Any] = {}
-    for B in sizes:
+    for B in sizes:  # a fresh engine per batch size: nothing of the last batch holds pages or sequence slots
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+            llm = LLM(tmp, load_format="dummy", device=args.device, dtype=dtype, gpu_memory_budget=budget,
+                      offload_mode="static", max_num_seqs=B, max_num_batched_tokens=max(2048, args.prompt_len),
+                      max_model_len=args.prompt_len + 128, enforce_eager=not args.graphs, async_scheduling=False,
+                      enable_prefix_caching=False)
+        engine = llm.engine
+        model, runner = engine.model, engine.runner
+        layers = engine.spec.num_hidden_layers
         sched, h = capture_decode(llm, B, args.prompt_len)
         batch = runner.device_batch(h)
 
-        def eager(batch: ForwardBatch = batch) -> torch.Tensor:
+        def eager(batch: ForwardBatch = batch, model: MoECausalLM = model) -> torch.Tensor:
             return forward(model, batch)
 
         runs: list[tuple[str, Callable[[], Any]]] = [("eager", eager)]
@@ -489,13 +485,12 @@ def main() -> None:
                       f"cProfile's top functions by own time:")
                 print(table, end="")
             out[f"{kind}-{B}"] = row
-        abort_batch(llm, B)
+        llm.shutdown()
     meta["passes"] = out
     meta["us_per_launch"], meta["us_per_sync"] = args.us_per_launch, args.us_per_sync
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(meta, indent=1) + "\n")
         print(f"\nwrote {args.output_json}")
-    llm.shutdown()
 
 
 if __name__ == "__main__":
