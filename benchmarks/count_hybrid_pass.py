@@ -5,7 +5,8 @@ The engine serves a Qwen3.5-35B-A3B-shaped model (the preset's 40 layers, 30 gat
 256 experts top-8; `--shrink` divides the widths so the CPU runs it in seconds: the counts do not depend on
 widths) with dummy weights. `--decodes` requests decode while one more request's prompt arrives; the step with its
 second `--chunk`-token chunk (the chunk continues a state) is the mixed pass, a later step with every sequence
-decoding the decode pass. Each pass is run by the model outside the engine loop:
+decoding the decode pass. The regions, counting and timing are benchmarks/count_pass.py's (decode passes of any
+model). Each pass is run by the model outside the engine loop:
 
   * counted (rimuru/testing/op_count.py): torch ops that launch work, allocations, views, host syncs and
     host->device copies per region (gated DeltaNet token mixer with its state reads and writes, gated attention,
@@ -34,12 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,222 +46,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import metadata  # noqa: E402
+from benchmarks.count_pass import (  # noqa: E402  (re-exported: tests import them from here)
+    count_pass,
+    estimate_ms,
+    forward,
+    graph_runs,
+    print_table,
+    profiled,
+    region_times_ms,
+    shrunk_config,
+    wall_ms,
+)
 from rimuru import LLM, SamplingParams  # noqa: E402
 from rimuru.engine.scheduler import SchedulerOutput  # noqa: E402
-from rimuru.model_spec import PRESETS_DIR  # noqa: E402
-from rimuru.models.causal_lm import DecoderLayer, MoECausalLM  # noqa: E402
 from rimuru.models.forward_batch import ForwardBatch  # noqa: E402
-from rimuru.models.qwen3_5_moe import LinearAttentionDecoderLayer  # noqa: E402
-from rimuru.testing.op_count import Counts, OpCounter, box_kernels  # noqa: E402
+from rimuru.testing.op_count import Counts  # noqa: E402
+
+__all__ = ["capture_passes", "count_pass", "forward", "graph_runs", "shrunk_config"]
 
 # deltanet_prefill: the chunk form over a pass's prefill sequences (LinearStateCache.prefill_rows), inside
-# gated_deltanet: what a mixed graph runs eagerly between its pieces
-REGIONS = ("gated_deltanet", "deltanet_prefill", "gated_attention", "moe", "norm", "embed_rotary", "logits", "other")
-_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-                "cuStreamSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH")
-_LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
-                  "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch")
-
-
-def shrunk_config(preset: str, shrink: int, vocab: int | None) -> dict[str, Any]:
-    """The preset's config with every width divided by `shrink` (layers, experts, top-k, heads and the layer pattern
-    kept), and the vocabulary cut to `vocab`."""
-    cfg = json.loads((PRESETS_DIR / f"{preset}.json").read_text())
-    text = cfg.get("text_config", cfg)
-    if shrink > 1:
-        for key in ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size", "head_dim",
-                    "linear_key_head_dim", "linear_value_head_dim"):
-            if key in text:
-                text[key] = max(16, text[key] // shrink)
-    if vocab:
-        text["vocab_size"] = vocab
-    return cfg
-
-
-# ---------------------------------------------------------------------------------------------- regions
-
-class Regions:
-    """Names every part of a forward pass after its layer kind, for a counter and for CUDA-event timing."""
-
-    def __init__(self, model: MoECausalLM) -> None:
-        self.model = model
-        self.hooks: list[Any] = []
-        self.listeners: list[Callable[[str, bool], None]] = []  # (region, entering)
-        self._saved: list[tuple[Any, str]] = []
-
-    def _enter(self, name: str) -> None:
-        for f in self.listeners:
-            f(name, True)
-
-    def _exit(self, name: str) -> None:
-        for f in self.listeners:
-            f(name, False)
-
-    def _hook_module(self, module: torch.nn.Module, name: str) -> None:
-        self.hooks.append(module.register_forward_pre_hook(lambda *_: self._enter(name)))
-        self.hooks.append(module.register_forward_hook(lambda *_: self._exit(name)))
-
-    def _wrap(self, obj: Any, attr: str, name: str) -> None:
-        fn = getattr(obj, attr)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self._enter(name)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._exit(name)
-
-        self._saved.append((obj, attr))
-        setattr(obj, attr, wrapped)
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        model = self.model
-        for layer in model.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            kind = "gated_deltanet" if isinstance(layer, LinearAttentionDecoderLayer) else "gated_attention"
-            self._wrap(layer, "mix", kind)
-            self._hook_module(layer.mlp, "moe")
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                self._hook_module(norm, "norm")
-                self._wrap(norm, "add_norm", "norm")
-        self._hook_module(model.model.norm, "norm")
-        self._wrap(model.model.norm, "add_norm", "norm")
-        if model.state_cache is not None:
-            self._wrap(model.state_cache, "prefill_rows", "deltanet_prefill")
-        self._hook_module(model.model.embed_tokens, "embed_rotary")
-        self._wrap(model.rotary, "cos_sin", "embed_rotary")
-        self._wrap(model, "compute_logits", "logits")
-        try:
-            yield
-        finally:
-            for h in self.hooks:
-                h.remove()
-            self.hooks.clear()
-            for obj, attr in reversed(self._saved):
-                delattr(obj, attr)  # the instance attribute: the class's method shows through again
-            self._saved.clear()
-
-
-# ---------------------------------------------------------------------------------------------- passes
-
-def forward(model: MoECausalLM, batch: ForwardBatch) -> torch.Tensor:
-    hidden = model(batch)
-    return model.compute_logits(hidden[batch.logits_indices])
-
-
-def count_pass(model: MoECausalLM, run: Callable[[], Any], emulate_fla: bool) -> dict[str, Counts]:
-    counter = OpCounter()
-    regions = Regions(model)
-    regions.listeners.append(lambda name, entering: counter._push(name) if entering else counter._pop())
-    with torch.inference_mode(), box_kernels(counter, emulate_fla=emulate_fla), regions.installed(), \
-            counter.counting():
-        run()
-    return counter.regions
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def wall_ms(run: Callable[[], Any], device: torch.device, reps: int) -> dict[str, float]:
-    times = []
-    with torch.inference_mode():
-        run()  # warm
-        for _ in range(reps):
-            sync(device)
-            t0 = time.perf_counter()
-            run()
-            sync(device)
-            times.append(1e3 * (time.perf_counter() - t0))
-    return {"median": statistics.median(times), "min": min(times), "max": max(times), "reps": reps}
-
-
-def region_times_ms(model: MoECausalLM, run: Callable[[], Any], device: torch.device, reps: int) -> dict[str, Any]:
-    """GPU ms per region from CUDA events at every region change (launch gaps included), host ms per region."""
-    marks: list[tuple[str, Any, float]] = []  # (region now running, event, host time)
-    stack = ["other"]
-
-    def mark() -> None:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        marks.append((stack[-1], ev, time.perf_counter()))
-
-    def listener(name: str, entering: bool) -> None:
-        if entering:
-            stack.append(name)
-        else:
-            stack.pop()
-        mark()
-
-    regions = Regions(model)
-    regions.listeners.append(listener)
-    gpu: dict[str, float] = dict.fromkeys(REGIONS, 0.0)
-    host: dict[str, float] = dict.fromkeys(REGIONS, 0.0)
-    with torch.inference_mode(), regions.installed():
-        run()  # warm
-        for _ in range(reps):
-            marks.clear()
-            sync(device)
-            mark()
-            run()
-            stack[:] = ["other"]
-            mark()
-            sync(device)
-            for (name, e0, h0), (_, e1, h1) in zip(marks, marks[1:], strict=False):
-                gpu[name] = gpu.get(name, 0.0) + e0.elapsed_time(e1) / reps
-                host[name] = host.get(name, 0.0) + 1e3 * (h1 - h0) / reps
-    return {"gpu_ms": gpu, "host_ms": host}
-
-
-def profiled(model: MoECausalLM, run: Callable[[], Any]) -> dict[str, Any]:
-    """torch.profiler over one pass: device launches and syncs (runtime API calls), per region by host time."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    regions = Regions(model)
-    opened: list[Any] = []
-
-    def listener(name: str, entering: bool) -> None:
-        if entering:
-            rf = record_function(f"region:{name}")
-            rf.__enter__()
-            opened.append(rf)
-        else:
-            opened.pop().__exit__(None, None, None)
-
-    regions.listeners.append(listener)
-    with torch.inference_mode(), regions.installed():
-        run()  # warm
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            run()
-            torch.cuda.synchronize()
-    spans = []
-    for e in prof.events():
-        if e.name.startswith("region:"):
-            spans.append((e.time_range.start, e.time_range.end, e.name[len("region:"):]))
-    spans.sort(key=lambda s: s[1] - s[0])  # innermost first
-
-    def region_of(t: float) -> str:
-        for start, end, name in spans:
-            if start <= t <= end:
-                return name
-        return "other"
-
-    launches: dict[str, int] = dict.fromkeys(REGIONS, 0)
-    syncs: dict[str, int] = dict.fromkeys(REGIONS, 0)
-    kernels = 0
-    for e in prof.events():
-        if e.name in _LAUNCH_EVENTS:
-            launches[region_of(e.time_range.start)] = launches.get(region_of(e.time_range.start), 0) + 1
-        elif e.name in _SYNC_EVENTS:
-            syncs[region_of(e.time_range.start)] = syncs.get(region_of(e.time_range.start), 0) + 1
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            kernels += 1
-    return {"launch_calls": launches, "sync_calls": syncs, "device_events": kernels}
-
-
 # ---------------------------------------------------------------------------------------------- the steps
 
 def capture_passes(llm: LLM, decodes: int, chunk: int, prompt_len: int) -> dict[str, tuple[SchedulerOutput, Any]]:
@@ -303,58 +104,6 @@ def capture_passes(llm: LLM, decodes: int, chunk: int, prompt_len: int) -> dict[
         raise RuntimeError(f"the steps did not come as planned (got {sorted(seen)})")
     return seen
 
-
-def graph_runs(runner: Any, sched: SchedulerOutput, mixed: bool) -> tuple[Callable[[], Any], int]:
-    """A function replaying this step's graph as the engine does (its inputs staged once; a mixed replay gets a new
-    layout each time, as every step does), and the graph's pieces (1 for a whole graph)."""
-    import dataclasses
-
-    from rimuru.engine.piecewise_graphs import PiecewiseGraph
-
-    graphs = runner.graphs
-    if mixed:
-        if not graphs.can_run_mixed(sched):
-            raise RuntimeError("the mixed step fits no mixed graph")
-        h = runner.host_arrays(sched, pad_tokens=graphs.padded_tokens(sched.num_tokens), pad_seqs=graphs.max_seqs)
-        ids, pos, qsl, seq_lens, bt, slots, li, qts, *state = runner.to_device(h)
-        graph = graphs.mixed_graphs[ids.shape[0]]
-
-        def run() -> Any:
-            layout = dataclasses.replace(h.layout) if h.layout is not None else None
-            return graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts, *state, layout)
-    else:
-        if not graphs.can_run(sched):
-            raise RuntimeError("the decode step fits no decode graph")
-        B = len(sched.scheduled)
-        h = runner.host_arrays(sched, pad_to=graphs.padded_size(B))
-        ids, pos, _, seq_lens, bt, slots, _, *state = runner.to_device(h)
-        graph = graphs.graphs[ids.shape[0]]
-
-        def run() -> Any:
-            return graphs.run(B, ids, pos, seq_lens, bt, slots, *state)
-    return run, len(graph.pieces) if isinstance(graph, PiecewiseGraph) else 1
-
-
-def estimate_ms(counts: Counts, us_per_launch: float, us_per_sync: float) -> float:
-    return 1e-3 * (counts.launches * us_per_launch + counts.allocs * 0.5 * us_per_launch + counts.syncs * us_per_sync)
-
-
-def print_table(name: str, regions: dict[str, Counts], args: argparse.Namespace) -> None:
-    print(f"\n{name}: launches / allocs / syncs / h2d per region (estimated host ms at {args.us_per_launch} us per "
-          f"launch, {args.us_per_sync} us per sync)")
-    print(f"  {'region':<16}{'entries':>8}{'launches':>9}{'allocs':>8}{'views':>7}{'syncs':>7}{'h2d':>5}{'est ms':>9}"
-          "  sync sites")
-    total = Counts()
-    for r in (*REGIONS, *sorted(set(regions) - set(REGIONS))):
-        c = regions.get(r)
-        if c is None:
-            continue
-        total.add(c)
-        sites = ", ".join(f"{k} x{v}" for k, v in c.sync_sites.most_common(4))
-        print(f"  {r:<16}{c.entries:>8}{c.launches:>9}{c.allocs:>8}{c.views:>7}{c.syncs:>7}{c.h2d:>5}"
-              f"{estimate_ms(c, args.us_per_launch, args.us_per_sync):>9.1f}  {sites}")
-    print(f"  {'total':<16}{'':>8}{total.launches:>9}{total.allocs:>8}{total.views:>7}{total.syncs:>7}{total.h2d:>5}"
-          f"{estimate_ms(total, args.us_per_launch, args.us_per_sync):>9.1f}")
 
 
 def main() -> None:

@@ -28,7 +28,13 @@ from rimuru.kernels.rmsnorm import (
     rms_norm,
     rms_norm_reference,
 )
-from rimuru.kernels.rotary import apply_rotary, apply_rotary_qk, cos_sin_reference
+from rimuru.kernels.rotary import (
+    apply_rotary,
+    apply_rotary_qk,
+    cos_sin_reference,
+    rotary_write_kv,
+    rotary_write_kv_reference,
+)
 from rimuru.kernels.router import route_topk, route_topk_reference
 from rimuru.models.rotary import RotaryEmbedding
 from rimuru.testing.triton_interpreter import run_under_interpreter
@@ -166,6 +172,26 @@ def check_rotary(cos_sin: Callable, rotate_qk: Callable, device: str, exact: boo
             assert torch.equal(k_rot, apply_rotary(k, cos_ref, sin_ref)), f"k {dtype} {(T, hq, hkv, D)}"
 
 
+def check_rotary_write_kv(fn: Callable, device: str) -> None:
+    """q rotated and k (rotated), v in their slots as apply_rotary + write_kv_reference give them, bit for bit; a
+    slot < 0 writes nothing, the other slots' pages are untouched."""
+    for dtype in DTYPES:
+        for i, (T, hq, hkv, D, theta) in enumerate(_ROPE_CASES):
+            positions = torch.tensor([0, 1, 17, 4095, 32767, 3, 1000][:T], device=device)
+            cos, sin = cos_sin_reference(positions, RotaryEmbedding(D, theta).inv_freq(positions.device), dtype)
+            qkv = randn((T, (hq + 2 * hkv) * D), dtype, device, i)
+            q, k, v = (t.view(T, -1, D) for t in qkv.split([hq * D, hkv * D, hkv * D], dim=-1))
+            pages, block = 5, 4
+            slots = torch.randperm(pages * block, generator=torch.Generator().manual_seed(i))[:T].to(device)
+            slots[0] = -1  # a padding row
+            cache = randn((pages, 2, block, hkv, D), dtype, device, 100 + i)
+            want_cache = cache.clone()
+            want_q = rotary_write_kv_reference(q, k, v, cos, sin, want_cache, slots)
+            got_q = fn(q, k, v, cos, sin, cache, slots)
+            assert torch.equal(got_q, want_q) and torch.equal(got_q, apply_rotary(q, cos, sin)), f"q {dtype} {i}"
+            assert torch.equal(cache, want_cache), f"kv cache {dtype} {(T, hq, hkv, D)}"
+
+
 # ---------------------------------------------------------------------------------------------- CPU
 
 
@@ -186,6 +212,7 @@ def test_cpu_dispatch_is_the_reference() -> None:
     cos, sin = RotaryEmbedding(8, 1e4).cos_sin(torch.tensor([0, 4, 9]), torch.bfloat16)
     q_rot, k_rot = apply_rotary_qk(q, k, cos, sin)
     assert torch.equal(q_rot, apply_rotary(q, cos, sin)) and torch.equal(k_rot, apply_rotary(k, cos, sin))
+    check_rotary_write_kv(rotary_write_kv, "cpu")
 
 
 def unfused_forward(model: torch.nn.Module, batch: object) -> Tensor:
@@ -233,13 +260,14 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from rimuru.kernels.activation import sigmoid_mul_add_triton, silu_and_mul_triton
     from rimuru.kernels.rmsnorm import fused_add_rms_norm_triton, rms_norm_triton
-    from rimuru.kernels.rotary import apply_rotary_qk_triton, cos_sin_triton
+    from rimuru.kernels.rotary import apply_rotary_qk_triton, cos_sin_triton, rotary_write_kv_triton
     from rimuru.kernels.router import route_topk_triton
     import test_fused_small_kernels as t
     t.check_rms_norm(rms_norm_triton, fused_add_rms_norm_triton, "cpu", t._NORM_SHAPES)
     t.check_route(route_topk_triton, "cpu")
     t.check_activations(silu_and_mul_triton, sigmoid_mul_add_triton, "cpu", exact=False)
     t.check_rotary(cos_sin_triton, apply_rotary_qk_triton, "cpu", exact=False)
+    t.check_rotary_write_kv(rotary_write_kv_triton, "cpu")
     print("ok")
     """
 )
@@ -265,6 +293,7 @@ def test_cuda_kernels_match_reference() -> None:
     check_route(route_topk, "cuda")
     check_activations(silu_and_mul, sigmoid_mul_add, "cuda", exact=True)
     check_rotary(rotary.cos_sin_triton, apply_rotary_qk, "cuda", exact=True)
+    check_rotary_write_kv(rotary_write_kv, "cuda")
 
 
 @pytest.mark.gpu
@@ -303,6 +332,12 @@ def test_cuda_model_shapes(T: int, dtype: torch.dtype) -> None:
         q, k = qkv[:, : hq * 128].view(T, hq, 128), qkv[:, hq * 128 : (hq + hkv) * 128].view(T, hkv, 128)
         q_rot, k_rot = apply_rotary_qk(q, k, cos, sin)
         assert torch.equal(q_rot, apply_rotary(q, cos, sin)) and torch.equal(k_rot, apply_rotary(k, cos, sin))
+        v = qkv[:, (hq + hkv) * 128 :].view(T, hkv, 128)
+        cache = torch.zeros(T // 16 + 2, 2, 16, hkv, 128, dtype=dtype, device="cuda")
+        slots = torch.randperm(cache.shape[0] * 16, device="cuda")[:T]
+        want_cache = cache.clone()
+        want_q = rotary_write_kv_reference(q, k, v, cos, sin, want_cache, slots)
+        assert torch.equal(rotary_write_kv(q, k, v, cos, sin, cache, slots), want_q) and torch.equal(cache, want_cache)
 
 
 @pytest.mark.gpu

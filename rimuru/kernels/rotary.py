@@ -7,8 +7,12 @@ Per step, the model computes each token's angles once; every attention layer rot
                                         cos, sin = cos(freqs), sin(freqs) rounded to dtype, each [T, D/2]
     apply_rotary_qk(q, k, cos, sin)     q [T, Hq, D], k [T, Hkv, D]: each head's pairs (x[i], x[i + D/2])
                                         become (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    rotary_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)
+                                        the same rotation, with the rotated k and v written straight into
+                                        their KV cache slots (write_kv's, slots < 0 skipped): returns q rotated
 
-On CUDA each is ONE Triton launch (instead of 6 and 2 x 7 torch kernels) that reproduces the torch
+On CUDA each is ONE Triton launch (instead of 6 and 2 x 7 torch kernels, and rotary_write_kv one for the
+rotation and the K/V write) that reproduces the torch
 expressions bit for bit: fp32 cos/sin (libdevice's cosf/sinf, the functions torch's CUDA kernels compile
 to) rounded to the dtype, then the rotation rounded where torch rounds each op:
 round(round(x1 * cos) - round(x2 * sin)), round(round(x2 * cos) + round(x1 * sin))
@@ -24,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rimuru.kernels.launch import next_pow2
+from rimuru.kernels.paged_attention import write_kv, write_kv_reference
 from rimuru.kernels.rounding import round_to
 from rimuru.kernels.triton_import import libdevice, tl, triton
 
@@ -34,6 +39,9 @@ __all__ = [
     "cos_sin",
     "cos_sin_reference",
     "cos_sin_triton",
+    "rotary_write_kv",
+    "rotary_write_kv_reference",
+    "rotary_write_kv_triton",
 ]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -52,6 +60,14 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]
+
+
+def rotary_write_kv_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                              slot_mapping: Tensor) -> Tensor:
+    """q rotated [T, Hq, D]; k rotated and v written into kv_cache [P, 2, block, Hkv, D] at `slot_mapping`."""
+    k_rot = apply_rotary(k, cos, sin)
+    write_kv_reference(k_rot, v, kv_cache, slot_mapping)
+    return apply_rotary(q, cos, sin)
 
 
 # ---------------------------------------------------------------------------------------------- Triton
@@ -84,23 +100,34 @@ if triton is not None:
         tl.store(sin_ptr + dst, round_to(s, dtype).to(dtype), mask=mask)
 
     @triton.jit
-    def _rotate_heads(
-        x_ptr, out_ptr, t, stride_t, stride_h, c, s,
+    def _rotate_heads_to(
+        x_ptr, dst_ptr, t, stride_t, stride_h, dst_stride_h, c, s,
         H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     ):  # fmt: skip
-        """Token t's H heads of x [T, H, 2 * HALF] -> out (contiguous); c, s [1, HALF_PAD] fp32."""
+        """Token t's H heads of x [T, H, 2 * HALF], rotated and rounded in x's dtype -> head h at
+        dst_ptr + h * dst_stride_h (contiguous within a head), cast to dst's dtype; c, s [1, HALF_PAD] fp32."""
         offs_h = tl.arange(0, H_PAD)
         offs_d = tl.arange(0, HALF_PAD)
         mask = (offs_h < H)[:, None] & (offs_d < HALF)[None, :]
         src = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]  # [H_PAD, HALF_PAD]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        dtype = out_ptr.dtype.element_ty
+        dtype = x_ptr.dtype.element_ty
         o1 = round_to(round_to(x1 * c, dtype) - round_to(x2 * s, dtype), dtype)
         o2 = round_to(round_to(x2 * c, dtype) + round_to(x1 * s, dtype), dtype)
-        dst = out_ptr + t * (H * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-        tl.store(dst, o1.to(dtype), mask=mask)
-        tl.store(dst + HALF, o2.to(dtype), mask=mask)
+        dst = dst_ptr + offs_h[:, None] * dst_stride_h + offs_d[None, :]
+        out_dtype = dst_ptr.dtype.element_ty
+        tl.store(dst, o1.to(out_dtype), mask=mask)
+        tl.store(dst + HALF, o2.to(out_dtype), mask=mask)
+
+    @triton.jit
+    def _rotate_heads(
+        x_ptr, out_ptr, t, stride_t, stride_h, c, s,
+        H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    ):  # fmt: skip
+        """Token t's H heads of x [T, H, 2 * HALF] -> out (contiguous, x's dtype); c, s [1, HALF_PAD] fp32."""
+        _rotate_heads_to(x_ptr, out_ptr + t * (H * 2 * HALF), t, stride_t, stride_h, 2 * HALF, c, s,
+                         H, H_PAD, HALF, HALF_PAD)
 
     @triton.jit
     def _rotary_qk_kernel(
@@ -124,6 +151,46 @@ if triton is not None:
         s = tl.load(sin_ptr + t * stride_s + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
         _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, c, s, HQ, HQ_PAD, HALF, HALF_PAD)
         _rotate_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, c, s, HK, HK_PAD, HALF, HALF_PAD)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotary_write_kv_kernel(
+        q_ptr,  # [T, HQ, 2 * HALF] strided tokens / heads
+        k_ptr,  # [T, HK, 2 * HALF]
+        v_ptr,  # [T, HK, 2 * HALF]
+        cos_ptr,  # [T, HALF] rows stride_c apart
+        sin_ptr,  # [T, HALF] rows stride_s apart
+        q_out_ptr,  # [T, HQ, 2 * HALF] contiguous
+        kv_ptr,  # [P, 2, BLOCK_SIZE, HK, 2 * HALF]
+        slot_mapping_ptr,  # [T] integer; < 0: not written
+        stride_qt, stride_qh,
+        stride_kt, stride_kh,
+        stride_vt, stride_vh,
+        stride_c,
+        stride_s,
+        stride_kv_page, stride_kv_kind, stride_kv_slot, stride_kv_head,
+        HQ: tl.constexpr, HQ_PAD: tl.constexpr,
+        HK: tl.constexpr, HK_PAD: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        offs_d = tl.arange(0, HALF_PAD)
+        c = tl.load(cos_ptr + t * stride_c + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + t * stride_s + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, c, s, HQ, HQ_PAD, HALF, HALF_PAD)
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot >= 0:  # write_kv's slot: page slot // BLOCK_SIZE, offset slot % BLOCK_SIZE
+            dst = kv_ptr + (slot // BLOCK_SIZE) * stride_kv_page + (slot % BLOCK_SIZE) * stride_kv_slot
+            _rotate_heads_to(k_ptr, dst, t, stride_kt, stride_kh, stride_kv_head, c, s, HK, HK_PAD, HALF, HALF_PAD)
+            offs_h = tl.arange(0, HK_PAD)
+            offs_v = tl.arange(0, 2 * HALF_PAD)
+            mask = (offs_h < HK)[:, None] & (offs_v < 2 * HALF)[None, :]
+            v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=mask)
+            tl.store(dst + stride_kv_kind + offs_h[:, None] * stride_kv_head + offs_v[None, :],
+                     v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 def cos_sin_triton(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -164,6 +231,36 @@ def apply_rotary_qk_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tu
     return q_out, k_out
 
 
+def rotary_write_kv_triton(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                           slot_mapping: Tensor) -> Tensor:
+    """The Triton kernel on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = head_dim // 2
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape or cos.shape != (num_tokens, half) \
+            or sin.shape != cos.shape or kv_cache.shape[3:] != (num_kv_heads, head_dim):
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
+                         f"{tuple(cos.shape)}, sin {tuple(sin.shape)}, kv_cache {tuple(kv_cache.shape)}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must have a contiguous head dim, got strides {kv_cache.stride()}")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens:
+        _rotary_write_kv_kernel[(num_tokens,)](
+            q, k, v, cos, sin, q_out, kv_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), sin.stride(0),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            HQ=num_q_heads, HQ_PAD=next_pow2(num_q_heads), HK=num_kv_heads, HK_PAD=next_pow2(num_kv_heads),
+            HALF=half, HALF_PAD=next_pow2(half), BLOCK_SIZE=kv_cache.shape[2], num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    return q_out
+
+
 # ---------------------------------------------------------------------------------------------- dispatch
 
 
@@ -181,3 +278,18 @@ def apply_rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Ten
     if triton is not None and q.is_cuda and kernel_ok and q.shape[-1] % 2 == 0:
         return apply_rotary_qk_triton(q, k, cos, sin)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def rotary_write_kv(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                    slot_mapping: Tensor) -> Tensor:
+    """q [T, Hq, D] rotated, with k [T, Hkv, D] rotated and v written into their slots of kv_cache
+    [P, 2, block, Hkv, D] (slot_mapping [T], < 0: skipped): one Triton launch on CUDA (apply_rotary_qk, then
+    write_kv, in one), the torch reference elsewhere."""
+    kernel_ok = q.dtype in _KERNEL_DTYPES and q.dtype == k.dtype == v.dtype == cos.dtype == sin.dtype
+    if triton is not None and q.is_cuda and kv_cache.is_cuda and kernel_ok and q.shape[-1] % 2 == 0:
+        return rotary_write_kv_triton(q, k, v, cos, sin, kv_cache, slot_mapping)
+    if q.is_cuda:  # dtypes the kernel does not take: the two launches
+        q, k = apply_rotary_qk(q, k, cos, sin)
+        write_kv(k, v, kv_cache, slot_mapping)
+        return q
+    return rotary_write_kv_reference(q, k, v, cos, sin, kv_cache, slot_mapping)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from rimuru.distributed.parallel_state import SINGLE, TensorParallel
-from rimuru.kernels.paged_attention import paged_attention, write_kv
-from rimuru.kernels.rotary import apply_rotary_qk
+from rimuru.kernels.paged_attention import paged_attention
+from rimuru.kernels.rotary import rotary_write_kv
 from rimuru.models.forward_batch import ForwardBatch
 from rimuru.models.layers import MergedLinear
 from rimuru.models.parallel_linear import RowParallelLinear, kv_head_shard, rank_shard
@@ -64,12 +64,13 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch
     ) -> Tensor:  # x [T, d], cos/sin [T, D/2]
         q, k, v = self.qkv(x)
-        q, k = apply_rotary_qk(q, k, cos, sin)  # [T, Hq, D], [T, Hkv, D]; one kernel on CUDA
-        write_kv(k, v, kv_cache, batch.slot_mapping[self.attn_idx])
+        block_table, slots = batch.attention_rows(self.attn_idx)  # this layer's rows, views made once per pass
+        # q rotated [T, Hq, D]; k rotated and v written to this step's slots: one kernel on CUDA
+        q = rotary_write_kv(q, k, v, cos, sin, kv_cache, slots)
         out = paged_attention(
             q,
             kv_cache,
-            batch.block_tables[self.attn_idx],
+            block_table,
             batch.query_start_loc,
             batch.seq_lens,
             self.scale,

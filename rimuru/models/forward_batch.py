@@ -74,6 +74,15 @@ class ForwardBatch:
     # a replay is handed its step's layout
     padded: bool = False
 
+    def attention_rows(self, attn_idx: int) -> tuple[Tensor, Tensor]:
+        """(block_tables[attn_idx], slot_mapping[attn_idx]): views made once per pass for every attention layer
+        (one unbind each) instead of two index ops per layer."""
+        rows = self.__dict__.get("_rows")
+        if rows is None or rows[0] is not self.block_tables or rows[1] is not self.slot_mapping:
+            rows = (self.block_tables, self.slot_mapping, self.block_tables.unbind(0), self.slot_mapping.unbind(0))
+            self.__dict__["_rows"] = rows
+        return rows[2][attn_idx], rows[3][attn_idx]
+
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]

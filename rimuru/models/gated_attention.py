@@ -54,9 +54,10 @@ class GatedAttention(Attention):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, batch: ForwardBatch
     ) -> Tensor:  # x [T, d], cos/sin [T, R/2]
         q, k, v, gate = self.project(x, cos, sin)
-        write_kv(k, v, kv_cache, batch.slot_mapping[self.attn_idx])
+        block_table, slots = batch.attention_rows(self.attn_idx)  # this layer's rows, views made once per pass
+        write_kv(k, v, kv_cache, slots)
         out = paged_attention(
-            q, kv_cache, batch.block_tables[self.attn_idx], batch.query_start_loc, batch.seq_lens, self.scale,
+            q, kv_cache, block_table, batch.query_start_loc, batch.seq_lens, self.scale,
             batch.max_query_len, batch.max_seq_len, q_tile_start=batch.q_tile_start,
         )  # [T, Hq, D]
         return self.gate_output(out, gate)

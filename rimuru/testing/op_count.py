@@ -280,8 +280,7 @@ KERNELS: tuple[tuple[str, str, int | Callable[..., int]], ...] = (
     ("rimuru.models.moe", "fused_moe", _fused_moe_launches),
     ("rimuru.models.rotary", "cos_sin", 1),
     ("rimuru.models.rotary", "apply_rotary_qk", 1),
-    ("rimuru.models.attention", "apply_rotary_qk", 1),
-    ("rimuru.models.attention", "write_kv", 1),
+    ("rimuru.models.attention", "rotary_write_kv", 1),
     ("rimuru.models.attention", "paged_attention", _paged_attention_launches),
     ("rimuru.models.gated_attention", "write_kv", 1),
     ("rimuru.models.gated_attention", "paged_attention", _paged_attention_launches),
@@ -363,4 +362,62 @@ def box_kernels(counter: OpCounter, emulate_fla: bool = False) -> Iterator[None]
             setattr(module, fn_name, fn)
 
 
-__all__ = ["Counts", "OpCounter", "box_kernels", "fla_packed_reference"]
+# ---------------------------------------------------------------------------------------------- kernel stubs
+
+def _like(*shapes_of: int) -> Callable[..., Any]:
+    """A stand-in returning new tensors shaped as the call's arguments at positions `shapes_of` (one: the tensor)."""
+    def stub(*args: Any, **_: Any) -> Any:
+        outs = tuple(torch.empty_like(args[i]) for i in shapes_of)
+        return outs[0] if len(outs) == 1 else outs
+
+    return stub
+
+
+def _route_stub(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    T = logits.shape[0]
+    return (torch.empty(T, top_k, dtype=torch.float32, device=logits.device),
+            torch.zeros(T, top_k, dtype=torch.int64, device=logits.device))  # valid ids for the routing counter
+
+
+def _cos_sin_stub(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    shape = (positions.shape[0], inv_freq.shape[0])
+    return (torch.empty(shape, dtype=dtype, device=positions.device),
+            torch.empty(shape, dtype=dtype, device=positions.device))
+
+
+# (module, function, stand-in): rimuru's kernels as a host sees a launch (outputs allocated, nothing computed)
+STUBS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
+    ("rimuru.models.layers", "rms_norm", _like(0)),
+    ("rimuru.models.layers", "fused_add_rms_norm", _like(0, 0)),
+    ("rimuru.models.layers", "silu_and_mul", _like(0)),
+    ("rimuru.models.moe", "sigmoid_mul_add", _like(1)),
+    ("rimuru.models.moe", "route_topk", _route_stub),
+    ("rimuru.models.moe", "fused_moe", _like(0)),
+    ("rimuru.models.rotary", "cos_sin", _cos_sin_stub),
+    ("rimuru.models.rotary", "apply_rotary_qk", _like(0, 1)),
+    ("rimuru.models.attention", "rotary_write_kv", _like(0)),
+    ("rimuru.models.attention", "paged_attention", _like(0)),
+)
+
+
+@contextlib.contextmanager
+def stub_kernels() -> Iterator[None]:
+    """rimuru's kernel entry points (non-hybrid layers) replaced by stand-ins that allocate their outputs and compute
+    nothing: a CPU pass's host time without the kernels' torch references (which are not what a GPU host runs).
+    The outputs hold garbage: for timing the host, not for results."""
+    import importlib
+
+    patched: list[tuple[Any, str, Any]] = []
+    for module_name, fn_name, stub in STUBS:
+        module = importlib.import_module(module_name)
+        if hasattr(module, fn_name):
+            patched.append((module, fn_name, getattr(module, fn_name)))
+            setattr(module, fn_name, stub)
+    try:
+        yield
+    finally:
+        for module, fn_name, fn in reversed(patched):
+            setattr(module, fn_name, fn)
+
+
+__all__ = ["Counts", "OpCounter", "box_kernels", "fla_packed_reference", "stub_kernels"]
