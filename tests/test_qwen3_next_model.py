@@ -18,6 +18,7 @@ from rimuru import LLM, SamplingParams
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from rimuru.testing.paged_model import PagedModel, random_prompts
 from rimuru.testing.paged_model import assert_close as check_close
+from rimuru.testing.pools import CHUNK, assert_nothing_held, tight_budget
 from rimuru.testing.reference import assert_greedy_matches
 from rimuru.testing.reference import random_prompts as engine_prompts
 
@@ -132,7 +133,6 @@ def test_registered() -> None:
 
 # ------------------------------------------------------------------------------------------------------- engine
 STEPS = 12
-CHUNK = 16  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -150,8 +150,6 @@ def test_engine_static_greedy_matches_transformers(tiny_checkpoint: Callable[...
 
 
 def test_engine_fixed_mode_in_a_tight_pool_matches_transformers(tiny_checkpoint: Callable[..., Path]) -> None:
-    from test_hybrid_engine import assert_nothing_held, tight_budget
-
     ckpt = tiny_checkpoint(ARCH, fused_experts=True, seed=3)
     budget = tight_budget(ckpt, requests=2, load_buffer_experts=4, offload_mode="fixed", resident_experts=4,
                           offload_access="copy")
@@ -163,3 +161,4 @@ def test_engine_fixed_mode_in_a_tight_pool_matches_transformers(tiny_checkpoint:
     assert llm.stats()["expert_bytes_loaded"] > 0
     assert_greedy_matches(ckpt, prompts, got, STEPS)
     assert_nothing_held(llm.engine)
+
