@@ -113,7 +113,9 @@ class LLMEngine:
         start_memory = DeviceMemoryMark.now(device) if device.type == "cuda" else None
         clock = self._clock = StartupClock()
         dtype = resolve_dtype(config.dtype, spec, device)
-        self.tokenizer = load_tokenizer(config.tokenizer or (config.model if os.path.isdir(config.model) else None))
+        # only rank 0 reads text and writes it; another rank's start-up would spend seconds importing transformers
+        tokenizer_path = config.tokenizer or (config.model if os.path.isdir(config.model) else None)
+        self.tokenizer = load_tokenizer(tokenizer_path) if tp.is_driver else None
         load_format = resolve_load_format(config)
         geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=config.block_size,
                                           tp_size=config.tensor_parallel_size)
