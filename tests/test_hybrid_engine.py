@@ -20,9 +20,8 @@ from rimuru import LLM, SamplingParams
 from rimuru.engine.llm_engine import LLMEngine
 from rimuru.engine.request import Request
 from rimuru.experts.direct_runtime import DirectRuntime
-from rimuru.experts.residency import EXPERT
-from rimuru.memory.geometry import CONV, SSM
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION
+from rimuru.testing.pools import CHUNK, assert_nothing_held, tight_budget
 from rimuru.testing.reference import assert_greedy_matches, random_prompts
 
 pytest.importorskip("transformers")
@@ -30,7 +29,6 @@ pytest.importorskip("transformers")
 ARCH = "qwen3_5_moe_text"
 L, F = LINEAR_ATTENTION, FULL_ATTENTION
 STEPS = 12
-CHUNK = 16  # max_num_batched_tokens: every prompt longer than this is prefilled in chunks
 
 
 @pytest.fixture(scope="module", params=[("LLLF", False), ("FLL", True)],
@@ -46,46 +44,6 @@ def ckpt(request: pytest.FixtureRequest, tiny_checkpoint: Callable[..., Path]) -
 def greedy(llm: LLM, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-
-
-def assert_nothing_held(engine: LLMEngine) -> None:
-    """No request holds a page: KV, ssm and conv pages are the prefix cache's alone (its cached KV blocks and state
-    snapshots), and after a reset all back; only experts (and load buffers) remain."""
-    alloc = engine.pool.allocator
-    alloc.check_invariants()
-    assert alloc.pending_deferred == 0
-    assert engine.state is not None and engine.state.num_holders == 0
-    engine.kv.check()
-    engine.state.check()
-    assert engine.kv.pages_in_use == 0
-    assert alloc.num_used("kv") == engine.kv.num_cached_pages
-    assert alloc.num_used(SSM) + alloc.num_used(CONV) == engine.state.num_cached_pages
-    snaps = engine.state.snapshots
-    assert snaps is None or snaps.num_unreferenced == snaps.num_snapshots  # no request holds one
-    engine.reset_prefix_cache()
-    alloc.check_invariants()
-    assert alloc.num_used("kv") == 0 and engine.kv.pages_in_use == 0
-    assert alloc.num_used(SSM) == 0 and alloc.num_used(CONV) == 0
-    assert engine.state is not None and engine.state.num_holders == 0
-    engine.state.check()
-    st = engine.stats()
-    assert st["state_bytes_used"] == 0 and st["kv_bytes_used"] == 0 and st["running"] == st["waiting"] == 0
-    assert st["expert_bytes_used"] + st["free_bytes"] == st["pool_bytes"]
-
-
-def tight_budget(ckpt: Path, requests: int, load_buffer_experts: int = 0, **args: object) -> int:
-    """A budget holding every expert, `load_buffer_experts` load-buffer slots, and the state plus the first
-    CHUNK-token KV of about `requests` requests (sizes from a probe engine with the same batch limits)."""
-    probe = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cpu", max_num_batched_tokens=CHUNK, **args)
-    e = probe.engine
-    split, geo = e.budget_split, e.geometry
-    experts = 3 * e.runtime.cache.total_experts * geo.size(EXPERT)
-    buffers = 2 * 3 * load_buffer_experts * geo.size(EXPERT)
-    assert e.state is not None
-    per_request = e.state.request_bytes + e.kv.blocks_for(CHUNK) * e.kv.num_layers * geo.size("kv")
-    budget = split["non_expert_weights"] + split["workspace"] + experts + buffers + requests * per_request
-    del probe
-    return budget + geo.huge_size
 
 
 def test_static_chunked_prefill_matches_transformers(ckpt: Path, caplog: pytest.LogCaptureFixture) -> None:

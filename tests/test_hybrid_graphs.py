@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hybrid_engine import assert_nothing_held
 
 from rimuru import LLM, SamplingParams
 from rimuru.engine.cuda_graphs import StepGraphs
@@ -33,6 +32,7 @@ from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.engine.step_profiler import StepTrace
 from rimuru.experts.residency import EXPERT
 from rimuru.models.forward_batch import StepLayout
+from rimuru.testing.pools import assert_nothing_held
 from rimuru.testing.reference import random_prompts
 
 pytest.importorskip("transformers")

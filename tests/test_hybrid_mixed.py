@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_hybrid_engine import assert_nothing_held
 
 from rimuru import LLM, SamplingParams
 from rimuru.engine.llm_engine import LLMEngine
@@ -26,6 +25,7 @@ from rimuru.models.forward_batch import StepLayout
 from rimuru.testing.op_count import OpCounter, box_kernels
 from rimuru.testing.paged_model import PagedModel
 from rimuru.testing.paged_model import random_prompts as model_prompts
+from rimuru.testing.pools import assert_nothing_held
 from rimuru.testing.reference import assert_greedy_matches, random_prompts
 
 pytest.importorskip("transformers")

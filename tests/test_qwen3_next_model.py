@@ -18,6 +18,7 @@ from rimuru import LLM, SamplingParams
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from rimuru.testing.paged_model import PagedModel, random_prompts
 from rimuru.testing.paged_model import assert_close as check_close
+from rimuru.testing.pools import CHUNK, assert_nothing_held, tight_budget
 from rimuru.testing.reference import assert_greedy_matches
 from rimuru.testing.reference import random_prompts as engine_prompts
 
@@ -132,11 +133,10 @@ def test_registered() -> None:
 
 # ------------------------------------------------------------------------------------------------------- engine
 STEPS = 12
-CHUNK = 16  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
 
 
-def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+def greedy(llm: LLM, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
@@ -150,8 +150,6 @@ def test_engine_static_greedy_matches_transformers(tiny_checkpoint: Callable[...
 
 
 def test_engine_fixed_mode_in_a_tight_pool_matches_transformers(tiny_checkpoint: Callable[..., Path]) -> None:
-    from test_hybrid_engine import assert_nothing_held, tight_budget
-
     ckpt = tiny_checkpoint(ARCH, fused_experts=True, seed=3)
     budget = tight_budget(ckpt, requests=2, load_buffer_experts=4, offload_mode="fixed", resident_experts=4,
                           offload_access="copy")
@@ -163,3 +161,32 @@ def test_engine_fixed_mode_in_a_tight_pool_matches_transformers(tiny_checkpoint:
     assert llm.stats()["expert_bytes_loaded"] > 0
     assert_greedy_matches(ckpt, prompts, got, STEPS)
     assert_nothing_held(llm.engine)
+
+
+@pytest.mark.parametrize(("fused", "access"), [(False, "copy"), (True, "direct")],
+                         ids=["per_expert-copy", "fused-direct"])
+def test_engine_elastic_mode_in_a_tight_pool_matches_transformers(tiny_checkpoint: Callable[..., Path], fused: bool,
+                                                                   access: str) -> None:
+    # Every expert and about one request's state and first chunk: the other requests' state and KV pages are the
+    # shortfall the adjuster evicts experts for; past the offload limit (two per layer) decoding requests are
+    # preempted and recompute their state; a light batch afterwards finds free pages and experts grow back.
+    ckpt = tiny_checkpoint(ARCH, fused_experts=fused, seed=3)
+    limit, steps = 2, 40
+    budget = tight_budget(ckpt, requests=1, load_buffer_experts=limit if access == "copy" else 0)
+    llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", offload_mode="elastic", adjuster="paper",
+              expert_offload_limit=limit, max_num_batched_tokens=CHUNK, offload_access=access)
+    cache = llm.engine.runtime.cache
+    assert cache.num_resident == cache.total_experts
+    prompts = engine_prompts((12, 30, 7, 21, 40, 9), seed=23)
+    got = greedy(llm, prompts, steps)
+    st = llm.stats()
+    assert st["expert_evictions"] > 0 and st["preemptions"] > 0 and st["peak_running"] > 1, st
+    assert cache.num_resident < cache.total_experts
+    assert_nothing_held(llm.engine)
+    grows = st["expert_grows"]
+    assert greedy(llm, prompts[:1], steps) == got[:1]
+    assert llm.stats()["expert_grows"] > grows
+    assert_nothing_held(llm.engine)
+    assert_greedy_matches(ckpt, prompts, got, steps)
+    static = LLM(str(ckpt), gpu_memory_budget="64MiB", device="cpu", max_num_batched_tokens=CHUNK)
+    assert greedy(static, prompts, steps) == got  # offloading and preemption never change the tokens

@@ -1,7 +1,9 @@
 """Tensor parallelism: two ranks on the CPU (gloo, float32) serve the tokens one rank does, and transformers does.
 
-Every engine test starts a real worker process (spawn), so each costs the worker's start-up (~10 s on two cores):
-they are marked slow. The GPU tests run the same on two GPUs over NCCL.
+Every engine test starts a real worker process (spawn), so each costs the worker's start-up (~5 s on two cores):
+they are marked slow. After each run no rank's pool has a page in use and every rank reads rank 0's expert tables
+(`LLMEngine.pool_reports`). Hybrid models (Qwen3.5-MoE, Qwen3-Next in both expert layouts) run in static mode and,
+Qwen3-Next, in elastic mode with state pages in a tight pool. The GPU tests run the same on two GPUs over NCCL.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +22,7 @@ from rimuru.config import EngineConfig
 from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.tp_workers import PassPlan, WorkerFailed
-from rimuru.memory.geometry import PageGeometry
+from rimuru.memory.geometry import CONV, SSM, PageGeometry
 from rimuru.model_spec import ModelSpec, load_model_spec
 from rimuru.models.layers import MergedLinear
 from rimuru.models.loader import init_dummy_weights
@@ -33,6 +36,7 @@ from rimuru.models.parallel_linear import (
     vocab_shard,
 )
 from rimuru.models.registry import build_model
+from rimuru.testing.pools import assert_nothing_held
 from rimuru.testing.reference import assert_greedy_matches, random_prompts, run_greedy
 from rimuru.testing.tiny_models import ARCHS
 
@@ -205,9 +209,26 @@ def test_a_qwen3_next_rank_takes_its_slices_of_the_split_projections(tiny_checkp
 
 # ---------------------------------------------------------------- two ranks
 
+def assert_no_rank_holds_a_page(llm: LLM) -> None:
+    """After a run, on every rank: no KV, ssm or conv page in use (rank 0's prefix cache reset first; a hybrid
+    model's state checked as in the one-rank tests), the allocator's invariants hold, and the expert tables the
+    passes read are rank 0's."""
+    engine = llm.engine
+    if engine.state is not None:
+        assert_nothing_held(engine)
+    engine.reset_prefix_cache()
+    reports = engine.pool_reports()
+    assert [r["rank"] for r in reports] == list(range(engine.tp.size))
+    for r in reports:
+        assert r["kv_pages_in_use"] == r["state_holders"] == 0, r
+        assert r["used"]["kv"] == r["used"].get("ssm", 0) == r["used"].get("conv", 0) == 0, r
+        assert np.array_equal(r["expert_tables"], reports[0]["expert_tables"]), r["rank"]
+
+
 def serve_both(path: Path, steps: int = STEPS, ps: list[list[int]] | None = None,
                **kwargs: object) -> tuple[list[list[int]], list[list[int]]]:
-    """Greedy tokens of one rank and of two, on the same engine settings (each run leaves no page in use)."""
+    """Greedy tokens of one rank and of two, on the same engine settings (each run leaves no page in use, on any
+    rank)."""
     ps = ps if ps is not None else prompts()
     kwargs = {"device": "cpu", "gpu_memory_budget": "64MiB", **kwargs}
     one = LLM(str(path), **kwargs)
@@ -216,6 +237,7 @@ def serve_both(path: Path, steps: int = STEPS, ps: list[list[int]] | None = None
     two = LLM(str(path), tensor_parallel_size=2, **kwargs)
     try:
         got = run_greedy(two, ps, steps)
+        assert_no_rank_holds_a_page(two)
     finally:
         two.shutdown()
     return want, got
@@ -240,13 +262,24 @@ def test_an_odd_vocabulary_serves_the_tokens_of_one_rank(arch: str, tiny_checkpo
     assert got == want
 
 
-@slow
-@pytest.mark.parametrize("types", [None, ["full_attention", "linear_attention", "linear_attention"]],
-                         ids=["LLLF", "FLL"])
-def test_two_ranks_serve_a_hybrid_model_as_one(types: list[str] | None, tiny_checkpoint) -> None:
-    """Qwen3.5-MoE, static mode with chunked prefill: each rank's ssm and conv pages hold its DeltaNet heads."""
+FLL = ["full_attention", "linear_attention", "linear_attention"]
+# (architecture, fused expert tensors, layer_types): Qwen3.5-MoE in both layer orders, Qwen3-Next (its fused
+# in_proj_qkvz / in_proj_ba split at load, then cut per rank) in both expert layouts
+HYBRID_CASES = {"qwen3_5-LLLF": ("qwen3_5_moe_text", False, None), "qwen3_5-FLL": ("qwen3_5_moe_text", False, FLL),
+                "qwen3_next-per_expert": ("qwen3_next", False, None), "qwen3_next-fused": ("qwen3_next", True, None)}
+
+
+def hybrid_checkpoint(tiny_checkpoint, case: str) -> Path:
+    arch, fused, types = HYBRID_CASES[case]
     extra = {} if types is None else {"num_hidden_layers": len(types), "layer_types": types}
-    path = tiny_checkpoint("qwen3_5_moe_text", seed=3, **extra)
+    return tiny_checkpoint(arch, fused_experts=fused, seed=3, **extra)
+
+
+@slow
+@pytest.mark.parametrize("case", list(HYBRID_CASES))
+def test_two_ranks_serve_a_hybrid_model_as_one(case: str, tiny_checkpoint) -> None:
+    """Static mode with chunked prefill: each rank's ssm and conv pages hold its DeltaNet heads."""
+    path = hybrid_checkpoint(tiny_checkpoint, case)
     want, got = serve_both(path, offload_mode="static", max_num_batched_tokens=16)
     assert got == want
     assert_greedy_matches(path, prompts(), got, STEPS)
@@ -267,38 +300,48 @@ def test_fixed_mode_reads_each_ranks_slice_of_the_offloaded_experts(parity_check
     assert got == want
 
 
-def tight_pool(path: Path, kv_blocks: int, tp_size: int) -> int:
-    """A pool (page_pool_memory_bytes) that holds every expert and `kv_blocks` KV blocks of one rank of `tp_size`."""
+def tight_pool(path: Path, kv_blocks: int, tp_size: int, requests: int = 0) -> int:
+    """A pool (page_pool_memory_bytes) that holds every expert, `kv_blocks` KV blocks and (hybrid models) the state
+    pages of `requests` requests, of one rank of `tp_size`."""
     spec = load_model_spec(str(path))
     geo = PageGeometry.for_model(spec, dtype=torch.float32, tp_size=tp_size)
     experts = 3 * spec.num_moe_layers * spec.num_experts * geo.size("expert")
     kv = kv_blocks * len(spec.attention_layer_ids) * geo.size("kv")
-    return experts + kv + geo.huge_size
+    state = requests * len(spec.linear_layer_ids) * (geo.size(SSM) + geo.size(CONV)) if spec.is_hybrid else 0
+    return experts + kv + state + geo.huge_size
 
 
 @slow
-def test_elastic_mode_moves_the_same_experts_on_both_ranks(parity_checkpoints: dict[str, Path]) -> None:
-    """Rank 0's evictions and grows reach rank 1 as its expert tables; tokens equal one rank's (static mode), with
-    chunked prefills (64-token steps) on the way."""
-    path = parity_checkpoints["qwen2_moe"]
+@pytest.mark.parametrize("case", ["qwen2_moe", "qwen3_next-per_expert", "qwen3_next-fused"])
+def test_elastic_mode_moves_the_same_experts_on_both_ranks(case: str, parity_checkpoints: dict[str, Path],
+                                                           tiny_checkpoint) -> None:
+    """Rank 0's evictions and grows reach rank 1 as its expert tables (from its slice of the host store: per-expert
+    and fused checkpoints fill it differently); tokens equal one rank's (static mode) and transformers', with
+    chunked prefills on the way. Qwen3-Next's pool holds the experts, two KV blocks and one request's state: the
+    other requests' state and KV are what experts are evicted for (16-token chunks), and past the offload limit
+    (two per layer) decoding requests are preempted and recompute their state on both ranks."""
+    hybrid = case in HYBRID_CASES
+    path = hybrid_checkpoint(tiny_checkpoint, case) if hybrid else parity_checkpoints[case]
+    pool = tight_pool(path, 2, 2, requests=1) if hybrid else tight_pool(path, 10, 2)
+    chunk, limit, steps = (16, 2, 24) if hybrid else (64, 5, 16)
     g = torch.Generator().manual_seed(1)
     ps = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in torch.randint(8, 40, (6,), generator=g)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    one = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", max_num_batched_tokens=64)
-    want = [o.outputs[0].token_ids for o in one.generate([{"prompt_token_ids": p} for p in ps], params)]
+    one = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", max_num_batched_tokens=chunk)
+    want = run_greedy(one, ps, steps)
     one.shutdown()
-    two = LLM(str(path), device="cpu", tensor_parallel_size=2, page_pool_memory_bytes=tight_pool(path, 10, 2),
-              offload_mode="elastic", adjuster="paper", expert_offload_limit=5, max_num_batched_tokens=64)
+    two = LLM(str(path), device="cpu", tensor_parallel_size=2, page_pool_memory_bytes=pool,
+              offload_mode="elastic", adjuster="paper", expert_offload_limit=limit, max_num_batched_tokens=chunk)
     try:
-        got = [o.outputs[0].token_ids for o in two.generate([{"prompt_token_ids": p} for p in ps], params)]
-        light = [o.outputs[0].token_ids for o in two.generate([{"prompt_token_ids": p} for p in ps[:1]], params)]
+        got = run_greedy(two, ps, steps)
+        light = run_greedy(two, ps[:1], steps)
         st = two.stats()
         assert st["expert_evictions"] > 0 and st["expert_grows"] > 0, st
-        assert st["kv_pages_used"] == 0
-        two.engine.pool.allocator.check_invariants()
+        assert st["preemptions"] > 0 or not hybrid, st
+        assert_no_rank_holds_a_page(two)
     finally:
         two.shutdown()
     assert got == want and light == want[:1]
+    assert_greedy_matches(path, ps, got, steps)
 
 
 @slow
@@ -335,6 +378,7 @@ def test_preempted_requests_recompute_the_same_tokens(parity_checkpoints: dict[s
     try:
         got = run_greedy(two, ps, 20)
         assert two.stats()["preemptions"] > 0
+        assert_no_rank_holds_a_page(two)
     finally:
         two.shutdown()
     one = LLM(str(path), device="cpu", gpu_memory_budget="64MiB")

@@ -70,6 +70,14 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` in rank order on rank 0 (pickled over the cpu group); None on the other ranks."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.cpu_group)
+        return out
+
     def min_int(self, n: int) -> int:
         """The smallest of every rank's `n` (a pool every rank can hold)."""
         if self.size == 1:

@@ -62,7 +62,7 @@ from rimuru.engine.startup_clock import StartupClock
 from rimuru.engine.state_cache_manager import StateCacheManager, StateCopy
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import NULL_TRACE, StepProfiler, StepTrace
-from rimuru.engine.tp_workers import PassPlan, TensorParallelWorkers, WorkerFailed, rank_device
+from rimuru.engine.tp_workers import PassPlan, TensorParallelWorkers, WorkerFailed, pool_report, rank_device
 from rimuru.engine.workspace_profile import DeviceMemoryMark, WorkspaceProfile, profile_workspace
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.host_store import HostExpertStore
@@ -113,7 +113,9 @@ class LLMEngine:
         start_memory = DeviceMemoryMark.now(device) if device.type == "cuda" else None
         clock = self._clock = StartupClock()
         dtype = resolve_dtype(config.dtype, spec, device)
-        self.tokenizer = load_tokenizer(config.tokenizer or (config.model if os.path.isdir(config.model) else None))
+        # only rank 0 reads text and writes it; another rank's start-up would spend seconds importing transformers
+        tokenizer_path = config.tokenizer or (config.model if os.path.isdir(config.model) else None)
+        self.tokenizer = load_tokenizer(tokenizer_path) if tp.is_driver else None
         load_format = resolve_load_format(config)
         geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=config.block_size,
                                           tp_size=config.tensor_parallel_size)
@@ -520,6 +522,13 @@ class LLMEngine:
         if self.workers is not None:  # the other ranks exit, and this process leaves the group
             workers, self.workers = self.workers, None
             workers.stop()
+
+    def pool_reports(self) -> list[dict[str, Any]]:
+        """Every rank's pool (engine/tp_workers.py `pool_report`: pages in use by kind, expert tables), rank 0's
+        first; the ranks check their allocators' invariants. Between steps only: the other ranks answer it in
+        place of a pass."""
+        own = pool_report(self)
+        return [own] if self.workers is None else self.workers.pool_reports(own)
 
     def step_profile_report(self) -> dict[str, Any] | None:
         """The step profiler's report (engine/step_profiler.py), None when it was never enabled."""

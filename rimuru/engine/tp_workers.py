@@ -15,7 +15,9 @@ pass it sends a `PassPlan` and every rank runs the same pass, meeting in the col
     shutdown: None --broadcast-->                         exit
 
 Workers never allocate: their allocators stay as start-up left them, the ids all come from rank 0. The batch
-arrays already hold the input tokens (no async scheduling under tensor parallelism).
+arrays already hold the input tokens (no async scheduling under tensor parallelism). Between passes rank 0 may send
+a `PoolProbe` instead of a plan: every rank answers with its `pool_report` (the tests' check that no rank holds a
+page after a run and that every rank's expert tables are rank 0's).
 
 Failure: a worker that raises reports its traceback on a queue and exits; one that dies closes its sockets. Either
 way the collective rank 0 is in fails within about a second (gloo), and the engine raises one `WorkerFailed`
@@ -37,7 +39,10 @@ import torch.multiprocessing as mp
 
 from rimuru.config import EngineConfig
 from rimuru.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, free_port, init_tensor_parallel
+from rimuru.engine.kv_cache_manager import KV
 from rimuru.engine.state_cache_manager import StateCopy
+from rimuru.experts.residency import EXPERT
+from rimuru.memory.geometry import CONV, SSM
 
 if TYPE_CHECKING:
     from rimuru.engine.llm_engine import LLMEngine
@@ -64,6 +69,23 @@ class PassPlan:
     state_copies: list[StateCopy] = field(default_factory=list)
     # prompt logprobs: the hidden rows the LM head runs over after the sampled rows (engine/prompt_logprobs.py)
     prompt_rows: np.ndarray | None = None
+
+
+@dataclass
+class PoolProbe:
+    """Not a pass: every rank answers with its `pool_report`, gathered on rank 0."""
+
+
+def pool_report(engine: LLMEngine) -> dict[str, Any]:
+    """This rank's pool after its allocator's invariants are checked: pages in use by kind, pages requests hold,
+    state holders and the expert tables the passes read."""
+    alloc = engine.pool.allocator
+    alloc.check_invariants()
+    kinds = (KV, EXPERT, SSM, CONV) if engine.state is not None else (KV, EXPERT)  # state kinds: hybrid models'
+    return {"rank": engine.tp.rank, "used": {kind: alloc.num_used(kind) for kind in kinds},
+            "kv_pages_in_use": engine.kv.pages_in_use,
+            "state_holders": engine.state.num_holders if engine.state is not None else 0,
+            "expert_tables": engine.runtime.cache.host_tables.numpy().copy()}
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -102,9 +124,19 @@ class TensorParallelWorkers:
         logger.info("tensor parallelism: %d ranks (%s), workers %s", size, self.device.type,
                     ", ".join(str(p.pid) for p in self.procs))
 
-    def send(self, plan: PassPlan | None) -> None:
+    def send(self, plan: PassPlan | PoolProbe | None) -> None:
         self.check()
         self.tp.broadcast_object(plan)
+
+    def pool_reports(self, own: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's `pool_report`, rank 0's (`own`) first."""
+        self.send(PoolProbe())
+        try:
+            reports = self.tp.gather_object(own)
+        except RuntimeError as e:  # a worker whose pool failed its checks raised and left
+            raise self.failed(e) from e
+        assert reports is not None
+        return reports
 
     def check(self) -> None:
         """Raises the failure already seen, or that of a worker found dead now."""
@@ -198,6 +230,9 @@ def _worker_main(rank: int, config: EngineConfig, port: int, errors: Any) -> Non
             plan = tp.broadcast_object()
             if plan is None:
                 break
+            if isinstance(plan, PoolProbe):
+                tp.gather_object(pool_report(engine))
+                continue
             follow(engine, plan)
     except BaseException:  # noqa: BLE001 - every failure goes to rank 0, then the process ends
         errors.put((rank, traceback.format_exc()))
