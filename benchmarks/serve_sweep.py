@@ -146,6 +146,17 @@ def running_waiting(values: dict[str, float]) -> tuple[float | None, float | Non
             metric(values, "rimuru:num_requests_waiting", "vllm:num_requests_waiting"))
 
 
+def save_metrics_text(base_url: str, path: Path, timeout: float = 3.0) -> None:
+    """The server's /metrics exposition as it is, into `path` (what a dashboard would scrape: names, labels, help)."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as resp:  # noqa: S310 - 127.0.0.1 only
+            text = resp.read().decode("utf-8", errors="replace")
+    except (OSError, urllib.error.URLError) as e:
+        text = f"# /metrics could not be read: {e}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
 def scrape(base_url: str, timeout: float = 3.0) -> dict[str, float]:
     with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as resp:  # noqa: S310 - 127.0.0.1 only
         return parse_prometheus(resp.read().decode("utf-8", errors="replace"))
@@ -579,6 +590,8 @@ class Sweep:
             after = scrape(base_url)
         except (OSError, urllib.error.URLError, ValueError):
             after = {}
+        if a.save_metrics_text:
+            save_metrics_text(base_url, Path(a.save_metrics_text) / f"metrics-{cfg.name}-{rate:g}rps.txt")
         wall = time.monotonic() - t0
         arrivals = a.num_prompts / rate if math.isfinite(rate) and rate > 0 else 0.0
         self.tail_s_seen.append(max(0.0, wall - arrivals))
@@ -733,6 +746,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-site", default=str(VLLM_SITE) if VLLM_SITE.is_dir() else None,
                    help="extra PYTHONPATH for vLLM's server and client (gpu-install.sh's /tmp/site)")
     p.add_argument("--client-args", default="", help="more flags for the client (one string)")
+    p.add_argument("--save-metrics-text", default=None, metavar="DIR",
+                   help="after each point, the server's raw /metrics text into DIR/metrics-CONFIG-RATErps.txt")
     p.add_argument("--label", default=None, help="a tag stored in the metadata and every row (e.g. uniform, zipf1.0)")
     p.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (0: a free one per server)")
     p.add_argument("--detach", action="store_true",

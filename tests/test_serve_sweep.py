@@ -117,7 +117,7 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
         "--define", "fixed=rimuru:--offload-mode fixed --resident-experts 0.85 --offload-access copy",
         "--dataset-path", str(data), "--client-args", "--max-prompt-len 60 --max-total-len 80 --max-output-len 5",
         "--poll-interval-s", "0.1", "--server-timeout-s", "60", "--point-timeout-s", "60",
-        "--label", "cpu-test", "--output-json", str(out),
+        "--label", "cpu-test", "--output-json", str(out), "--save-metrics-text", str(tmp_path / "metrics"),
     ]
     env = {"PYTHONPATH": str(REPO), "RIMURU_COMMIT": "test-commit", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
@@ -158,6 +158,12 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
     for r in fixed:
         tl = r["timeline"]
         assert max(tl["expert_bytes_used"]) > 0 and tl["kv_bytes_used"] and tl["pool_free_bytes"]
+        assert set(tl["state_bytes_used"]) <= {0.0, None}  # sampled for every model; no state pages here
+    # the raw /metrics text after each measured point (the broken server measured none)
+    saved = sorted(p.name for p in (tmp_path / "metrics").iterdir())
+    assert saved == ["metrics-fixed-20rps.txt", "metrics-fixed-40rps.txt"], saved
+    text = (tmp_path / "metrics" / "metrics-fixed-40rps.txt").read_text()
+    assert "# HELP vllm:num_requests_running" in text and "vllm:num_requests_running{" in text, text[:500]
     png = tmp_path / "memory.png"
     plot = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_sweep.py"), "--plot-from", str(out),
                            "--plot-memory", str(png), "--plot-memory-rate", "40"],
