@@ -240,7 +240,8 @@ def _eager_beside_graphs(model: MoECausalLM, spec: ModelSpec, config: EngineConf
     S, V, K = config.max_num_seqs, spec.vocab_size, config.max_logprobs
     rows = min(SAMPLE_ROWS_PER_CHUNK, config.max_num_batched_tokens)
     width = V if K == -1 else min(K, V)
-    hidden = torch.zeros(rows, spec.hidden_size, dtype=next(model.parameters()).dtype, device=device)
+    # the LM head's input: final hidden states in the model dtype (the embedding's; some layers keep fp32 parameters)
+    hidden = torch.zeros(rows, spec.hidden_size, dtype=model.model.embed_tokens.weight.dtype, device=device)
     prompt = PromptLogprobRows(hidden_rows=np.arange(rows, dtype=np.int64), targets=np.zeros(rows, dtype=np.int64),
                                nums=[width] * rows, spans=[])
     torch.cuda.empty_cache()
