@@ -106,6 +106,15 @@ def check_rms_norm(norm: Callable, add_norm: Callable, device: str, shapes: list
             out_ref, s_ref = fused_add_rms_norm_reference(x, res, w, EPS)
             assert torch.equal(s, s_ref), f"{what}: residual sum differs"
             assert_ulps(out, out_ref, *norm_limits(dtype), what)
+            # zero-centred (Qwen3.5, Qwen3-Next): weights around 0, x / rms(x) * (1 + w) in fp32, one rounding
+            w0 = randn(shape[-1:], torch.float32, device, 300 + i, 0.1).to(dtype)
+            got = norm(x, w0, EPS, zero_centred=True)
+            assert got.dtype == dtype, what
+            assert_ulps(got, rms_norm_reference(x, w0, EPS, zero_centred=True), *norm_limits(dtype), what + " zc")
+            out, s = add_norm(x, res, w0, EPS, zero_centred=True)
+            out_ref, s_ref = fused_add_rms_norm_reference(x, res, w0, EPS, zero_centred=True)
+            assert torch.equal(s, s_ref) and out.dtype == dtype, f"{what} zc: residual sum differs"
+            assert_ulps(out, out_ref, *norm_limits(dtype), what + " zc add")
     # Rows of a wider tensor, read in place; an fp32 weight on bf16 rows gives fp32 out (torch's promotion),
     # so a rare bf16 flip of the normalised value shows as a bf16-sized difference.
     wide = randn((6, 300), torch.bfloat16, device, 7)
@@ -313,6 +322,16 @@ def test_cuda_model_shapes(T: int, dtype: torch.dtype) -> None:
     heads = randn((T, 32, 128), dtype, "cuda", 3)
     w = (1 + randn((128,), torch.float32, "cuda", 4, 0.1)).to(dtype)
     assert_ulps(rms_norm(heads, w, EPS), rms_norm_reference(heads, w, EPS), *norm_limits(dtype), "per-head norm")
+    # Qwen3.5's zero-centred norms: the residual add and norm at d 2048, its q/k norms over heads of 256
+    x, res = randn((T, 2048), dtype, "cuda", T + 2), randn((T, 2048), dtype, "cuda", T + 3)
+    w0 = randn((2048,), torch.float32, "cuda", 5, 0.1).to(dtype)
+    out, s = fused_add_rms_norm(x, res, w0, EPS, zero_centred=True)
+    out_ref, s_ref = fused_add_rms_norm_reference(x, res, w0, EPS, zero_centred=True)
+    assert torch.equal(s, s_ref)
+    assert_ulps(out, out_ref, *norm_limits(dtype), "zero-centred add_norm")
+    heads, w0 = randn((T, 16, 256), dtype, "cuda", 6), randn((256,), torch.float32, "cuda", 7, 0.1).to(dtype)
+    assert_ulps(rms_norm(heads, w0, EPS, zero_centred=True), rms_norm_reference(heads, w0, EPS, zero_centred=True),
+                *norm_limits(dtype), "zero-centred per-head norm")
     for E, k, renorm in ((60, 4, False), (128, 8, True), (256, 8, True)):
         logits, bias = randn((T, E), dtype, "cuda", E), randn((E,), torch.float32, "cuda", E + 1, 0.5)
         assert_same_routing(*route_topk(logits, bias, k, renorm), logits, bias, k, renorm)

@@ -5,6 +5,9 @@ q/k rows [T, H, D], whole-projection q/k rows [T, H*D]).
 
     rms_norm(x, w, eps)                    out = w * round(x * rsqrt(mean(x^2) + eps))
     fused_add_rms_norm(x, res, w, eps)     s = round(x + res);  returns (rms_norm(s, w, eps), s)
+    ..., zero_centred=True                 out = round(x * rsqrt(mean(x^2) + eps) * (1 + w)), all in fp32 and
+                                           rounded once to x.dtype (Qwen3.5's and Qwen3-Next's norms, weights
+                                           stored around 0)
 
 Rounding, in the order of layers.RMSNorm (HF's): the sum s is rounded to x.dtype first (torch's
 `x + res`); mean and rsqrt in fp32 on the rounded input; the normalised row is rounded to x.dtype; then it
@@ -43,15 +46,18 @@ _MAX_N = 16384  # one row per tile row: past this a row would not fit in registe
 # ---------------------------------------------------------------------------------------------- torch
 
 
-def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # [..., N]
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) -> Tensor:  # [..., N]
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
-def fused_add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def fused_add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                 zero_centred: bool = False) -> tuple[Tensor, Tensor]:
     s = x + residual  # [..., N], rounded to the dtype: the residual stream
-    return rms_norm_reference(s, weight, eps), s
+    return rms_norm_reference(s, weight, eps, zero_centred), s
 
 
 # ---------------------------------------------------------------------------------------------- Triton
@@ -73,6 +79,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
+        ZERO_CENTRED: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]
         cols = tl.arange(0, BLOCK_N)  # [BN]
@@ -84,18 +91,23 @@ if triton is not None:
             x = round_to(x + res.to(tl.float32), x_ptr.dtype.element_ty)
             tl.store(res_out_ptr + rows64[:, None] * N + cols[None, :], x.to(x_ptr.dtype.element_ty), mask=mask)
         mean_sq = tl.sum(x * x, axis=1) * (1.0 / N)  # [R]; padding columns add 0
-        normed = round_to(x * tl.rsqrt(mean_sq + eps)[:, None], x_ptr.dtype.element_ty)  # [R, BN]
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)  # [BN]
-        out = round_to(normed * w[None, :], out_ptr.dtype.element_ty)
+        if ZERO_CENTRED:  # fp32 throughout, one rounding at the end
+            out = round_to(x * tl.rsqrt(mean_sq + eps)[:, None] * (1.0 + w[None, :]), out_ptr.dtype.element_ty)
+        else:
+            normed = round_to(x * tl.rsqrt(mean_sq + eps)[:, None], x_ptr.dtype.element_ty)  # [R, BN]
+            out = round_to(normed * w[None, :], out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows64[:, None] * N + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor | None]:
+def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+            zero_centred: bool = False) -> tuple[Tensor, Tensor | None]:
     n = x.shape[-1]
     x2 = as_rows(x)  # [R, N]
     r2 = as_rows(residual) if residual is not None else x2
     num_rows = x2.shape[0]
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if num_rows == 0:
         return out, res_out
@@ -105,22 +117,23 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> t
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
         x2, r2, weight, out, res_out if res_out is not None else out,
         num_rows, x2.stride(0), r2.stride(0), eps,
-        N=n, BLOCK_N=block_n, BLOCK_R=block_r, HAS_RESIDUAL=residual is not None,
+        N=n, BLOCK_N=block_n, BLOCK_R=block_r, HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
         num_warps=min(16, max(1, tile // 256)), enable_fp_fusion=False,
     )  # fmt: skip
     return out, res_out
 
 
-def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) -> Tensor:
     """The Triton kernel on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1)."""
-    return _launch(x, None, weight, eps)[0]
+    return _launch(x, None, weight, eps, zero_centred)[0]
 
 
-def fused_add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def fused_add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                              zero_centred: bool = False) -> tuple[Tensor, Tensor]:
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
                          f"{tuple(x.shape)} {x.dtype}")
-    out, res_out = _launch(x, residual, weight, eps)
+    out, res_out = _launch(x, residual, weight, eps, zero_centred)
     assert res_out is not None
     return out, res_out
 
@@ -130,15 +143,16 @@ def _kernel_ok(x: Tensor, weight: Tensor) -> bool:
             and weight.shape == x.shape[-1:] and weight.is_contiguous() and x.shape[-1] <= _MAX_N)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # [..., N]
+def rms_norm(x: Tensor, weight: Tensor, eps: float, zero_centred: bool = False) -> Tensor:  # [..., N]
     """RMSNorm over the last dim: the Triton kernel on CUDA tensors, the torch reference elsewhere."""
     if _kernel_ok(x, weight):
-        return rms_norm_triton(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, zero_centred)
+    return rms_norm_reference(x, weight, eps, zero_centred)
 
 
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                       zero_centred: bool = False) -> tuple[Tensor, Tensor]:
     """(RMSNorm(x + residual), x + residual), the sum rounded to x.dtype: one kernel on CUDA."""
     if _kernel_ok(x, weight) and residual.dtype == x.dtype and residual.shape == x.shape:
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
-    return fused_add_rms_norm_reference(x, residual, weight, eps)
+        return fused_add_rms_norm_triton(x, residual, weight, eps, zero_centred)
+    return fused_add_rms_norm_reference(x, residual, weight, eps, zero_centred)
