@@ -26,6 +26,8 @@ from rimuru.kernels.rmsnorm import (
     fused_add_rms_norm,
     fused_add_rms_norm_reference,
     rms_norm,
+    rms_norm_gated,
+    rms_norm_gated_reference,
     rms_norm_reference,
 )
 from rimuru.kernels.rotary import (
@@ -95,7 +97,8 @@ def norm_limits(dtype: torch.dtype) -> tuple[int, float]:
     return (8, 1.0) if dtype == torch.float32 else (2, 0.01)
 
 
-def check_rms_norm(norm: Callable, add_norm: Callable, device: str, shapes: list[tuple[int, ...]]) -> None:
+def check_rms_norm(norm: Callable, add_norm: Callable, gated: Callable, device: str,
+                   shapes: list[tuple[int, ...]]) -> None:
     for dtype in DTYPES:
         for i, shape in enumerate(shapes):
             x, res = randn(shape, dtype, device, i), randn(shape, dtype, device, 100 + i)
@@ -115,6 +118,12 @@ def check_rms_norm(norm: Callable, add_norm: Callable, device: str, shapes: list
             out_ref, s_ref = fused_add_rms_norm_reference(x, res, w0, EPS, zero_centred=True)
             assert torch.equal(s, s_ref) and out.dtype == dtype, f"{what} zc: residual sum differs"
             assert_ulps(out, out_ref, *norm_limits(dtype), what + " zc add")
+            # gated (a DeltaNet head's output norm): w * norm(x) * silu(z), w in x's dtype
+            z, wg = randn(shape, dtype, device, 400 + i, 2.0), (1 + randn(shape[-1:], torch.float32, device, 500 + i,
+                                                                         0.1)).to(dtype)
+            got = gated(x, z, wg, EPS)
+            assert got.dtype == dtype, what
+            assert_ulps(got, rms_norm_gated_reference(x, z, wg, EPS), *norm_limits(dtype), what + " gated")
     # Rows of a wider tensor, read in place; an fp32 weight on bf16 rows gives fp32 out (torch's promotion),
     # so a rare bf16 flip of the normalised value shows as a bf16-sized difference.
     wide = randn((6, 300), torch.bfloat16, device, 7)
@@ -208,6 +217,7 @@ def test_cpu_dispatch_is_the_reference() -> None:
     x, res = randn((3, 40), torch.bfloat16, "cpu", 0), randn((3, 40), torch.bfloat16, "cpu", 1)
     w = randn((40,), torch.bfloat16, "cpu", 2)
     assert torch.equal(rms_norm(x, w, EPS), rms_norm_reference(x, w, EPS))
+    assert torch.equal(rms_norm_gated(x, res, w, EPS), rms_norm_gated_reference(x, res, w, EPS))
     for a, b in zip(fused_add_rms_norm(x, res, w, EPS), fused_add_rms_norm_reference(x, res, w, EPS), strict=True):
         assert torch.equal(a, b)
     logits = randn((4, 9), torch.bfloat16, "cpu", 3)
@@ -268,11 +278,11 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     import sys
     sys.path.insert(0, {tests!r})
     from rimuru.kernels.activation import sigmoid_mul_add_triton, silu_and_mul_triton
-    from rimuru.kernels.rmsnorm import fused_add_rms_norm_triton, rms_norm_triton
+    from rimuru.kernels.rmsnorm import fused_add_rms_norm_triton, rms_norm_gated_triton, rms_norm_triton
     from rimuru.kernels.rotary import apply_rotary_qk_triton, cos_sin_triton, rotary_write_kv_triton
     from rimuru.kernels.router import route_topk_triton
     import test_fused_small_kernels as t
-    t.check_rms_norm(rms_norm_triton, fused_add_rms_norm_triton, "cpu", t._NORM_SHAPES)
+    t.check_rms_norm(rms_norm_triton, fused_add_rms_norm_triton, rms_norm_gated_triton, "cpu", t._NORM_SHAPES)
     t.check_route(route_topk_triton, "cpu")
     t.check_activations(silu_and_mul_triton, sigmoid_mul_add_triton, "cpu", exact=False)
     t.check_rotary(cos_sin_triton, apply_rotary_qk_triton, "cpu", exact=False)
@@ -298,7 +308,7 @@ _GPU_TOKENS = (1, 7, 256, 4096)
 def test_cuda_kernels_match_reference() -> None:
     # The public functions on CUDA tensors take the Triton path; exact=True: libdevice's expf/cosf/sinf and
     # IEEE division are what torch's kernels use, so everything but the RMSNorm reduction is bit-exact.
-    check_rms_norm(rms_norm, fused_add_rms_norm, "cuda", _NORM_SHAPES)
+    check_rms_norm(rms_norm, fused_add_rms_norm, rms_norm_gated, "cuda", _NORM_SHAPES)
     check_route(route_topk, "cuda")
     check_activations(silu_and_mul, sigmoid_mul_add, "cuda", exact=True)
     check_rotary(rotary.cos_sin_triton, apply_rotary_qk, "cuda", exact=True)
@@ -332,6 +342,11 @@ def test_cuda_model_shapes(T: int, dtype: torch.dtype) -> None:
     heads, w0 = randn((T, 16, 256), dtype, "cuda", 6), randn((256,), torch.float32, "cuda", 7, 0.1).to(dtype)
     assert_ulps(rms_norm(heads, w0, EPS, zero_centred=True), rms_norm_reference(heads, w0, EPS, zero_centred=True),
                 *norm_limits(dtype), "zero-centred per-head norm")
+    # its gated DeltaNet heads' output norm: [T, 32, 128] rows with their gate
+    o, z = randn((T, 32, 128), dtype, "cuda", 8), randn((T, 32, 128), dtype, "cuda", 9, 2.0)
+    wg = (1 + randn((128,), torch.float32, "cuda", 10, 0.1)).to(dtype)
+    assert_ulps(rms_norm_gated(o, z, wg, EPS), rms_norm_gated_reference(o, z, wg, EPS), *norm_limits(dtype),
+                "gated norm")
     for E, k, renorm in ((60, 4, False), (128, 8, True), (256, 8, True)):
         logits, bias = randn((T, E), dtype, "cuda", E), randn((E,), torch.float32, "cuda", E + 1, 0.5)
         assert_same_routing(*route_topk(logits, bias, k, renorm), logits, bias, k, renorm)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rimuru.kernels.launch import as_rows
-from rimuru.kernels.rounding import round_to
-from rimuru.kernels.triton_import import libdevice, tl, triton
+from rimuru.kernels.rounding import exp_like_torch, round_to
+from rimuru.kernels.triton_import import tl, triton
 
 __all__ = [
     "sigmoid_mul_add",
@@ -53,13 +53,6 @@ def sigmoid_mul_add_reference(gate_logit: Tensor, shared: Tensor, routed: Tensor
 if triton is not None:
 
     @triton.jit
-    def _exp(x, PRECISE: tl.constexpr):
-        if PRECISE:  # CUDA: expf, as torch's kernels
-            return libdevice.exp(x)
-        else:  # interpreter: numpy's exp (libdevice has no interpreter implementation)
-            return tl.exp(x)
-
-    @triton.jit
     def _row_block(n_cols, BLOCK_N: tl.constexpr):
         """Program (row, column block): its row (int64), its BLOCK_N columns and which of them exist."""
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,7 +75,7 @@ if triton is not None:
         g = _load_row(gate_ptr, row, stride_g, cols, mask)
         u = _load_row(up_ptr, row, stride_u, cols, mask)
         dtype = out_ptr.dtype.element_ty
-        act = round_to(tl.div_rn(g, 1.0 + _exp(-g, PRECISE)), dtype)  # F.silu
+        act = round_to(tl.div_rn(g, 1.0 + exp_like_torch(-g, PRECISE)), dtype)  # F.silu
         out = round_to(act * u, dtype)
         tl.store(out_ptr + row * n_cols + cols, out.to(dtype), mask=mask)
 
@@ -98,7 +91,7 @@ if triton is not None:
         row, cols, mask = _row_block(n_cols, BLOCK_N)
         dtype = out_ptr.dtype.element_ty
         g = tl.load(gate_ptr + row * stride_gl).to(tl.float32)
-        scale = round_to(tl.div_rn(1.0, 1.0 + _exp(-g, PRECISE)), dtype)  # torch.sigmoid
+        scale = round_to(tl.div_rn(1.0, 1.0 + exp_like_torch(-g, PRECISE)), dtype)  # torch.sigmoid
         shared = _load_row(shared_ptr, row, stride_s, cols, mask)
         routed = _load_row(routed_ptr, row, stride_r, cols, mask)
         out = round_to(routed + round_to(scale * shared, dtype), dtype)

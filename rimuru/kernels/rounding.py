@@ -20,9 +20,9 @@ Kernels that emulate a rounding order are launched with `enable_fp_fusion=False`
 
 from __future__ import annotations
 
-from rimuru.kernels.triton_import import tl, triton
+from rimuru.kernels.triton_import import libdevice, tl, triton
 
-__all__ = ["round_to"]
+__all__ = ["exp_like_torch", "round_to"]
 
 if triton is not None:
 
@@ -37,5 +37,15 @@ if triton is not None:
             return x.to(tl.float16).to(tl.float32)
         else:
             return x
-else:  # the name imports without Triton too; nothing calls it there
+
+    @triton.jit
+    def exp_like_torch(x, PRECISE: tl.constexpr):
+        """exp of fp32 x as torch's CUDA kernels compute it (libdevice's expf) where PRECISE; under the
+        interpreter (PRECISE False) numpy's exp, since libdevice has no interpreter implementation."""
+        if PRECISE:
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+else:  # the names import without Triton too; nothing calls them there
     round_to = None
+    exp_like_torch = None

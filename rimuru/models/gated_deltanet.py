@@ -53,6 +53,7 @@ from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.kernels.causal_conv1d_update import causal_conv1d_update
 from rimuru.kernels.fla_gated_delta import fla_chunk_applies, fla_chunk_gated_delta_rule
 from rimuru.kernels.gated_delta_decode import gated_delta_decode
+from rimuru.kernels.rmsnorm import rms_norm_gated
 from rimuru.models.parallel_linear import RowParallelLinear, rank_shard, section_shard, set_shard
 
 
@@ -65,10 +66,7 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:  # x, z [..., size]
-        dtype = x.dtype
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)  # rounded as HF
-        return (self.weight * normed * F.silu(z.float())).to(dtype)  # [..., size]
+        return rms_norm_gated(x, z, self.weight, self.eps)  # one Triton launch on CUDA (kernels/rmsnorm.py)
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:  # [..., D]

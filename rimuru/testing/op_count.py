@@ -284,6 +284,7 @@ KERNELS: tuple[tuple[str, str, int | Callable[..., int]], ...] = (
     ("rimuru.models.attention", "paged_attention", _paged_attention_launches),
     ("rimuru.models.gated_attention", "write_kv", 1),
     ("rimuru.models.gated_attention", "paged_attention", _paged_attention_launches),
+    ("rimuru.models.gated_deltanet", "rms_norm_gated", 1),
     ("rimuru.models.gated_deltanet", "causal_conv1d_update", 2),  # has_state's int32 cast + the kernel
     ("rimuru.models.gated_deltanet", "gated_delta_decode", 2),
 )
