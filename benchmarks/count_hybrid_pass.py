@@ -47,15 +47,16 @@ import torch  # noqa: E402
 
 from benchmarks.common import metadata  # noqa: E402
 from benchmarks.count_pass import (  # noqa: E402  (re-exported: tests import them from here)
+    add_estimate_args,
+    add_model_args,
     count_pass,
     estimate_ms,
     forward,
+    gpu_timings,
     graph_runs,
     print_table,
-    profiled,
-    region_times_ms,
+    resolve_model_args,
     shrunk_config,
-    wall_ms,
 )
 from rimuru import LLM, SamplingParams  # noqa: E402
 from rimuru.engine.scheduler import SchedulerOutput  # noqa: E402
@@ -108,30 +109,17 @@ def capture_passes(llm: LLM, decodes: int, chunk: int, prompt_len: int) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3.5-35b-a3b", help="a hybrid preset")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--shrink", type=int, default=None, help="divide the widths (default: 16 on the CPU, 1 on CUDA)")
-    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: 4096 on the CPU)")
-    ap.add_argument("--gpu-memory-budget", default=None, help="default: 72GiB on CUDA, 2GiB on the CPU")
+    add_model_args(ap, "qwen3.5-35b-a3b", "a hybrid preset", "2GiB")
     ap.add_argument("--decodes", type=int, default=43, help="decoding sequences beside the chunk")
     ap.add_argument("--chunk", type=int, default=180, help="prefill chunk tokens")
     ap.add_argument("--prompt-len", type=int, default=16, help="prompt tokens of the decoding requests")
     ap.add_argument("--emulate-fla", action="store_true", help="count the fla-core prefill path on the CPU")
     ap.add_argument("--graphs", action="store_true", help="CUDA: capture the engine's graphs and replay them")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--us-per-launch", type=float, default=8.0)
-    ap.add_argument("--us-per-sync", type=float, default=60.0)
-    ap.add_argument("--output-json", default=None)
+    add_estimate_args(ap)
     args = ap.parse_args()
-    device = torch.device(args.device)
+    device, dtype, shrink, vocab, budget = resolve_model_args(args, "2GiB")
     cuda = device.type == "cuda"
-    if not cuda:
-        torch.set_num_threads(1)  # tiny tensors: more threads only spin
-    dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    shrink = args.shrink if args.shrink is not None else (1 if cuda else 16)
-    vocab = args.vocab if args.vocab is not None else (None if cuda else 4096)
-    budget = args.gpu_memory_budget or ("72GiB" if cuda else "2GiB")
     meta = metadata("count_hybrid_pass", model=args.model, shrink=shrink, vocab=vocab, dtype=dtype,
                     decodes=args.decodes, chunk=args.chunk, emulate_fla=args.emulate_fla, graphs=args.graphs)
     print(f"{meta['device']}  commit {meta['git_commit'][:10]}  {meta['date']}")
@@ -181,12 +169,7 @@ def main() -> None:
                 print(f"  as a mixed graph: {n_lin + 1} pieces; outside them {prefill.launches} launches, "
                       f"{prefill.syncs} syncs, ~{row['graph_estimate']['estimate_ms']:.1f} ms of host time")
             if cuda:
-                row["wall_ms"] = wall_ms(run, device, args.reps)
-                row["region_ms"] = region_times_ms(model, run, device, max(1, args.reps // 2))
-                try:
-                    row["profiler"] = profiled(model, run)
-                except Exception as e:  # noqa: BLE001 - the counts above stand without it
-                    row["profiler"] = {"error": repr(e)}
+                row.update(gpu_timings(model, run, device, args.reps))
                 print(f"  wall {row['wall_ms']['median']:.1f} ms; gpu ms by region "
                       + ", ".join(f"{k} {v:.1f}" for k, v in row["region_ms"]["gpu_ms"].items() if v))
             out[label] = row

@@ -311,6 +311,18 @@ def graph_runs(runner: Any, sched: SchedulerOutput, mixed: bool) -> tuple[Callab
     return run, len(graph.pieces) if isinstance(graph, PiecewiseGraph) else 1
 
 
+def gpu_timings(model: MoECausalLM, run: Callable[[], Any], device: torch.device, reps: int) -> dict[str, Any]:
+    """A pass on CUDA: its wall time, GPU and host ms per region, and torch.profiler's launches and syncs per region
+    (an error in the profiler is recorded, the timings stand without it)."""
+    out: dict[str, Any] = {"wall_ms": wall_ms(run, device, reps),
+                           "region_ms": region_times_ms(model, run, device, max(1, reps // 2))}
+    try:
+        out["profiler"] = profiled(model, run)
+    except Exception as e:  # noqa: BLE001
+        out["profiler"] = {"error": repr(e)}
+    return out
+
+
 def estimate_ms(counts: Counts, us_per_launch: float, us_per_sync: float) -> float:
     return 1e-3 * (counts.launches * us_per_launch + counts.allocs * 0.5 * us_per_launch + counts.syncs * us_per_sync)
 
@@ -408,32 +420,49 @@ def capture_decode(llm: LLM, batch: int, prompt_len: int) -> tuple[SchedulerOutp
     return seen[0]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen1.5-moe-a2.7b", help="a preset (rimuru/presets)")
+def add_model_args(ap: argparse.ArgumentParser, model: str, model_help: str, cpu_budget: str) -> None:
+    """The flags every pass count takes: the preset, the device and the widths (defaults: `resolve_model_args`)."""
+    ap.add_argument("--model", default=model, help=model_help)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     ap.add_argument("--shrink", type=int, default=None, help="divide the widths (default: 16 on the CPU, 1 on CUDA)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: 4096 on the CPU)")
-    ap.add_argument("--gpu-memory-budget", default=None, help="default: 72GiB on CUDA, 8GiB on the CPU")
+    ap.add_argument("--gpu-memory-budget", default=None, help=f"default: 72GiB on CUDA, {cpu_budget} on the CPU")
+
+
+def add_estimate_args(ap: argparse.ArgumentParser) -> None:
+    """The host-time model of the counts and the output file."""
+    ap.add_argument("--us-per-launch", type=float, default=8.0)
+    ap.add_argument("--us-per-sync", type=float, default=60.0)
+    ap.add_argument("--output-json", default=None)
+
+
+def resolve_model_args(args: argparse.Namespace, cpu_budget: str) -> tuple[torch.device, str, int, int | None, str]:
+    """(device, dtype, shrink, vocab, budget) with the defaults of the device: full widths and bf16 on CUDA, shrunk
+    widths, fp32 and one intra-op thread on the CPU (tiny tensors: more threads only spin)."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    shrink = args.shrink if args.shrink is not None else (1 if cuda else 16)
+    vocab = args.vocab if args.vocab is not None else (None if cuda else 4096)
+    return device, dtype, shrink, vocab, args.gpu_memory_budget or ("72GiB" if cuda else cpu_budget)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, "qwen1.5-moe-a2.7b", "a preset (rimuru/presets)", "8GiB")
     ap.add_argument("--batch-sizes", default="32,64", help="decoding sequences per pass, comma-separated")
     ap.add_argument("--prompt-len", type=int, default=300, help="prompt tokens of each request (its context)")
     ap.add_argument("--graphs", action="store_true", help="CUDA: also replay the pass from the engine's decode graph")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--profile-reps", type=int, default=5, help="CPU: passes under cProfile")
     ap.add_argument("--top", type=int, default=25, help="CPU: cProfile's top functions printed and kept")
-    ap.add_argument("--us-per-launch", type=float, default=8.0)
-    ap.add_argument("--us-per-sync", type=float, default=60.0)
-    ap.add_argument("--output-json", default=None)
+    add_estimate_args(ap)
     args = ap.parse_args()
-    device = torch.device(args.device)
+    device, dtype, shrink, vocab, budget = resolve_model_args(args, "8GiB")
     cuda = device.type == "cuda"
-    if not cuda:
-        torch.set_num_threads(1)  # tiny tensors: more threads only spin
-    dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    shrink = args.shrink if args.shrink is not None else (1 if cuda else 16)
-    vocab = args.vocab if args.vocab is not None else (None if cuda else 4096)
-    budget = args.gpu_memory_budget or ("72GiB" if cuda else "8GiB")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     meta = metadata("count_pass", model=args.model, shrink=shrink, vocab=vocab, dtype=dtype, batch_sizes=sizes,
                     prompt_len=args.prompt_len, graphs=args.graphs)
@@ -470,12 +499,7 @@ def main() -> None:
                                    "launches_per_layer": {r: c.launches / layers for r, c in regions.items()},
                                    "estimate_ms": estimate_ms(total, args.us_per_launch, args.us_per_sync)}
             if cuda:
-                row["wall_ms"] = wall_ms(run, device, args.reps)
-                row["region_ms"] = region_times_ms(model, run, device, max(1, args.reps // 2))
-                try:
-                    row["profiler"] = profiled(model, run)
-                except Exception as e:  # noqa: BLE001 - the counts above stand without it
-                    row["profiler"] = {"error": repr(e)}
+                row.update(gpu_timings(model, run, device, args.reps))
                 print(f"  wall {row['wall_ms']['median']:.2f} ms per pass; gpu ms by region "
                       + ", ".join(f"{k} {v:.2f}" for k, v in row["region_ms"]["gpu_ms"].items() if v))
             else:

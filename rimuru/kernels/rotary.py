@@ -100,6 +100,14 @@ if triton is not None:
         tl.store(sin_ptr + dst, round_to(s, dtype).to(dtype), mask=mask)
 
     @triton.jit
+    def _cos_sin_row(cos_ptr, sin_ptr, t, stride_c, stride_s, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+        """Token t's cos and sin rows [1, HALF_PAD] in fp32 (0 past HALF)."""
+        offs_d = tl.arange(0, HALF_PAD)
+        c = tl.load(cos_ptr + t * stride_c + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + t * stride_s + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        return c, s
+
+    @triton.jit
     def _rotate_heads_to(
         x_ptr, dst_ptr, t, stride_t, stride_h, dst_stride_h, c, s,
         H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
@@ -146,9 +154,7 @@ if triton is not None:
         HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
-        offs_d = tl.arange(0, HALF_PAD)
-        c = tl.load(cos_ptr + t * stride_c + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
-        s = tl.load(sin_ptr + t * stride_s + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        c, s = _cos_sin_row(cos_ptr, sin_ptr, t, stride_c, stride_s, HALF, HALF_PAD)
         _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, c, s, HQ, HQ_PAD, HALF, HALF_PAD)
         _rotate_heads(k_ptr, k_out_ptr, t, stride_kt, stride_kh, c, s, HK, HK_PAD, HALF, HALF_PAD)
 
@@ -177,9 +183,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
-        offs_d = tl.arange(0, HALF_PAD)
-        c = tl.load(cos_ptr + t * stride_c + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
-        s = tl.load(sin_ptr + t * stride_s + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+        c, s = _cos_sin_row(cos_ptr, sin_ptr, t, stride_c, stride_s, HALF, HALF_PAD)
         _rotate_heads(q_ptr, q_out_ptr, t, stride_qt, stride_qh, c, s, HQ, HQ_PAD, HALF, HALF_PAD)
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
         if slot >= 0:  # write_kv's slot: page slot // BLOCK_SIZE, offset slot % BLOCK_SIZE
