@@ -28,7 +28,7 @@ from torch import Tensor
 from rimuru.kernels.causal_conv1d_update import causal_conv1d_update_reference
 from rimuru.kernels.gated_delta_decode import gated_delta_decode_reference
 from rimuru.models.forward_batch import ForwardBatch
-from rimuru.models.gated_deltanet import GatedDeltaNet, causal_conv1d, recurrent_gated_delta_rule
+from rimuru.models.gated_deltanet import GatedDeltaNet, causal_conv1d, l2_normalize, recurrent_gated_delta_rule
 from rimuru.models.state_cache import LinearStateCache
 from rimuru.testing.triton_interpreter import run_under_interpreter
 
@@ -107,9 +107,24 @@ def _assert_pages(after: Tensor, before: Tensor, pages: Tensor, want: Tensor, to
     assert err <= tol * max(1.0, want[valid].float().abs().max().item()), err
 
 
-def check_delta(fn: Callable[..., Tensor], case: dict[str, Tensor], tol: float = 1e-5) -> None:
+def raw_qk(case: dict[str, Tensor], seed: int = 7) -> dict[str, Tensor]:
+    """The case with raw q and k: each row of the normalised ones times a factor in [0.5, 3), q unscaled, so that
+    normalising them (qk_scale = dk^-0.5) gives the case's own back."""
+    gen = torch.Generator().manual_seed(seed)
+    out = dict(case)
+    dk = case["q"].shape[-1]
+    for name, scale in (("q", dk**-0.5), ("k", 1.0)):
+        t = case[name]
+        factor = (0.5 + 2.5 * torch.rand(*t.shape[:-1], 1, generator=gen)).to(t.device)
+        out[name] = (t.float() / scale * factor).to(t.dtype)
+    return out
+
+
+def check_delta(fn: Callable[..., Tensor], case: dict[str, Tensor], tol: float = 1e-5,
+                qk_scale: float | None = None) -> None:
     """`fn` (a paged gated delta decode) over the case's L tokens, one call per token, against
-    recurrent_gated_delta_rule over all L tokens from the gathered initial states."""
+    recurrent_gated_delta_rule over all L tokens from the gathered initial states. `qk_scale`: the case's q and k
+    are raw (raw_qk) and `fn` normalises them, given qk_scale; the recurrence takes them normalised, as the layer."""
     q, k, v, g, beta = (case[n] for n in ("q", "k", "v", "g", "beta"))
     pages, has_state, ssm = case["ssm_pages"], case["has_state"], case["ssm"]
     B, Hk, L, _ = q.shape
@@ -117,12 +132,16 @@ def check_delta(fn: Callable[..., Tensor], case: dict[str, Tensor], tol: float =
     group = Hv // Hk
     before = ssm.clone()
     state0 = _gathered(ssm, pages, has_state)
+    qf, kf = q.float(), k.float()
+    if qk_scale is not None:
+        qf, kf = l2_normalize(qf) * qk_scale, l2_normalize(kf)
     want_o, want_state = recurrent_gated_delta_rule(
-        q.float().repeat_interleave(group, 1), k.float().repeat_interleave(group, 1), v.float(), g, beta, state0)
+        qf.repeat_interleave(group, 1), kf.repeat_interleave(group, 1), v.float(), g, beta, state0)
     valid = pages >= 0
+    extra = {} if qk_scale is None else {"qk_scale": qk_scale}
     for t in range(L):
         flags = has_state if t == 0 else torch.ones_like(has_state)  # after the first token every state is live
-        o = fn(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], ssm, pages, flags)
+        o = fn(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t], ssm, pages, flags, **extra)
         assert o.shape == (B, Hv, v.shape[-1]) and o.dtype == torch.float32
         assert torch.equal(o[~valid], torch.zeros_like(o[~valid])), "a padding row's output is not 0"
         err = (o[valid] - want_o[valid][:, :, t]).abs().max().item()
@@ -157,6 +176,9 @@ CONV_CASES = [(5, 20, 4, 3), (4, 64, 4, 1), (6, 7, 3, 5)]  # B, C, K, L
 @pytest.mark.parametrize("shape", DELTA_CASES)
 def test_delta_reference_equals_the_recurrence(shape: tuple[int, ...]) -> None:
     check_delta(gated_delta_decode_reference, make_delta_case(*shape, seed=sum(shape)), tol=1e-6)
+    dk = shape[3]  # raw q and k, normalised inside
+    check_delta(gated_delta_decode_reference, raw_qk(make_delta_case(*shape, seed=sum(shape))), tol=1e-6,
+                qk_scale=dk**-0.5)
 
 
 @pytest.mark.parametrize("shape", CONV_CASES)
@@ -335,6 +357,7 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     import test_gated_delta_kernels as t
     for i, shape in enumerate(t.DELTA_CASES):
         t.check_delta(gated_delta_decode_triton, t.make_delta_case(*shape, seed=i))
+        t.check_delta(gated_delta_decode_triton, t.raw_qk(t.make_delta_case(*shape, seed=i)), qk_scale=shape[3] ** -0.5)
         for bv in (4, 8):  # several value tiles per head
             t.check_delta(partial(gated_delta_decode_triton, block_v_override=bv), t.make_delta_case(*shape, seed=i))
     for i, shape in enumerate(t.CONV_CASES):
@@ -407,6 +430,10 @@ def test_cuda_kernels_match_references_at_qwen35_shapes(dtype: torch.dtype, B: i
     assert _rel(o, o_ref) < 1e-4 and (a.nan_to_num() - b.nan_to_num()).abs().max().item() < 1e-4
     check_delta(gated_delta_decode, make_delta_case(B, Hk, Hv, dk, dv, 4, seed=B + 1, dtype=dtype, device="cuda",
                                                     padding=padding, fresh=fresh), tol=1e-4)
+    # raw q and k (the layer's decode path): normalised and q scaled in the kernel
+    check_delta(gated_delta_decode, raw_qk(make_delta_case(B, Hk, Hv, dk, dv, 4, seed=B + 2, dtype=dtype,
+                                                           device="cuda", padding=padding, fresh=fresh)),
+                tol=1e-4, qk_scale=dk**-0.5)
 
     cc = make_conv_case(B, QWEN35_35B_CONV, 4, 1, seed=B, dtype=dtype, device="cuda", padding=padding, fresh=fresh)
     a, b = cc["conv"].clone(), cc["conv"].clone()

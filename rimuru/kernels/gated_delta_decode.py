@@ -6,7 +6,9 @@
                                             nothing, its output row is 0)
     has_state  [B] bool                     False = the sequence starts fresh: its state is SELECTED as zero
                                             (the page's bytes are garbage, NaN included; never multiplied by 0)
-    q, k       [B, Hk, dk]                  normalised (q also scaled by dk^-0.5), any float dtype
+    q, k       [B, Hk, dk]                  normalised (q also scaled by dk^-0.5), any float dtype; or raw, with
+                                            qk_scale given: then both are l2-normalised here (eps 1e-6 inside the
+                                            root, as the layer's l2_normalize) and q scaled by qk_scale
     v          [B, Hv, dv]
     g, beta    [B, Hv]                      log decay (<= 0) and update strength of this token
 
@@ -64,10 +66,20 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm: Tensor
 # ----------------------------------------------------------------------------------------------
 
 
+L2_EPS = 1e-6  # the layer's l2_normalize: x / sqrt(sum(x^2) + eps)
+
+
+def _l2_normalize(x: Tensor) -> Tensor:  # [..., D] fp32
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
+
+
 def gated_delta_decode_reference(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm: Tensor, ssm_pages: Tensor, has_state: Tensor,
+    qk_scale: float | None = None,
 ) -> Tensor:  # fmt: skip
     B, Hk, Hv, dk, dv, _ = _check(q, k, v, g, beta, ssm, ssm_pages, has_state)
+    if qk_scale is not None:  # raw q and k, normalised in the order of the layer's torch path
+        q, k = _l2_normalize(q.float()) * qk_scale, _l2_normalize(k.float())
     pages = ssm_pages.long()
     valid = pages >= 0  # [B]
     keep = has_state.bool() & valid
@@ -107,12 +119,14 @@ if triton is not None:
         stride_v_b, stride_v_h,
         stride_g_b, stride_g_h, stride_beta_b, stride_beta_h,
         stride_s_page, stride_s_head, stride_s_k,
+        qk_scale,
         NUM_V_HEADS: tl.constexpr,
         GROUP: tl.constexpr,  # Hv // Hk
         DK: tl.constexpr,
         DV: tl.constexpr,
         BLOCK_K: tl.constexpr,  # next_pow2(DK): the whole key dim in one tile
         BLOCK_V: tl.constexpr,
+        NORMALIZE_QK: tl.constexpr,  # q, k raw: l2-normalised here, q scaled by qk_scale
     ):  # fmt: skip
         bh = tl.program_id(0)
         b = bh // NUM_V_HEADS
@@ -137,6 +151,9 @@ if triton is not None:
 
         q = tl.load(q_ptr + b * stride_q_b + hk * stride_q_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + b * stride_k_b + hk * stride_k_h + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        if NORMALIZE_QK:  # padding columns are 0: they add nothing to the sums
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * qk_scale
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
         v = tl.load(v_ptr + b * stride_v_b + h * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + b * stride_g_b + h * stride_g_h).to(tl.float32)
         beta = tl.load(beta_ptr + b * stride_beta_b + h * stride_beta_h).to(tl.float32)
@@ -169,7 +186,7 @@ def block_v(batch: int, num_v_heads: int, dk: int, dv: int, num_sms: int) -> int
 
 def gated_delta_decode_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm: Tensor, ssm_pages: Tensor, has_state: Tensor,
-    block_v_override: int | None = None,
+    block_v_override: int | None = None, qk_scale: float | None = None,
 ) -> Tensor:  # fmt: skip
     """The Triton kernel on any device Triton runs on (CPU tensors under TRITON_INTERPRET=1). No host sync."""
     B, Hk, Hv, dk, dv, _ = _check(q, k, v, g, beta, ssm, ssm_pages, has_state)
@@ -188,7 +205,8 @@ def gated_delta_decode_triton(
         q, k, v, g, beta, ssm, pages, flags, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), ssm.stride(0), ssm.stride(1), ssm.stride(2),
-        NUM_V_HEADS=Hv, GROUP=Hv // Hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=bv,
+        1.0 if qk_scale is None else float(qk_scale),
+        NUM_V_HEADS=Hv, GROUP=Hv // Hk, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=bv, NORMALIZE_QK=qk_scale is not None,
         num_warps=4 if block_k * bv >= 2048 else 2,
     )  # fmt: skip
     return o
@@ -200,10 +218,12 @@ NO_TRITON_ON_CUDA = ("gated delta decode: Triton is not installed, so CUDA tenso
 
 def gated_delta_decode(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm: Tensor, ssm_pages: Tensor, has_state: Tensor,
+    qk_scale: float | None = None,
 ) -> Tensor:  # fmt: skip
-    """One decode token per sequence, the state updated in its page: Triton on CUDA, the reference elsewhere."""
+    """One decode token per sequence, the state updated in its page: Triton on CUDA, the reference elsewhere.
+    `qk_scale`: q and k are raw, normalised inside (above)."""
     if ssm.is_cuda and triton is not None:
-        return gated_delta_decode_triton(q, k, v, g, beta, ssm, ssm_pages, has_state)
+        return gated_delta_decode_triton(q, k, v, g, beta, ssm, ssm_pages, has_state, qk_scale=qk_scale)
     if ssm.is_cuda:
         warn_once(NO_TRITON_ON_CUDA)
-    return gated_delta_decode_reference(q, k, v, g, beta, ssm, ssm_pages, has_state)
+    return gated_delta_decode_reference(q, k, v, g, beta, ssm, ssm_pages, has_state, qk_scale)

@@ -372,7 +372,6 @@ class GatedDeltaNet(nn.Module):
         conv_out = causal_conv1d_update(mixed, conv, self.conv1d.weight.squeeze(1), conv_pages,
                                         has_initial_state)  # [B, conv_dim] mixed's dtype, SiLU applied
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2_normalize(q.reshape(B, Hk, dk).float()) * dk**-0.5  # [B, Hk, dk]: key heads, grouped in the kernel
-        k = l2_normalize(k.reshape(B, Hk, dk).float())
-        v = v.reshape(B, Hv, dv)  # read as fp32 by the kernel
-        return gated_delta_decode(q, k, v, g, beta.float(), ssm, ssm_pages, has_initial_state)  # [B, Hv, dv]
+        # [B, Hk, dk] key heads, views of conv_out: grouped, l2-normalised and q scaled in the kernel, read as fp32
+        q, k, v = q.reshape(B, Hk, dk), k.reshape(B, Hk, dk), v.reshape(B, Hv, dv)
+        return gated_delta_decode(q, k, v, g, beta, ssm, ssm_pages, has_initial_state, qk_scale=dk**-0.5)
