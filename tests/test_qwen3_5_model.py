@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
-from rimuru.testing.paged_model import PagedModel, random_prompts
+from rimuru.testing.paged_model import PagedModel, greedy_decode_together, random_prompts
 from rimuru.testing.paged_model import assert_close as check_close
 
 pytest.importorskip("transformers")
@@ -116,13 +116,7 @@ def test_greedy_decode_matches_generate(tiny_checkpoint: Callable[..., Path], pa
     hm = HybridModel(ckpt, seed=3)
     seqs = prompts(4, hm.spec.vocab_size)[:3]
     steps = 5
-    outs = hm.step(list(enumerate(seqs)))
-    ours: list[list[int]] = [[] for _ in seqs]
-    for _ in range(steps):  # all sequences decode together: one token each per pass
-        nxt = [int(out[-1].argmax()) for out in outs]
-        for s, t in enumerate(nxt):
-            ours[s].append(t)
-        outs = hm.step([(s, [t]) for s, t in enumerate(nxt)])
+    ours = greedy_decode_together(hm, seqs, steps)
     model = hf_model(ckpt)
     for s, prompt in enumerate(seqs):
         with torch.inference_mode():

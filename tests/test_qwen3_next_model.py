@@ -16,7 +16,7 @@ from test_qwen3_5_model import hf_logits, hf_model
 
 from rimuru import LLM, SamplingParams
 from rimuru.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
-from rimuru.testing.paged_model import PagedModel, random_prompts
+from rimuru.testing.paged_model import PagedModel, greedy_decode_together, random_prompts
 from rimuru.testing.paged_model import assert_close as check_close
 from rimuru.testing.pools import CHUNK, assert_nothing_held, tight_budget
 from rimuru.testing.reference import assert_greedy_matches
@@ -91,13 +91,7 @@ def test_greedy_decode_matches_generate(tiny_checkpoint: Callable[..., Path]) ->
     hm = PagedModel(ckpt, seed=3)
     seqs = random_prompts(4, hm.spec.vocab_size, PROMPT_LENS)[:3]
     steps = 5
-    outs = hm.step(list(enumerate(seqs)))
-    ours: list[list[int]] = [[] for _ in seqs]
-    for _ in range(steps):  # all sequences decode together: one token each per pass
-        nxt = [int(out[-1].argmax()) for out in outs]
-        for s, t in enumerate(nxt):
-            ours[s].append(t)
-        outs = hm.step([(s, [t]) for s, t in enumerate(nxt)])
+    ours = greedy_decode_together(hm, seqs, steps)
     for s, prompt in enumerate(seqs):
         with torch.inference_mode():
             gen = hf_model(ckpt).generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,

@@ -125,6 +125,19 @@ class PagedModel:
         return list(logits.cpu().split([len(t) for _, t in chunks]))
 
 
+def greedy_decode_together(model: PagedModel, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens of every prompt, all sequences decoding together: one prefill pass, then `steps` passes of one
+    token each (sequence i is seq id i)."""
+    outs = model.step(list(enumerate(prompts)))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for _ in range(steps):
+        nxt = [int(out[-1].argmax()) for out in outs]
+        for s, t in enumerate(nxt):
+            tokens[s].append(t)
+        outs = model.step([(s, [t]) for s, t in enumerate(nxt)])
+    return tokens
+
+
 def random_prompts(seed: int, vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
     """Token ids in [3, vocab) (clear of the tiny tokenizers' special ids), one prompt per length."""
     g = torch.Generator().manual_seed(seed)
