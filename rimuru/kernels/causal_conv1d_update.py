@@ -62,7 +62,8 @@ def causal_conv1d_update_reference(
 
 if triton is not None:
 
-    @triton.jit
+    # a layer's row of the [L, B] state page ids starts wherever l*B puts it: not specialised on alignment
+    @triton.jit(do_not_specialize_on_alignment=["pages_ptr", "has_state_ptr"])
     def _causal_conv1d_update_kernel(
         x_ptr,  # [B, C]
         conv_ptr,  # [P, C, K-1], updated in place

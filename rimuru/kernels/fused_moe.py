@@ -164,16 +164,34 @@ class _TileConfig:
     group_m: int = 8
 
 
+# the tile tiers' upper bounds in routed rows per expert (assignments / experts), smallest tier first
+TILE_TIER_BOUNDS = (16, 48, 192)
+
+
 def _tile_config(rows_per_expert: float) -> _TileConfig:
     # Few rows per expert (decode): the GEMMs stream weights, so use the smallest M tile and narrow N
     # tiles for enough programs to fill the SMs. Many rows: square-ish tiles for tensor-core reuse.
-    if rows_per_expert <= 16:
+    if rows_per_expert <= TILE_TIER_BOUNDS[0]:
         return _TileConfig(16, 32, 32, 128, 4, 4)
-    if rows_per_expert <= 48:
+    if rows_per_expert <= TILE_TIER_BOUNDS[1]:
         return _TileConfig(32, 64, 64, 128, 4, 4)
-    if rows_per_expert <= 192:
+    if rows_per_expert <= TILE_TIER_BOUNDS[2]:
         return _TileConfig(64, 128, 64, 64, 4, 4)
     return _TileConfig(128, 128, 64, 64, 8, 3)
+
+
+def variant_change_points(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
+    """The token counts <= max_tokens at which a MoE launch's kernel variants change (1 included): its tile tier
+    (rows per expert crossing a TILE_TIER_BOUNDS entry) or the alignment kernel's width (the next power of two of
+    tokens x top_k). A launch of T tokens builds the variants of the largest change point <= T (engine/
+    kernel_warmup.py runs one pass at each)."""
+    points = {1}
+    points.update(bound * num_experts // top_k + 1 for bound in TILE_TIER_BOUNDS)
+    width = 16  # moe_align's BLOCK_N: max(16, next_pow2(assignments)); it changes past every power of two
+    while width < max_tokens * top_k:
+        points.add(width // top_k + 1)
+        width *= 2
+    return sorted(p for p in points if p <= max_tokens)
 
 
 def _run(
@@ -290,7 +308,10 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         return offs_m, rows, rows < n, offs_n, offs_n < N
 
-    @triton.jit
+    # The per-step counts (assignments, M blocks) are not specialised on (== 1, divisible by 16), nor the layer's
+    # row of the [L, E, 3] expert tables on alignment: a new batch shape compiles no new variant mid-serving; the
+    # variants are the tile configurations' constexprs alone.
+    @triton.jit(do_not_specialize=["n", "num_pid_m"], do_not_specialize_on_alignment=["table_ptr"])
     def _gate_up_kernel(
         a_ptr,  # hidden [T, d], row stride stride_a
         w_ptr,  # PAGED: expert_view [pages, f*d]; else w13 [E, 2f, d]
@@ -343,7 +364,7 @@ if triton is not None:
         o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * F + offs_n[None, :]
         tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "num_pid_m"], do_not_specialize_on_alignment=["table_ptr"])
     def _down_kernel(
         a_ptr,  # [max_blocks*BLOCK_M, f] intermediate, row = sorted position
         w_ptr,  # PAGED: expert_view [pages, f*d]; else w2 [E, d, f]

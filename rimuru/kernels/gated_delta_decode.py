@@ -103,7 +103,8 @@ def gated_delta_decode_reference(
 
 if triton is not None:
 
-    @triton.jit
+    # a layer's row of the [L, B] state page ids starts wherever l*B puts it: not specialised on alignment
+    @triton.jit(do_not_specialize_on_alignment=["pages_ptr", "has_state_ptr"])
     def _gated_delta_decode_kernel(
         q_ptr,  # [B, Hk, dk]
         k_ptr,  # [B, Hk, dk]

@@ -67,7 +67,7 @@ def moe_align_torch(topk_ids: Tensor, num_experts: int, block_m: int) -> MoeAlig
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "max_padded"])  # per-step counts: no variant per batch shape
     def _moe_align_single_kernel(
         ids_ptr,  # [n] expert of each assignment, any integer dtype (topk's int64 needs no cast launch)
         sorted_ptr,  # [max_padded] int32 out

@@ -133,9 +133,12 @@ def paged_attention_reference(
 
 if triton is not None:
 
-    # Per-step integers are not specialised on (==1, divisible by 16): every new batch shape would
-    # otherwise compile another variant in the middle of serving.
-    @triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
+    # Per-step integers (counts, the block table's width) are not specialised on (== 1, divisible by 16), nor the
+    # index arrays' addresses on alignment (a layer's block-table row of a [L, B, W] table starts wherever l*B*W
+    # puts it): every new batch shape would otherwise compile another variant in the middle of an eager step.
+    @triton.jit(do_not_specialize=["num_tokens", "num_seqs", "stride_bt_b"],
+                do_not_specialize_on_alignment=["block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr",
+                                                "q_tile_start_ptr"])
     def _paged_attention_kernel(
         q_ptr,  # [T, Hq, D]
         kv_ptr,  # [P, 2, BLOCK_SIZE, Hkv, D]
@@ -293,7 +296,7 @@ if triton is not None:
             mask=offs_d < HEAD_DIM,
         )
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # a layer's row of [L, T]: any alignment
     def _write_kv_kernel(
         k_ptr,  # [T, Hkv, D]
         v_ptr,  # [T, Hkv, D]

@@ -161,7 +161,7 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # a layer's row of [L, T]: any alignment
     def _rotary_write_kv_kernel(
         q_ptr,  # [T, HQ, 2 * HALF] strided tokens / heads
         k_ptr,  # [T, HK, 2 * HALF]
