@@ -100,7 +100,8 @@ ROW_FIELDS = (
     "completed", "failed", "duration_s", "request_throughput", "output_throughput", "total_token_throughput",
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "median_itl_ms", "p99_itl_ms", "peak_running", "peak_waiting", "expert_bytes_pcie", "prefetch_hits",
-    "prefetch_misses", "prefetch_hit_rate", "preemptions", "forward_steps", "expert_evictions", "expert_grows",
+    "prefetch_misses", "prefetch_hit_rate", "preemptions", "forward_steps", "kernel_variants_built",
+    "expert_evictions", "expert_grows",
     "piecewise_overhead_ms", "kv_tokens_max", "workspace_bytes", "prefix_cache_queries", "prefix_cache_hits",
     "prefix_cache_hit_rate", "total_input_tokens", "total_cached_tokens", "median_ttft_first_turn_ms",
     "median_ttft_later_turns_ms", "p99_ttft_first_turn_ms", "p99_ttft_later_turns_ms", "point_wall_s", "timeline",
@@ -259,6 +260,7 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "prefetch_hit_rate": rate,
         "preemptions": delta("rimuru:num_preemptions", "vllm:num_preemptions"),
         "forward_steps": delta("rimuru:forward_steps"),
+        "kernel_variants_built": delta("rimuru:kernel_variants_built"),  # steps that waited for a Triton build
         "expert_evictions": delta("rimuru:expert_evictions"),
         "expert_grows": delta("rimuru:expert_grows"),
         # elastic with graphs: what the engine measured at start-up (a level, not a delta)

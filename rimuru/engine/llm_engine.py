@@ -69,6 +69,7 @@ from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.residency import EXPERT
 from rimuru.experts.runtime import StepDemand
 from rimuru.experts.runtime_builders import RuntimeSettings, build_host_store, build_runtime, needs_host_store
+from rimuru.kernels import kernel_builds
 from rimuru.memory.geometry import PageGeometry
 from rimuru.memory.pass_fence import PassFence
 from rimuru.memory.pool import PagePool
@@ -79,6 +80,9 @@ from rimuru.models.registry import build_model
 from rimuru.models.state_cache import LinearStateCache
 
 logger = logging.getLogger("rimuru")
+
+# steps that built Triton kernel variants while serving: the first this many are logged, all are counted
+KERNEL_BUILDS_LOGGED = 20
 
 InFlight = tuple[SchedulerOutput, SampledTokens]  # a launched pass whose tokens have not been read
 
@@ -111,6 +115,9 @@ class LLMEngine:
         if device.type == "cuda" and tp.size > 1:
             torch.cuda.set_device(device)
         start_memory = DeviceMemoryMark.now(device) if device.type == "cuda" else None
+        if device.type == "cuda":  # count the Triton kernel variants start-up builds, and any a step builds later
+            kernel_builds.install()
+        builds_at_start = kernel_builds.count()
         clock = self._clock = StartupClock()
         dtype = resolve_dtype(config.dtype, spec, device)
         # only rank 0 reads text and writes it; another rank's start-up would spend seconds importing transformers
@@ -131,7 +138,7 @@ class LLMEngine:
             self.async_scheduling = False
         self._host_store: HostExpertStore | None = None  # made before the pool where the mode needs one
         memory = self._agree(self._plan_memory(model, geometry, dtype, start_memory))
-        clock.mark("memory plan (the workspace profile)")
+        clock.mark("memory plan (the workspace profile and kernel warm-up)")
         self.pool = PagePool(geometry, memory.pool_bytes, device)
         num_attn = len(spec.attention_layer_ids)
         model.bind_kv_cache(self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size),
@@ -190,7 +197,8 @@ class LLMEngine:
                 clock.mark("CUDA graphs")
         if start_memory is not None:
             self._check_workspace(start_memory)
-        logger.info("start-up: %s", clock.describe())
+        logger.info("start-up: %s; %d Triton kernel variants built", clock.describe(),
+                    kernel_builds.count() - builds_at_start)
         self._requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.scheduler, self._requests,
                                        self.async_scheduling)
@@ -201,6 +209,7 @@ class LLMEngine:
         self._in_flight: InFlight | None = None
         self.forward_steps = 0
         self.peak_running = 0
+        self.kernel_variants_built = 0  # Triton kernel variants steps built (kernels/kernel_builds.py)
         self.start_time = time.monotonic()
         self.step_metrics = StepMetricsRing()
         self.recent_tpot = RecentTpot()  # what finished requests saw: the SLO mode corrects its step model with it
@@ -391,6 +400,7 @@ class LLMEngine:
         trace = self.trace
         trace.begin(t0)
         loaded0, graph_steps0 = self.runtime.bytes_loaded, self.runner.graph_steps
+        builds0 = kernel_builds.count()
         if self.workers is not None:
             self.workers.check()
         outputs = self._take_inbox()
@@ -426,9 +436,20 @@ class LLMEngine:
         self.pool.allocator.complete_forward()  # pages the finished pass may have read are free now
         t_end = self._record(t0, num_tokens, self.runner.graph_steps > graph_steps0, plan, loaded0)
         trace.end(t_end)
+        if (built := kernel_builds.count() - builds0) > 0:
+            self._note_kernel_builds(built, sched.num_tokens, len(sched.scheduled))
         for out in outputs:
             self.recent_tpot.observe(out)
         return outputs
+
+    def _note_kernel_builds(self, built: int, num_tokens: int, num_seqs: int) -> None:
+        """A step built Triton kernel variants the start-up warm-up did not (engine/kernel_warmup.py): it waited for
+        them. Counted in stats; the first few are logged with the step's shape."""
+        self.kernel_variants_built += built
+        if self.kernel_variants_built <= KERNEL_BUILDS_LOGGED:
+            logger.info("a step of %d tokens over %d sequences built %d Triton kernel variant(s) the warm-up did not "
+                        "(%d while serving so far; per kernel since the process began: %s)", num_tokens, num_seqs,
+                        built, self.kernel_variants_built, kernel_builds.by_kernel())
 
     def _demand(self, sched: SchedulerOutput) -> StepDemand:
         return StepDemand(shortfall_kv_pages=sched.shortfall_pages, num_batched_tokens=sched.num_tokens,
@@ -571,6 +592,7 @@ class LLMEngine:
             "forward_steps": self.forward_steps,
             "peak_running": self.peak_running,
             "preemptions": self.scheduler.num_preemptions,
+            "kernel_variants_built": self.kernel_variants_built,  # by steps: each one waited for a compile
             "piecewise_overhead_ms": None if self.piecewise_overhead_s is None else 1e3 * self.piecewise_overhead_s,
             # KV tokens the pool could ever give requests (every allowed expert evicted) and the workspace the
             # budget reserved: levels fixed at start, what a serving sweep records beside its latencies

@@ -55,6 +55,7 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.cuda_graphs import StepGraphs, release_cublas_workspaces
+from rimuru.engine.kernel_warmup import warm_up_kernels
 from rimuru.engine.kv_cache_manager import KV
 from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
 from rimuru.engine.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs
@@ -139,11 +140,18 @@ class _ScratchPool:
 
 def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, vocab_size: int,
                   device: torch.device, num_linear_layers: int = 0) -> ForwardBatch:
-    """`tokens` prompt tokens split over `seqs` fresh prompts, every block on KV page 0 (a hybrid model's states on
-    state page 0), each prompt's last row sampled."""
+    """`tokens` prompt tokens split over `seqs` fresh prompts (see `_prompt_step`)."""
+    lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+    return _prompt_step(lens, num_layers, block_size, vocab_size, device, num_linear_layers)
+
+
+def _prompt_step(lens: list[int], num_layers: int, block_size: int, vocab_size: int, device: torch.device,
+                 num_linear_layers: int = 0) -> ForwardBatch:
+    """Fresh prompts of `lens` tokens, every block on KV page 0 (a hybrid model's states on state page 0), each
+    prompt's last row sampled."""
+    seqs, tokens = len(lens), sum(lens)
     state_pages = (torch.zeros(num_linear_layers, seqs, dtype=torch.int64, device=device) if num_linear_layers
                    else None)
-    lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
     starts = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(n) for n in lens])
     max_len = max(lens)
@@ -157,6 +165,14 @@ def _largest_step(num_layers: int, tokens: int, seqs: int, block_size: int, voca
         logits_indices=(starts[1:] - 1).to(torch.int64).to(device), max_query_len=max_len, max_seq_len=max_len,
         ssm_pages=state_pages, conv_pages=state_pages,
         layout=StepLayout.of(lens) if num_linear_layers else None)  # the serving passes' split (state_cache.py)
+
+
+def _run_prompts(model: MoECausalLM, spec: ModelSpec, lens: list[int], block_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """One pass over fresh prompts of `lens` tokens in the scratch pool (`_prompt_step`): the sampled rows' logits."""
+    step = _prompt_step(lens, len(spec.attention_layer_ids), block_size, spec.vocab_size, device,
+                        len(spec.linear_layer_ids))
+    return model.compute_logits(model(step)[step.logits_indices])
 
 
 def _sample(logits: torch.Tensor, sampler: Sampler) -> None:
@@ -199,6 +215,12 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     mode = mode_for(forward + engine_start.outside_torch_since(device))
     with torch.inference_mode(False):  # what the hook makes (the host store) outlives the profile: normal tensors
         before_graphs(mode)
+    # the kernel variants serving will launch, in the mode's variant, built now; their images count in `outside`
+    model.attach_experts(_engine_provider(scratch, mode, config))
+    warm_up_kernels(lambda lens: _run_prompts(model, spec, lens, config.block_size, device), S, T,
+                    spec.num_experts, spec.num_experts_per_tok)
+    model.attach_experts(scratch.provider)
+    torch.cuda.empty_cache()
     outside = engine_start.outside_torch_since(device)
     graphs = sampling = 0
     eager_beside = False
@@ -265,18 +287,26 @@ def _capture_like_the_engine(model: MoECausalLM, scratch: _ScratchPool, mode: st
     graphs; fixed with copies: piecewise; elastic with copies: piecewise and whole), over the scratch pool; a hybrid
     model's (`num_linear` linear-attention layers) mixed graphs cut at its gated DeltaNet layers, over its scratch
     state cache."""
-    provider = scratch.provider
+    provider = _engine_provider(scratch, mode, config)
     boundaries = None
     copies = mode != "static" and config.offload_access == "copy"
     if copies:
         boundaries = ExpertTableBoundaries(None, model, provider.expert_view, provider.tables)
-    elif mode != "static":  # the kernels' host-row variant, over the scratch pages (no host memory is read)
-        provider = StaticExpertProvider(provider.expert_view, provider.tables,
-                                        host_rows=[provider.expert_view] * provider.tables.shape[0])
-        model.attach_experts(provider)
+    model.attach_experts(provider)
     graphs = StepGraphs(model, device, num_attn, config.max_num_seqs, max_model_len, config.block_size,
                         config.max_num_batched_tokens, boundaries=boundaries,
                         resident_provider=provider if copies and mode == "elastic" else None,
                         max_capture_size=config.max_cudagraph_capture_size, num_linear_layers=num_linear)
     graphs.capture()
     return graphs
+
+
+def _engine_provider(scratch: _ScratchPool, mode: str, config: EngineConfig) -> StaticExpertProvider:
+    """The scratch pool's experts in the MoE kernel variant the engine's mode launches: fixed and elastic modes with
+    direct access read host rows (here the scratch pages stand for them: no host memory is read); static mode and
+    copy access read pages only."""
+    provider = scratch.provider
+    if mode == "static" or config.offload_access == "copy":
+        return provider
+    return StaticExpertProvider(provider.expert_view, provider.tables,
+                                host_rows=[provider.expert_view] * provider.tables.shape[0])

@@ -56,6 +56,8 @@ GAUGES = {
 COUNTERS = {
     "forward_steps": ("forward_steps", "Engine forward steps."),
     "preemptions": ("num_preemptions", "Requests preempted for lack of pages."),
+    "kernel_variants_built": ("kernel_variants_built",
+                              "Triton kernel variants steps built after start-up (each step waited for its builds)."),
     "expert_bytes_loaded": ("expert_bytes_loaded", "Expert bytes copied host->device (PCIe)."),
     "expert_evictions": ("expert_evictions", "Experts evicted from the pool."),
     "expert_grows": ("expert_grows", "Experts brought back into the pool."),
