@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import textwrap
 from pathlib import Path
 
@@ -120,20 +119,6 @@ def test_align_torch_layout(block_m: int) -> None:
     assert (a.sorted_ids[a.block_end[-1] :] == 8).all()
 
 
-def test_align_above_the_kernel_limit_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    # Past SINGLE_PROGRAM_MAX assignments the alignment takes the torch ops: said once, not per MoE layer.
-    pytest.importorskip("triton")
-    import rimuru.kernels.moe_align as ma
-    from rimuru.kernels.launch import warn_once
-
-    warn_once.cache_clear()
-    ids = torch.randint(0, 8, (ma.SINGLE_PROGRAM_MAX // 2 + 1, 2), generator=torch.Generator().manual_seed(0))
-    with caplog.at_level(logging.WARNING, logger="rimuru"):
-        got = [ma.moe_align(ids, 8, 16) for _ in range(2)]
-    assert [r.getMessage() for r in caplog.records] == [ma.ABOVE_SINGLE_PROGRAM]
-    assert torch.equal(got[-1].sorted_ids, moe_align_torch(ids, 8, 16).sorted_ids)
-
-
 def test_reference_reads_experts_named_by_host_rows() -> None:
     hidden, w, ids, view, table = make_case(9, 48, 24, 6, 2, 1, torch.float64, "cpu", seed=3)
     routed = sorted(set(ids.flatten().tolist()))
@@ -158,10 +143,10 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     # Rows per expert 0.5 .. 66: the first three tile configs; odd d/f exercise the K and N masks.
     cases = [(1, 64, 32, 4, 2, 1), (7, 96, 48, 6, 3, 0), (33, 64, 80, 5, 1, 1), (20, 32, 16, 12, 8, 2),
              (34, 40, 24, 2, 1, 0), (66, 32, 16, 1, 1, 0)]
-    for force_torch_align in (False, True):
-        moe_align.SINGLE_PROGRAM_MAX = 0 if force_torch_align else 4096
+    for force_chunked_align in (False, True):  # the single-program alignment, or the chunked one at any size
+        moe_align.SINGLE_PROGRAM_MAX = 0 if force_chunked_align else 4096
         for i, (T, d, f, E, k, absent) in enumerate(cases):
-            if force_torch_align and i not in (1, 3):
+            if force_chunked_align and i not in (1, 3):
                 continue
             args = make_case(T, d, f, E, k, absent, torch.float32, "cpu", seed=i)
             ref = fused_moe_reference(*args, f)
@@ -185,6 +170,22 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     host, moved, poisoned = move_to_host_rows(view, table, routed[::2])
     out = fused_moe_triton(hidden, w, ids, poisoned, moved, 16, host)
     assert torch.equal(out, fused_moe_triton(hidden, w, ids, view, table, 16))
+    # Both Triton alignments give the torch path's layout exactly (stable: an expert's assignments in index order),
+    # across chunk edges, empty experts and an int32 input
+    g = torch.Generator().manual_seed(3)
+    for n, E, block_m in [(1, 5, 16), (1023, 60, 16), (1024, 128, 64), (1025, 7, 32), (3000, 60, 128),
+                          (5000, 128, 16), (9001, 256, 64)]:
+        ids = torch.randint(0, E, (n,), generator=g)
+        ids[ids == 2] = 3  # expert 2 never routed to
+        want = moe_align.moe_align_torch(ids.view(-1, 1), E, block_m)
+        for limit in (4096, 0):
+            moe_align.SINGLE_PROGRAM_MAX = limit
+            if limit and n > limit:
+                continue
+            got = moe_align.moe_align(ids.int().view(-1, 1), E, block_m)
+            assert got.max_blocks == want.max_blocks
+            assert torch.equal(got.block_end, want.block_end), (n, E, block_m, limit)
+            assert torch.equal(got.sorted_ids, want.sorted_ids), (n, E, block_m, limit)
     print("ok")
     """
 )
@@ -220,6 +221,21 @@ def test_cuda_paged_matches_reference(shape: tuple[int, int, int, int], T: int) 
     assert rel_err(out, ref) < 1e-2
     w13, w2 = contiguous_weights(view, table, f, d)
     assert torch.equal(fused_moe_contiguous(hidden, w, ids, w13, w2), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,E,block_m", [(4097, 60, 16), (16384, 128, 64), (32768, 256, 128), (40000, 60, 32)])
+def test_cuda_chunked_alignment_equals_the_stable_sort(n: int, E: int, block_m: int) -> None:
+    """Past SINGLE_PROGRAM_MAX assignments the three chunked launches give the stable sort's layout exactly."""
+    from rimuru.kernels.moe_align import SINGLE_PROGRAM_MAX, moe_align
+
+    assert n > SINGLE_PROGRAM_MAX
+    g = torch.Generator(device="cuda").manual_seed(n)
+    ids = torch.randint(0, E, (n // 4 + 1, 4), device="cuda", generator=g).reshape(-1)[:n].view(-1, 1)
+    got, want = moe_align(ids, E, block_m), moe_align_torch(ids, E, block_m)
+    assert got.max_blocks == want.max_blocks
+    assert torch.equal(got.block_end, want.block_end) and torch.equal(got.sorted_ids, want.sorted_ids)
 
 
 @pytest.mark.gpu
@@ -274,7 +290,7 @@ def test_cuda_graph_replay_with_new_inputs(shape: tuple[int, int, int, int], T: 
     # The engine captures decode steps in CUDA graphs: the whole call (alignment, both GEMMs, top-k
     # sum) must have no host sync and must read everything it depends on from device memory at
     # replay time. Capture once, then refill hidden, weights, ids, table (rows moved to other pages,
-    # other experts absent) and pool contents, and replay. T=2048 with k=8 takes the torch alignment.
+    # other experts absent) and pool contents, and replay. T=2048 with k=8 takes the chunked alignment.
     d, f, E, k = shape
     static = make_case(T, d, f, E, k, E // 5, torch.bfloat16, "cuda", seed=T)
     stream = torch.cuda.Stream()  # compile and warm the allocator outside the graph

@@ -103,6 +103,15 @@ def test_fused_moe_one_variant_per_tile_tier():
                    align_mod._moe_align_single_kernel)
 
 
+def test_chunked_alignment_one_variant_per_chunk_power_of_two():
+    # 5,000 and 6,000 assignments: 5 and 6 chunks of 1,024, one power of two (8) for the scan's loops
+    def launch(n: int):
+        return lambda: align_mod._moe_align_chunked(torch.randint(0, 60, (n, 1)), 60, 32)
+    assert align_mod.chunked_variant(5000) == align_mod.chunked_variant(6000)
+    _same_variants(launch(5000), launch(6000), align_mod._moe_align_count_kernel, align_mod._moe_align_scan_kernel,
+                   align_mod._moe_align_scatter_kernel)
+
+
 def _state_kernels(batch: int, layer: int):
     hk, hv, dk, dv, conv_dim, width = 1, 2, 16, 32, 24, 4
 

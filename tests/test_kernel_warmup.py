@@ -18,7 +18,7 @@ from rimuru.engine.kernel_warmup import warmup_passes
 from rimuru.kernels.fused_moe import _tile_config
 from rimuru.kernels.gated_delta_decode import block_v
 from rimuru.kernels.launch import next_pow2
-from rimuru.kernels.moe_align import SINGLE_PROGRAM_MAX
+from rimuru.kernels.moe_align import SINGLE_PROGRAM_MAX, chunked_variant
 from rimuru.kernels.paged_attention import plan_launch
 from rimuru.testing.tiny_models import ARCHS, HYBRID_ARCHS, make_tiny_checkpoint
 
@@ -34,7 +34,8 @@ def _attention_variant(batch: int, max_query: int, heads: tuple[int, int, int], 
 def _moe_variant(tokens: int, experts: int, top_k: int) -> tuple:
     n = tokens * top_k
     cfg = _tile_config(n / experts)
-    align = (max(16, next_pow2(n)), 8 if n > 1024 else 4) if n <= SINGLE_PROGRAM_MAX else None  # else torch's
+    align = (max(16, next_pow2(n)), 8 if n > 1024 else 4) if n <= SINGLE_PROGRAM_MAX else ("chunked",
+                                                                                            chunked_variant(n))
     return cfg, align
 
 

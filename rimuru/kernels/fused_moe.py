@@ -182,12 +182,14 @@ def _tile_config(rows_per_expert: float) -> _TileConfig:
 
 def variant_change_points(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
     """The token counts <= max_tokens at which a MoE launch's kernel variants change (1 included): its tile tier
-    (rows per expert crossing a TILE_TIER_BOUNDS entry) or the alignment kernel's width (the next power of two of
-    tokens x top_k). A launch of T tokens builds the variants of the largest change point <= T (engine/
-    kernel_warmup.py runs one pass at each)."""
+    (rows per expert crossing a TILE_TIER_BOUNDS entry) or the alignment's (the single-program kernel's width, the
+    next power of two of tokens x top_k, up to moe_align.SINGLE_PROGRAM_MAX assignments; past it the chunked
+    path's power-of-two chunk count: both change where tokens x top_k passes a power of two). A launch of T tokens
+    builds the variants of the largest change point <= T (engine/kernel_warmup.py runs one pass at each)."""
     points = {1}
     points.update(bound * num_experts // top_k + 1 for bound in TILE_TIER_BOUNDS)
-    width = 16  # moe_align's BLOCK_N: max(16, next_pow2(assignments)); it changes past every power of two
+    width = 16  # the alignment's variant (its BLOCK_N, then its chunk count's power of two) changes past each power
+    # of two of the assignments
     while width < max_tokens * top_k:
         points.add(width // top_k + 1)
         width *= 2

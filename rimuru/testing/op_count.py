@@ -266,7 +266,7 @@ def _fused_moe_launches(hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor, 
     from rimuru.kernels.moe_align import SINGLE_PROGRAM_MAX
 
     n = topk_ids.numel()
-    align = 1 if n <= SINGLE_PROGRAM_MAX else 12  # above one program: the torch alignment (sort, bincount, ...)
+    align = 1 if n <= SINGLE_PROGRAM_MAX else 3  # above one program: the chunked count, scan and scatter
     return align + 2 + (topk_ids.shape[1] > 1)  # + gate/up and down GEMMs, + the top-k sum
 
 
