@@ -9,9 +9,12 @@ and for the fused kernel, over rotated input sets. `GB/s` is the bytes the op mu
 outputs written once) over the fused time, against the H200's 4.26 TB/s; at small T these ops are
 launch/latency-bound, so the kernel count and the graph time are the numbers that matter there.
 
+The MoE's alignment (kernels/moe_align.py: one program up to 4,096 assignments, the chunked launches past it, so
+T = 4096 at top-4 takes the chunked path) is timed against its torch ops the same way.
+
 The last lines add the ops up per decode step of the 24-layer model: per layer two add+norms, routing,
-rotary, the shared expert's SiLU-and-mul and its gated combine; per step the first input norm, cos/sin and
-the final add+norm.
+rotary, the MoE alignment, the shared expert's SiLU-and-mul and its gated combine; per step the first input norm,
+cos/sin and the final add+norm.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from rimuru.kernels.activation import (  # noqa: E402
     silu_and_mul_reference,
     silu_and_mul_triton,
 )
+from rimuru.kernels.fused_moe import _tile_config  # noqa: E402
+from rimuru.kernels.moe_align import moe_align, moe_align_torch  # noqa: E402
 from rimuru.kernels.rmsnorm import (  # noqa: E402
     fused_add_rms_norm_reference,
     fused_add_rms_norm_triton,
@@ -69,7 +74,7 @@ EPS = 1e-6
 TOKENS = [1, 16, 64, 256, 4096]
 # Calls per decode step of the 24-layer model.
 PER_STEP = {"rms_norm": 1, "fused_add_rms_norm": 2 * LAYERS, "route_topk": LAYERS, "silu_and_mul": LAYERS,
-            "sigmoid_mul_add": LAYERS, "cos_sin": 1, "rotary_qk": LAYERS}
+            "sigmoid_mul_add": LAYERS, "cos_sin": 1, "rotary_qk": LAYERS, "moe_align": LAYERS}
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,14 @@ def make_ops(T: int, dtype: torch.dtype, dev: str = "cuda") -> list[Op]:
     def torch_add_norm(x: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
         return fused_add_rms_norm_reference(x, r, w_norm, EPS)
 
+    block_m = _tile_config(T * TOP_K / EXPERTS).block_m  # the fused MoE's M tile at this T
+
+    def align(fn: Callable) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+        def run(ids: Tensor) -> tuple[Tensor, Tensor]:
+            a = fn(ids, EXPERTS, block_m)
+            return a.sorted_ids, a.block_end
+        return run
+
     return [
         Op("rms_norm", lambda: (rnd(T, HIDDEN),), lambda x: rms_norm_reference(x, w_norm, EPS),
            lambda x: rms_norm_triton(x, w_norm, EPS), 2 * T * HIDDEN * e + HIDDEN * e),
@@ -125,6 +138,8 @@ def make_ops(T: int, dtype: torch.dtype, dev: str = "cuda") -> list[Op]:
            T * 8 + half * 4 + 2 * T * half * e),
         Op("rotary_qk", qk, torch_rotary_qk, apply_rotary_qk_triton,
            2 * T * (HEADS + KV_HEADS) * HEAD_DIM * e + 2 * T * half * e),
+        Op("moe_align", lambda: (torch.randint(0, EXPERTS, (T, TOP_K), device=dev),), align(moe_align_torch),
+           align(moe_align), T * TOP_K * (8 + 4) + EXPERTS * (block_m + 1) * 4),
     ]  # fmt: skip
 
 
