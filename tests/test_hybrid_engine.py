@@ -271,9 +271,29 @@ def test_a_hit_takes_the_cached_blocks_and_a_copy_of_the_snapshot(ckpt: Path) ->
     assert snap.refs == 0 and eng.state.snapshots.num_snapshots == 1  # b's boundary is a's: no second snapshot
     third = llm.generate({"prompt_token_ids": c}, params)[0]
     assert third.num_cached_tokens == 0 and counted.tokens[40] == 2 * 40 and third.outputs[0].token_ids == want[2]
-    assert eng.state.snapshots.num_snapshots == 2
+    # c's cached KV chain (a's block 0) ended at 16 with no snapshot there: c's prefill snapshots 16 and its own 32
+    assert eng.state.snapshots.num_snapshots == 3
+    assert eng.state.snapshots.get(eng.kv.block_hashes(probe, 1)[-1]).num_tokens == 16
     assert_nothing_held(eng)
     assert eng.state.snapshots.num_snapshots == 0 and eng.kv.num_cached_pages == 0
+
+
+def test_a_shared_system_prompt_hits_from_the_third_request(ckpt: Path) -> None:
+    """A system prompt of 40 tokens before each user's text: the first request snapshots only its own last boundary;
+    the second finds the system prompt's KV blocks cached (two full blocks: 32 tokens) but no state there, computes
+    everything and snapshots 32 on its way; every later one starts at 32. Tokens as without prefix caching."""
+    system, *users = random_prompts((40, 11, 23, 9, 17), seed=31)
+    prompts = [system + u for u in users]
+    args = {"gpu_memory_budget": "64MiB", "device": "cpu"}
+    want = one_by_one(LLM(str(ckpt), enable_prefix_caching=False, **args), prompts)
+    llm = LLM(str(ckpt), **args)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    outs = [llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 32, 32]
+    snaps = llm.engine.state.snapshots
+    assert snaps is not None and snaps.num_snapshots == 1 + 2 + 1 + 1  # each prompt's own end, and 32 once
+    assert_nothing_held(llm.engine)
 
 
 @pytest.mark.parametrize("mode", ["static", "elastic"])

@@ -154,13 +154,15 @@ def test_snapshot_at_the_prompts_last_boundary_and_a_hit_that_copies_it() -> Non
     assert out.state_copies == [(snap.ssm_pages, r1.ssm_pages, snap.conv_pages, r1.conv_pages)]
     _launch(out)
     sched.finish(r1, RequestStatus.FINISHED_LENGTH)
-    # a prompt sharing the first block only: short of the snapshot's boundary, no hit
+    # a prompt sharing the first block only: short of the snapshot's boundary, no hit; its first chunk ends where
+    # its cached chain does (4), a snapshot point of its own
     r2 = request(2, prompt=9)
     r2.prompt_token_ids = [5] * 4 + [6] * 5
     sched.add(r2)
     out = sched.schedule()
-    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(0, 8)] and r2.num_cached_tokens == 0
-    sched.finish(r2, RequestStatus.FINISHED_ABORTED)  # no snapshot taken: it never ran from its boundary
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(0, 4)] and r2.num_cached_tokens == 0
+    assert r2.kv_chain_boundary == 4
+    sched.finish(r2, RequestStatus.FINISHED_ABORTED)  # no snapshot taken: it never ran from a snapshot point
     assert snaps.num_snapshots == 1
     # a KV allocation that the free pages and the cached blocks cannot serve drops the snapshot before failing
     cap = kv.capacity_pages()

@@ -55,6 +55,9 @@ class Request:
     conv_pages: list[int] = field(default_factory=list)
     # with prefix caching: the state snapshots the request holds (the one it took, the one it started from)
     state_snapshots: list[Any] = field(default_factory=list)
+    # hybrid prefix caching: where the request's cached KV chain ended at admission with no snapshot there (a
+    # block boundary of its prompt; 0: none): its prefill snapshots that boundary too (state_cache_manager.py)
+    kv_chain_boundary: int = 0
     # prefix caching (engine/kv_cache_manager.py): the names of the full blocks of all_token_ids hashed so far, and
     # how many leading blocks of kv_pages were offered to the cache (each is then the cached block or a private copy)
     block_hashes: list[bytes] = field(default_factory=list)

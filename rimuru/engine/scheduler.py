@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from rimuru.engine.kv_cache_manager import CachedPrefix, KVCacheManager
 from rimuru.engine.request import Request, RequestStatus
-from rimuru.engine.state_cache_manager import StateCacheManager, StateCopy, StateSnapshot, snapshot_boundary
+from rimuru.engine.state_cache_manager import StateCacheManager, StateCopy, StateSnapshot, snapshot_points
 
 
 @dataclass
@@ -164,42 +164,51 @@ class Scheduler:
         return self.state is not None and self.state.snapshots is not None
 
     def _to_boundary(self, req: Request, start: int, n: int) -> int:
-        """`n` tokens from `start`, or fewer so that the chunk ends at the request's snapshot boundary when it
-        crosses it and no snapshot of that prefix exists (engine/state_cache_manager.py)."""
+        """`n` tokens from `start`, or fewer so that the chunk ends at the first of the request's snapshot points
+        it crosses of which no snapshot exists (engine/state_cache_manager.py)."""
         if not self._snapshots_on():
             return n
-        b = snapshot_boundary(req, self.kv.block_size)
-        if not start < b < start + n:
-            return n
         assert self.state is not None and self.state.snapshots is not None
-        name = self.kv.block_hashes(req, b // self.kv.block_size)[-1]
-        return n if self.state.snapshots.get(name) is not None else b - start
+        for b in snapshot_points(req, self.kv.block_size):
+            if start < b < start + n and self.state.snapshots.get(self._block_name(req, b)) is None:
+                return b - start
+        return n
 
     def _maybe_snapshot(self, req: Request) -> None:
-        """A running request scheduled from its snapshot boundary: the last pass ended there, so its state pages
-        hold the state the snapshot keeps (copied before this step's forward)."""
+        """A running request scheduled from one of its snapshot points: the last pass ended there, so its state
+        pages hold the state the snapshot keeps (copied before this step's forward)."""
         if not self._snapshots_on():
             return
         assert self.state is not None and self.state.snapshots is not None
-        b = snapshot_boundary(req, self.kv.block_size)
-        if b == 0 or req.num_computed_tokens != b:
+        b = req.num_computed_tokens
+        if b not in snapshot_points(req, self.kv.block_size):
             return
-        name = self.kv.block_hashes(req, b // self.kv.block_size)[-1]
+        name = self._block_name(req, b)
         if self.state.snapshots.get(name) is None:
             self.state.take_snapshot(req, name, b)
+
+    def _block_name(self, req: Request, boundary: int) -> bytes:
+        """The prefix cache's name of the request's block ending at `boundary` (a block boundary)."""
+        return self.kv.block_hashes(req, boundary // self.kv.block_size)[-1]
 
     def _state_prefix(self, req: Request, prefix: CachedPrefix) -> tuple[CachedPrefix, StateSnapshot | None]:
         """A hybrid model's hit: the cached KV blocks up to the last boundary of `prefix` (leaving a token to
         compute) that has a state snapshot, and that snapshot; no prefix when none has."""
+        req.kv_chain_boundary = 0
         if not self._snapshots_on() or not prefix.blocks:
             return prefix, None
         assert self.state is not None and self.state.snapshots is not None
-        k = min(len(prefix.blocks), (req.num_tokens - 1) // self.kv.block_size)
+        block = self.kv.block_size
+        k = min(len(prefix.blocks), (req.num_tokens - 1) // block)
+        # the chain's end inside the prompt, snapshotted by this request's prefill if no snapshot is there
+        chain = min(len(prefix.blocks), (len(req.prompt_token_ids) - 1) // block) * block
         while k > 0:
             snap = self.state.snapshots.get(prefix.blocks[k - 1].name)
             if snap is not None:
+                req.kv_chain_boundary = chain if chain > k * block else 0
                 return self.kv.trim(prefix, k), snap
             k -= 1
+        req.kv_chain_boundary = chain
         return self.kv.trim(prefix, 0), None
 
     def _admit_pages(self, req: Request, n: int, prefix: CachedPrefix, snap: StateSnapshot | None = None) -> bool:

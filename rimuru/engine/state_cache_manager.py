@@ -16,10 +16,12 @@ the ssm page is the expert page (Qwen3.5-35B-A3B) an evicted expert's page is on
 freed expert page becomes ssm pages only once its whole huge page is free, so the shortfall is a lower bound and
 the next step reports what is still missing.
 
-Prefix caching (`StateSnapshots`): the state after a request's first `b` tokens, for the one boundary `b` per
-request that `snapshot_boundary` names (the last block boundary before its prompt's last token), is copied into
-state pages of the cache (a snapshot) named by the prefix cache's name of the block ending at `b`. The scheduler
-ends a prefill chunk at `b` when no snapshot of that name exists, and takes the snapshot when it schedules the
+Prefix caching (`StateSnapshots`): the state after a request's first `b` tokens, for the boundaries `b` that
+`snapshot_points` names (the last block boundary before its prompt's last token, and where its cached KV chain
+ended at admission when no snapshot was there: the end of a shared system prompt, seen by the second request that
+shares it, so that the third one hits), is copied into state pages of the cache (a snapshot) named by the prefix
+cache's name of the block ending at `b`. The scheduler ends a prefill chunk at `b` when no snapshot of that name
+exists, and takes the snapshot when it schedules the
 request's next chunk: the copy runs at the start of that pass, behind the pass that wrote the state, on the same
 stream. A waiting request whose cached KV chain reaches a snapshotted boundary takes the KV blocks up to it and
 a copy of the snapshot into its own state pages (a snapshot is never written after its copy-in, so it is shared
@@ -175,9 +177,17 @@ class Reclaimers:
 
 
 def snapshot_boundary(request: Request, block_size: int) -> int:
-    """The one token position whose state a request's prefill snapshots: the last block boundary before its
+    """The token position whose state every request's prefill snapshots: the last block boundary before its
     prompt's last token (0: none; a hit must leave at least one token to compute, for the first logits)."""
     return (len(request.prompt_token_ids) - 1) // block_size * block_size
+
+
+def snapshot_points(request: Request, block_size: int) -> list[int]:
+    """The token positions whose state the request's prefill snapshots, in order: where its cached KV chain
+    ended at admission without a snapshot (`Request.kv_chain_boundary`), and `snapshot_boundary`."""
+    last = snapshot_boundary(request, block_size)
+    chain = request.kv_chain_boundary
+    return [b for b in sorted({chain, last}) if 0 < b <= last]
 
 
 class StateCacheManager:
