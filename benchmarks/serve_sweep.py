@@ -101,6 +101,7 @@ ROW_FIELDS = (
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "median_itl_ms", "p99_itl_ms", "peak_running", "peak_waiting", "expert_bytes_pcie", "prefetch_hits",
     "prefetch_misses", "prefetch_hit_rate", "preemptions", "forward_steps", "kernel_variants_built",
+    "kernel_warmup_s", "kernel_warmup_variants",
     "expert_evictions", "expert_grows",
     "piecewise_overhead_ms", "kv_tokens_max", "workspace_bytes", "prefix_cache_queries", "prefix_cache_hits",
     "prefix_cache_hit_rate", "total_input_tokens", "total_cached_tokens", "median_ttft_first_turn_ms",
@@ -267,6 +268,8 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "piecewise_overhead_ms": metric(after, "rimuru:piecewise_overhead_ms"),
         "kv_tokens_max": metric(after, "rimuru:kv_tokens_max"),
         "workspace_bytes": metric(after, "rimuru:workspace_bytes"),
+        "kernel_warmup_s": metric(after, "rimuru:kernel_warmup_seconds"),  # levels fixed at start
+        "kernel_warmup_variants": metric(after, "rimuru:kernel_warmup_variants"),
         "prefix_cache_queries": prefix_q,
         "prefix_cache_hits": prefix_h,
         "prefix_cache_hit_rate": prefix_rate,

@@ -27,9 +27,10 @@ def test_workspace_adds_what_is_held_at_once() -> None:
     capped = WorkspaceProfile(mode="elastic", forward=100, outside=7, graphs=50, sampling=9,
                               eager_steps_beside_graphs=True)
     assert capped.workspace == 166  # steps above the capture cap run eagerly beside the graphs' pool
-    # nothing else: the penalties' counts live in the sampler chunk's working set (tests/test_penalties.py)
+    # nothing else: the penalties' counts live in the sampler chunk's working set (tests/test_penalties.py); the
+    # kernel warm-up's report is no memory term (its kernel images are in `outside`)
     assert set(WorkspaceProfile.__dataclass_fields__) == {"mode", "forward", "outside", "graphs", "sampling",
-                                                          "eager_steps_beside_graphs"}
+                                                          "eager_steps_beside_graphs", "warmup"}
 
 
 def test_cpu_engine_reserves_the_bound_and_measures_nothing(tmp_path: Path) -> None:

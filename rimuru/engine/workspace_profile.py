@@ -55,7 +55,7 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.engine.cuda_graphs import StepGraphs, release_cublas_workspaces
-from rimuru.engine.kernel_warmup import warm_up_kernels
+from rimuru.engine.kernel_warmup import WarmupReport, warm_up_kernels
 from rimuru.engine.kv_cache_manager import KV
 from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
 from rimuru.engine.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs
@@ -86,6 +86,7 @@ class WorkspaceProfile:
     graphs: int  # CUDA graphs' pool and graph objects (0: eager)
     sampling: int  # S rows sampled eagerly (beside the graphs)
     eager_steps_beside_graphs: bool  # steps above the capture cap run eagerly while the graphs hold their pool
+    warmup: WarmupReport | None = None  # the kernel warm-up's passes, time and Triton builds (engine/kernel_warmup.py)
 
     @property
     def workspace(self) -> int:
@@ -217,8 +218,8 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
         before_graphs(mode)
     # the kernel variants serving will launch, in the mode's variant, built now; their images count in `outside`
     model.attach_experts(_engine_provider(scratch, mode, config))
-    warm_up_kernels(lambda lens: _run_prompts(model, spec, lens, config.block_size, device), S, T,
-                    spec.num_experts, spec.num_experts_per_tok)
+    warmup = warm_up_kernels(lambda lens: _run_prompts(model, spec, lens, config.block_size, device), S, T,
+                             spec.num_experts, spec.num_experts_per_tok)
     model.attach_experts(scratch.provider)
     torch.cuda.empty_cache()
     outside = engine_start.outside_torch_since(device)
@@ -247,7 +248,7 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     release_cublas_workspaces(device)  # made again by the engine's first pass that needs one, as measured
     torch.cuda.empty_cache()
     profile = WorkspaceProfile(mode=mode, forward=forward, outside=outside, graphs=graphs, sampling=sampling,
-                               eager_steps_beside_graphs=eager_beside)
+                               eager_steps_beside_graphs=eager_beside, warmup=warmup)
     logger.info("workspace measured before the pool: %s (%s)", format_bytes(profile.workspace), profile.describe())
     return profile
 

@@ -41,6 +41,8 @@ GAUGES = {
     "server_tracked_requests": ("server_tracked_requests", "Engine requests the server still routes."),
     "kv_tokens_max": ("kv_tokens_max", "KV tokens the pool could give requests with every allowed expert evicted."),
     "workspace_bytes": ("workspace_bytes", "Activation workspace the budget reserves (measured at start on a GPU)."),
+    "kernel_warmup_s": ("kernel_warmup_seconds", "Start-up's kernel warm-up (passes building Triton kernel variants)."),
+    "kernel_warmup_variants": ("kernel_warmup_variants", "Triton kernel variants the start-up warm-up built."),
     "piecewise_overhead_ms": ("piecewise_overhead_ms", "Elastic: measured extra time of a piecewise-graph pass."),
     "cost_compute_ms": ("cost_compute_ms", "Cost adjuster: compute estimate of its last plan (copy-free passes)."),
     "cost_copy_overlap": ("cost_copy_overlap", "Cost adjuster: measured share of compute the copies hide behind."),
