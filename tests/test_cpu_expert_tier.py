@@ -488,6 +488,23 @@ def test_cuda_eager_host_tier_float32_equals_copy_path(arch: str, parity_checkpo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_cuda_graph_replays_run_the_host_tier_float32_equal_to_the_copy_path(arch: str, parity_checkpoints) -> None:
+    """With CUDA graphs (piecewise, a HostJoin after every MoE kernel), float32: the host tier forced on gives the
+    copy path's greedy tokens, its replays computed experts on the host, and the steps replayed graphs."""
+    path = str(parity_checkpoints[arch])
+    common = dict(device="cuda", dtype="float32", gpu_memory_budget="1GiB", offload_mode="fixed",
+                  offload_access="copy", resident_experts=2, max_num_seqs=8)
+    off = run_greedy(LLM(path, cpu_expert_compute="off", **common), prompts(), STEPS)
+    llm = LLM(path, cpu_expert_compute="on", **common)
+    assert run_greedy(llm, prompts(), STEPS) == off
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graph_steps > 0
+    assert llm.stats()["cpu_experts_computed"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_bf16_host_tier_logits_close_to_copy_path(arch: str, parity_checkpoints) -> None:
     """bf16: the host tier's MoE output is within bf16 tolerance of the copy path's, layer by layer; greedy tokens

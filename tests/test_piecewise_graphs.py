@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from rimuru import LLM
@@ -111,3 +112,135 @@ def test_eager_stretches_run_in_pass_order_with_the_steps_layout(tmp_path: Path)
     log.clear()
     stretches_only.replay(layout)  # no table decision: the graph replays itself
     assert log == ["q0", ("s", layout), "q1"]
+
+
+class MoePiece:
+    """Stands in for a captured piece holding MoE layer 0's kernel: at replay it writes the kernel's output for the
+    static rows into the static `out`, reading whatever table the boundary put in `active` (rows -1 skipped)."""
+
+    def __init__(self, log: list[str], bounds: ExpertTableBoundaries, f: int, hidden: torch.Tensor,
+                 weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        self.log, self.bounds, self.f = log, bounds, f
+        self.hidden, self.weights, self.ids, self.out = hidden, weights, ids, out
+
+    def replay(self) -> None:
+        from rimuru.kernels.fused_moe import fused_moe_reference
+
+        self.log.append("moe")
+        self.out.copy_(fused_moe_reference(self.hidden, self.weights, self.ids, self.bounds.expert_view,
+                                           self.bounds.active[0], self.f, skip_absent=True))
+
+
+def test_a_host_join_adds_the_host_tiers_experts_into_the_kernels_output(tmp_path: Path) -> None:
+    """With a host tier the replay's table decision leaves routed offloaded experts to the host (rows -1 in the
+    active table), starts their job before the kernel's piece, and the HostJoin after it adds them into the
+    kernel's static output: the same numbers as the eager path (table, host job, kernel, join)."""
+    from rimuru.engine.piecewise_graphs import HostJoin
+    from rimuru.kernels.fused_moe import fused_moe_reference
+
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=3)
+    llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", offload_access="copy",
+              resident_experts=4, cpu_expert_compute="on")
+    eng = llm.engine
+    provider, cache = eng.runtime.provider, eng.runtime.cache
+    assert provider.host_tier is not None
+    bounds = ExpertTableBoundaries.over(provider, eng.model)
+    assert bounds.host_joins
+    spec, f = eng.spec, eng.spec.moe_intermediate_size
+    E, k = cache.num_experts, spec.num_experts_per_tok
+    offloaded = [e for e in range(E) if not cache.residency.is_resident(0, e)]
+    g = torch.Generator().manual_seed(5)
+    T = 4
+    hidden = torch.randn(T, spec.hidden_size, generator=g)
+    ids = torch.stack([torch.tensor([offloaded[t % len(offloaded)], t % 2]) for t in range(T)])[:, :k]
+    weights = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
+    out = torch.full((T, spec.hidden_size), float("nan"))
+    log: list[str] = []
+    graph = PiecewiseGraph(pieces=[FakePiece(log, "p0"), MoePiece(log, bounds, f, hidden, weights, ids, out),
+                                   FakePiece(log, "p2")],  # type: ignore[list-item]
+                           boundaries=[Boundary(0, ids, None, hidden, weights), HostJoin(0, out)],
+                           row_mask=torch.ones(T, dtype=torch.bool))
+    before = provider.host_tier.counters.experts
+    bounds.replay(graph)
+    assert log == ["p0", "moe", "p2"]
+    computed = provider.host_tier.counters.experts - before
+    assert computed == len({int(e) for e in ids.flatten()} & set(offloaded)) > 0  # "on": every candidate
+    assert all(int(bounds.active[0][e, 0]) == -1 for e in offloaded)  # left to the host, not loaded
+    # the eager path over the same rows
+    table = provider.table(0, ids)
+    job = provider.host_experts(0, hidden, weights, ids)
+    assert job is not None
+    eager = job.join(fused_moe_reference(hidden, weights, ids, provider.expert_view, table, f, skip_absent=True))
+    assert torch.equal(out, eager)
+    # and every expert resident: the layer's full MoE
+    store = eng.runtime.store
+    full = torch.zeros_like(out)
+    for t in range(T):
+        for j in range(k):
+            w1, w3, w2 = (store.expert(0, int(ids[t, j]))[i].view(-1, spec.hidden_size) for i in range(3))
+            h = torch.nn.functional.silu(hidden[t] @ w1.T) * (hidden[t] @ w3.T)
+            full[t] += weights[t, j] * (w2.view(spec.hidden_size, -1) @ h)
+    torch.testing.assert_close(out, full, rtol=1e-4, atol=1e-5)
+
+
+class CapturedPiece:
+    """A graph piece on the CPU: capture_begin / capture_end recorded, nothing captured (the pass runs eagerly)."""
+
+    def __init__(self) -> None:
+        self.began = self.ended = False
+
+    def capture_begin(self, pool: object = None) -> None:
+        self.began = True
+
+    def capture_end(self) -> None:
+        self.ended = True
+
+
+@pytest.mark.parametrize("tier", ["on", "off"])
+def test_a_capture_with_a_host_tier_cuts_after_every_moe_kernel(tier: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture's cuts with a host tier, in pass order: each MoE layer's table decision (its boundary keeping the
+    static rows and weights the host job reads), then a HostJoin on that layer's kernel output; without a tier, the
+    decisions only."""
+    import rimuru.engine.piecewise_graphs as pw
+    from rimuru.engine.cuda_graphs import StepGraphs
+
+    monkeypatch.setattr(pw.torch.cuda, "CUDAGraph", CapturedPiece)
+    path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=1)
+    llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", offload_access="copy",
+              resident_experts=4, cpu_expert_compute=tier, max_num_seqs=4, max_num_batched_tokens=32)
+    eng = llm.engine
+    plan = eng.runtime.graph_plan()
+    assert plan.piecewise is not None
+    bounds = pw.ExpertTableBoundaries.over(plan.piecewise, eng.model)
+    assert bounds.host_joins == (tier == "on")
+    runner, cfg = eng.runner, eng.config
+    graphs = StepGraphs(eng.model, eng.device, runner.num_layers, cfg.max_num_seqs, eng.max_model_len,
+                        cfg.block_size, cfg.max_num_batched_tokens, counter=plan.counter, boundaries=bounds)
+    bounds.install()
+    # the CPU's reference refuses the -1 rows the GPU kernel skips: point them at a resident expert for this stand-in
+    for table in bounds.active:
+        resident = table[:, 0] >= 0
+        table[~resident] = table[resident][0]
+    try:
+        with torch.inference_mode():
+            graph = graphs._capture_pieces(graphs.mixed_batch(graphs.token_sizes[-1]), True)
+    finally:
+        bounds.uninstall()
+    kinds = "".join("M" if isinstance(b, Boundary) else "J" if isinstance(b, pw.HostJoin) else "?"
+                    for b in graph.boundaries)
+    L = eng.runtime.cache.num_layers
+    assert kinds == ("MJ" if tier == "on" else "M") * L
+    assert len(graph.pieces) == len(kinds) + 1 and all(p.began and p.ended for p in graph.pieces)
+    decisions = [b for b in graph.boundaries if isinstance(b, Boundary)]
+    joins = [b for b in graph.boundaries if isinstance(b, pw.HostJoin)]
+    assert [b.moe_layer for b in decisions] == list(range(L)) and [j.moe_layer for j in joins] == (
+        list(range(L)) if tier == "on" else [])
+    T = graphs.token_sizes[-1]
+    for b in decisions:
+        if tier == "on":
+            assert b.hidden is not None and b.hidden.shape == (T, eng.spec.hidden_size)
+            assert b.topk_weights is not None and b.topk_weights.shape == b.topk_ids.shape
+        else:
+            assert b.hidden is None and b.topk_weights is None
+    assert all(j.out.shape == (T, eng.spec.hidden_size) for j in joins)

@@ -1,7 +1,9 @@
 """Piecewise CUDA graphs: a forward pass captured as one graph per stretch between two cuts, with what cannot live
-in a graph run eagerly at each cut. Two kinds of cut, in any mix:
+in a graph run eagerly at each cut. Three kinds of cut, in any mix:
 
   * an MoE expert-table decision (offloading modes with copies: `ExpertTableBoundaries`, `Boundary`);
+  * the host tier's join after that layer's MoE kernel (`HostJoin`, where the provider has a host tier,
+    experts/host_tier.py): the experts the decision left to the host are added to the kernel's output there;
   * an eager stretch (`EagerCut`): a hybrid model's gated DeltaNet layer over the prefill sequences of a mixed
     step (models/state_cache.py `prefill_rows`), whose sizes are the step's host ints, run with the layout of
     the step the replay serves.
@@ -16,6 +18,15 @@ so the forward pass is cut at every `provider.table(l, ids)` call:
     piece 1:  layer 0's MoE (reads active[0]), layer 1 (norms, attention, router) -> ids_1
     ...
     piece L:  layer L-1's MoE, final norm, logits
+
+With a host tier every MoE layer has a second cut right after its kernel, and the decision may leave experts to
+the host (their table rows -1, the kernel skips them):
+
+    boundary l (host):  table_l, and the host job of the experts left to the host: their tokens' hidden rows
+                        device -> host, queued before the kernel
+    piece:              layer l's MoE kernel (the resident and copied experts)        -> out_l (a static tensor)
+    join l (host):      the host computes its experts (the kernel ran meanwhile) and adds them into out_l in
+                        place, queued after the kernel; nothing when the boundary left nothing to the host
 
 The captured MoE kernels read `active` [L_moe, E, 3], a static copy of whatever table the provider
 returned (its resident tables or a load buffer's table), refreshed by one small device copy per layer.
@@ -59,6 +70,18 @@ class Boundary:
     moe_layer: int
     topk_ids: Tensor  # [T, k] static, written by the piece before
     prediction: tuple[int, Tensor] | None  # (next MoE layer, predictor scores [E]) static, or None
+    # with a host tier (a HostJoin follows the layer's kernel): the layer's input rows [T, d] and routing weights
+    # [T, k], static, what the host job reads
+    hidden: Tensor | None = None
+    topk_weights: Tensor | None = None
+
+
+@dataclass
+class HostJoin:
+    """After `moe_layer`'s MoE kernel: the host tier's experts added into `out` (the kernel's static output)."""
+
+    moe_layer: int
+    out: Tensor  # [T, d], written by the piece before, read by the piece after
 
 
 @dataclass
@@ -73,7 +96,7 @@ class PiecewiseGraph:
     """One padded batch size: len(boundaries) + 1 graph pieces."""
 
     pieces: list[torch.cuda.CUDAGraph] = field(default_factory=list)
-    boundaries: list[Boundary | EagerCut] = field(default_factory=list)
+    boundaries: list[Boundary | EagerCut | HostJoin] = field(default_factory=list)
     row_mask: Tensor | None = None  # [T] bool, static (piece 0 computes it)
 
     @property
@@ -123,7 +146,11 @@ class PieceCapture:
         """An eager stretch here (models/state_cache.py PassCut): `run(layout)` between this piece and the next."""
         self.cut_at(EagerCut(run))
 
-    def cut_at(self, boundary: Boundary | EagerCut) -> None:
+    @property
+    def last_boundary(self) -> Boundary | EagerCut | HostJoin | None:
+        return self._graph.boundaries[-1] if self._graph is not None and self._graph.boundaries else None
+
+    def cut_at(self, boundary: Boundary | EagerCut | HostJoin) -> None:
         assert self._graph is not None
         self._graph.pieces[-1].capture_end()
         self._graph.boundaries.append(boundary)
@@ -146,8 +173,9 @@ class ExpertTableBoundaries:
     """Stands in for an OffloadExpertProvider while graphs are captured, and replays its decisions."""
 
     def __init__(self, provider: OffloadExpertProvider | None, model: MoECausalLM, expert_view: Tensor,
-                 tables: Tensor) -> None:
+                 tables: Tensor, host_joins: bool = False) -> None:
         self._provider = provider  # None: capture only (the start-up memory profile), never replayed
+        self.host_joins = host_joins  # the provider has a host tier: a HostJoin after every MoE kernel
         self.model = model  # its MoE blocks read through this object while capturing
         self.predictor = provider.predictor if provider is not None else None
         self.num_layers = tables.shape[0]
@@ -161,7 +189,8 @@ class ExpertTableBoundaries:
     @classmethod
     def over(cls, provider: OffloadExpertProvider, model: MoECausalLM) -> ExpertTableBoundaries:
         """The boundaries of a live offloading provider: captured, then replayed with its decisions."""
-        return cls(provider, model, provider.expert_view, provider.cache.tables)
+        return cls(provider, model, provider.expert_view, provider.cache.tables,
+                   host_joins=provider.host_tier is not None)
 
     @property
     def provider(self) -> OffloadExpertProvider:
@@ -187,8 +216,17 @@ class ExpertTableBoundaries:
             self.capture.cut_at(Boundary(moe_layer, topk_ids, pred))
         return self.active[moe_layer]
 
-    def host_experts(self, moe_layer: int, hidden: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> None:
-        return None  # the replay asks the provider for tables with every routed expert in them (replay_table)
+    def host_experts(self, moe_layer: int, hidden: Tensor, topk_weights: Tensor,
+                     topk_ids: Tensor) -> _CapturedJoin | None:
+        """While capturing with a host tier: the layer's boundary keeps the static rows and weights its host job
+        will read, and the MoE layer's `join` cuts after its kernel. Otherwise nothing (the eager warm-up passes
+        before a capture, and graphs without a host tier, whose replay gives every routed expert to the GPU)."""
+        if not (self.host_joins and self.capture.capturing):
+            return None
+        b = self.capture.last_boundary
+        assert isinstance(b, Boundary) and b.moe_layer == moe_layer, "host_experts follows its layer's table()"
+        b.hidden, b.topk_weights = hidden, topk_weights
+        return _CapturedJoin(self.capture, moe_layer)
 
     # ---- capture -------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -227,6 +265,7 @@ class ExpertTableBoundaries:
         # read of which layers are fully resident serves every boundary of this pass
         fully_resident = [True] * cache.num_layers if as_resident \
             else (cache.host_tables[:, :, 0] >= 0).all(dim=1).tolist()  # [L_moe] bool
+        jobs: dict[int, Any] = {}  # MoE layer -> its started host job, joined at the layer's HostJoin
         try:
             for k, piece in enumerate(graph.pieces):
                 piece.replay()
@@ -236,6 +275,11 @@ class ExpertTableBoundaries:
                 if isinstance(b, EagerCut):
                     b.run(layout)
                     continue
+                if isinstance(b, HostJoin):
+                    job = jobs.pop(b.moe_layer, None)
+                    if job is not None:
+                        job.join_into(b.out)
+                    continue
                 if fully_resident[b.moe_layer]:
                     # every expert of this layer is resident: nothing to decide on the host
                     if counter is not None:
@@ -244,9 +288,16 @@ class ExpertTableBoundaries:
                     provider.prefetch_next(b.moe_layer)  # a streaming next layer starts its copies here
                     self.skipped_waits += 1
                     continue
-                # routing read (unless streaming), loads, waits
-                table, read = provider.replay_table(b.moe_layer, b.topk_ids, b.prediction)
+                # routing read (unless streaming), loads, waits; with host joins captured, the host tier may take
+                # some routed experts (table rows -1), whose job starts before the kernel's piece is replayed
+                host_tier = b.hidden is not None and not as_resident
+                table, read = provider.replay_table(b.moe_layer, b.topk_ids, b.prediction, host_tier=host_tier)
                 self.active[b.moe_layer].copy_(table)
+                if host_tier:
+                    assert b.hidden is not None and b.topk_weights is not None
+                    job = provider.host_experts(b.moe_layer, b.hidden, b.topk_weights, b.topk_ids)
+                    if job is not None:
+                        jobs[b.moe_layer] = job
                 if read:
                     self.host_waits += 1
                 else:
@@ -255,3 +306,15 @@ class ExpertTableBoundaries:
             provider.row_mask = None
             if counter is not None:
                 counter.row_mask = None
+
+
+class _CapturedJoin:
+    """What a MoE layer's host join is while its pass is captured: a cut after its kernel (HostJoin)."""
+
+    def __init__(self, capture: PieceCapture, moe_layer: int) -> None:
+        self.capture = capture
+        self.moe_layer = moe_layer
+
+    def join(self, out: Tensor) -> Tensor:
+        self.capture.cut_at(HostJoin(self.moe_layer, out))
+        return out  # the next piece reads it; the replay's join adds the host's experts into it first

@@ -61,6 +61,7 @@ from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
 from rimuru.engine.prompt_logprobs import PromptLogprobRows, compute_prompt_logprobs
 from rimuru.engine.sampler import SAMPLE_ROWS_PER_CHUNK, Sampler
 from rimuru.engine.sampling_params import SamplingParams
+from rimuru.experts.expert_tiers import resolve_cpu_expert_compute
 from rimuru.experts.residency import EXPERT
 from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.memory.geometry import PageGeometry
@@ -291,8 +292,9 @@ def _capture_like_the_engine(model: MoECausalLM, scratch: _ScratchPool, mode: st
     provider = _engine_provider(scratch, mode, config)
     boundaries = None
     copies = mode != "static" and config.offload_access == "copy"
-    if copies:
-        boundaries = ExpertTableBoundaries(None, model, provider.expert_view, provider.tables)
+    if copies:  # with the engine's host joins where its provider has a host tier
+        host_joins = resolve_cpu_expert_compute(config.cpu_expert_compute, device.type, config.offload_access)
+        boundaries = ExpertTableBoundaries(None, model, provider.expert_view, provider.tables, host_joins=host_joins)
     model.attach_experts(provider)
     graphs = StepGraphs(model, device, num_attn, config.max_num_seqs, max_model_len, config.block_size,
                         config.max_num_batched_tokens, boundaries=boundaries,

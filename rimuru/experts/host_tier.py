@@ -22,9 +22,10 @@ Staging tensors come from torch's caching pinned allocator, which keeps a block 
 are done, so no buffer is rewritten under a copy in flight. On the CPU device every tensor is a host tensor already
 and the host part is exact: the same matmuls as the kernel's reference, added to its output.
 
-The CUDA graphs of an offloading mode cut the pass at each layer's table decision (engine/piecewise_graphs.py);
-their replay asks for tables with the host tier left out (the captured pieces hold no host join), so the tier
-runs in eager passes.
+The CUDA graphs of an offloading mode cut the pass at each layer's table decision (engine/piecewise_graphs.py), and
+with a host tier also right after each layer's MoE kernel: the replay starts the job at the decision and joins it
+(`join_into`, into the kernel's static output) at that second cut, so the tier runs in graph replays as in eager
+passes.
 """
 
 from __future__ import annotations
@@ -63,12 +64,21 @@ class HostExpertJob:
 
     def join(self, out: Tensor) -> Tensor:
         """`out` [T, d] (the kernel's output on the device) plus the host-computed experts' outputs."""
+        return self._add(out, in_place=False)
+
+    def join_into(self, out: Tensor) -> None:
+        """The same, added into `out` itself (a CUDA graph's static output, which the next piece reads)."""
+        self._add(out, in_place=True)
+
+    def _add(self, out: Tensor, in_place: bool) -> Tensor:
         t0 = time.perf_counter()
         if self.transfer is not None:
             self.transfer.wait_hidden()
         part = self.tier.compute.compute(self.layer, self.hidden, self.work)  # [m, d] float32
         if self.transfer is not None:
-            result = self.transfer.add_to(out, part)
+            result = self.transfer.add_to(out, part, in_place)
+        elif in_place:
+            result = out.index_add_(0, self.rows, part.to(out.dtype))
         else:
             result = out.index_add(0, self.rows, part.to(out.dtype))
         self.tier.counters.compute_s += time.perf_counter() - t0
@@ -165,11 +175,14 @@ class _GpuTransfer:
         assert self._hidden_ready is not None
         self._hidden_ready.synchronize()
 
-    def add_to(self, out: Tensor, part: Tensor) -> Tensor:
-        """out [T, d] + the host part [m, d] at the gathered rows, queued after the kernel that wrote `out`."""
+    def add_to(self, out: Tensor, part: Tensor, in_place: bool = False) -> Tensor:
+        """out [T, d] + the host part [m, d] at the gathered rows (into `out` itself when `in_place`), queued after
+        the kernel that wrote `out`."""
         assert self._rows_dev is not None
         staged = part.to(out.dtype).pin_memory()  # [m, d], kept by the caching allocator until the copy is done
         on_device = staged.to(self.device, non_blocking=True)
+        if in_place:
+            return out.index_add_(0, self._rows_dev, on_device)
         return out.index_add(0, self._rows_dev, on_device)
 
 

@@ -148,13 +148,15 @@ class OffloadExpertProvider:
         else:
             self._prediction = None
 
-    def replay_table(self, moe_layer: int, topk_ids: Tensor,
-                     prediction: tuple[int, Tensor] | None) -> tuple[Tensor, bool]:
+    def replay_table(self, moe_layer: int, topk_ids: Tensor, prediction: tuple[int, Tensor] | None,
+                     host_tier: bool = False) -> tuple[Tensor, bool]:
         """`table` for a piecewise CUDA-graph replay, with the prediction the captured piece computed; also says
-        whether the host read the routing (False: the layer streamed)."""
+        whether the host read the routing (False: the layer streamed). `host_tier`: the graph was captured with a
+        host join after this layer's kernel, so the host tier may take routed experts (`host_experts` then starts
+        their job); without it every routed expert goes to the GPU."""
         self._prediction = prediction
         reads = self.routing_reads
-        self._host_allowed = False  # the captured pieces add no host part: every routed expert goes to the GPU
+        self._host_allowed = host_tier
         try:
             return self.table(moe_layer, topk_ids), self.routing_reads > reads
         finally:
