@@ -134,8 +134,10 @@ def test_page_geometry_sizes_pages_per_rank(parity_checkpoints: dict[str, Path])
 def test_unsupported_combinations_are_refused_by_name(tiny_checkpoint) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         EngineConfig(model="unused", tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="offload_access='copy' is not supported with tensor_parallel_size > 1"):
-        EngineConfig(model="unused", tensor_parallel_size=2, offload_mode="fixed", offload_access="copy")
+    with pytest.raises(ValueError, match="offload_mode='elastic' with offload_access='copy' is not supported with "
+                                         "tensor_parallel_size > 1"):
+        EngineConfig(model="unused", tensor_parallel_size=2, offload_mode="elastic", offload_access="copy")
+    EngineConfig(model="unused", tensor_parallel_size=2, offload_mode="fixed", offload_access="copy")  # supported
 
 
 def assert_rank_holds_its_slices(one: torch.nn.Module, rank: torch.nn.Module) -> None:
@@ -298,6 +300,35 @@ def test_kv_heads_replicated_past_their_count(tiny_checkpoint) -> None:
 def test_fixed_mode_reads_each_ranks_slice_of_the_offloaded_experts(parity_checkpoints: dict[str, Path]) -> None:
     want, got = serve_both(parity_checkpoints["qwen2_moe"], offload_mode="fixed", resident_experts=3)
     assert got == want
+
+
+@slow
+@pytest.mark.parametrize("arch,tier", [("qwen2_moe", "off"), ("mixtral", "off"), ("qwen3_moe", "on")])
+def test_fixed_mode_with_copies_loads_each_ranks_slice_into_its_own_buffers(arch: str, tier: str,
+                                                                          parity_checkpoints: dict[str, Path]) -> None:
+    """Copy access on two ranks: every rank's provider reads the same routing, decides the same loads and copies its
+    slice of each routed offloaded expert into its own load buffers (or, with the host tier on, computes its slice
+    on the host); chunked prefills; tokens equal one rank's and transformers'; no page held afterwards."""
+    path = parity_checkpoints[arch]
+    kwargs = dict(offload_mode="fixed", offload_access="copy", resident_experts=2, cpu_expert_compute=tier,
+                  max_num_batched_tokens=16, device="cpu", gpu_memory_budget="64MiB")
+    one = LLM(str(path), **kwargs)
+    want = run_greedy(one, prompts(), STEPS)
+    loaded_one = one.stats()["expert_bytes_loaded"]
+    one.shutdown()
+    two = LLM(str(path), tensor_parallel_size=2, **kwargs)
+    try:
+        got = run_greedy(two, prompts(), STEPS)
+        reports = two.engine.pool_reports()
+        assert_no_rank_holds_a_page(two)
+    finally:
+        two.shutdown()
+    assert got == want
+    assert_greedy_matches(path, prompts(), got, STEPS)
+    # the same loads on both ranks, each of its half of every expert
+    assert reports[0]["expert_bytes_loaded"] == reports[1]["expert_bytes_loaded"] > 0
+    if tier == "off":
+        assert 2 * reports[0]["expert_bytes_loaded"] == loaded_one
 
 
 def tight_pool(path: Path, kv_blocks: int, tp_size: int, requests: int = 0) -> int:

@@ -78,14 +78,15 @@ class PoolProbe:
 
 def pool_report(engine: LLMEngine) -> dict[str, Any]:
     """This rank's pool after its allocator's invariants are checked: pages in use by kind, pages requests hold,
-    state holders and the expert tables the passes read."""
+    state holders, the expert tables the passes read and the expert bytes it copied host -> device."""
     alloc = engine.pool.allocator
     alloc.check_invariants()
     kinds = (KV, EXPERT, SSM, CONV) if engine.state is not None else (KV, EXPERT)  # state kinds: hybrid models'
     return {"rank": engine.tp.rank, "used": {kind: alloc.num_used(kind) for kind in kinds},
             "kv_pages_in_use": engine.kv.pages_in_use,
             "state_holders": engine.state.num_holders if engine.state is not None else 0,
-            "expert_tables": engine.runtime.cache.host_tables.numpy().copy()}
+            "expert_tables": engine.runtime.cache.host_tables.numpy().copy(),
+            "expert_bytes_loaded": engine.runtime.bytes_loaded}
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -190,10 +191,16 @@ class TensorParallelWorkers:
 
 
 def follow(engine: LLMEngine, plan: PassPlan) -> None:
-    """Runs rank 0's pass on this rank: its expert tables first, then the forward pass and the LM head."""
+    """Runs rank 0's pass on this rank: its expert tables first, then the forward pass and the LM head. Fixed mode
+    with copies decides its loads inside the pass, from the routing, which is the same on every rank: each rank's
+    provider copies its own slice of the experts it routes into its own load buffers (the pass hooks around it
+    as on rank 0)."""
     if plan.expert_tables is not None:
         apply_expert_tables(engine, plan.expert_tables)
+    num_tokens = len(plan.arrays[0])  # the input ids: an eager pass has no padding rows
+    engine.runtime.before_pass(num_tokens)
     engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows)
+    engine.runtime.after_pass()
 
 
 def apply_expert_tables(engine: LLMEngine, tables: np.ndarray) -> None:
