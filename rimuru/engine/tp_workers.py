@@ -197,10 +197,14 @@ def follow(engine: LLMEngine, plan: PassPlan) -> None:
     as on rank 0)."""
     if plan.expert_tables is not None:
         apply_expert_tables(engine, plan.expert_tables)
-    num_tokens = len(plan.arrays[0])  # the input ids: an eager pass has no padding rows
-    engine.runtime.before_pass(num_tokens)
+    # the copy path's pass hooks (its streaming plan, its buffers' claims); the other modes' hooks are rank 0's
+    # bookkeeping (the adjusters' observations), which the workers do not keep
+    copies = engine.runtime.mode == "fixed" and engine.config.offload_access == "copy"
+    if copies:
+        engine.runtime.before_pass(len(plan.arrays[0]))  # the input ids: an eager pass has no padding rows
     engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows)
-    engine.runtime.after_pass()
+    if copies:
+        engine.runtime.after_pass()
 
 
 def apply_expert_tables(engine: LLMEngine, tables: np.ndarray) -> None:
