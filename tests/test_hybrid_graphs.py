@@ -32,6 +32,7 @@ from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.engine.step_profiler import StepTrace
 from rimuru.experts.residency import EXPERT
 from rimuru.models.forward_batch import StepLayout
+from rimuru.testing.graph_pieces import StandInPiece
 from rimuru.testing.pools import assert_nothing_held
 from rimuru.testing.reference import random_prompts
 
@@ -348,22 +349,6 @@ def test_serving_through_the_static_buffers_decodes_the_eager_tokens(ckpt: Path,
 
 # ---------------------------------------------------------------------------------------------- the capture's cuts
 
-class FakePiece:
-    """A graph piece on the CPU: capture_begin / capture_end recorded, nothing captured (the pass runs eagerly)."""
-
-    def __init__(self) -> None:
-        self.began = self.ended = False
-
-    def capture_begin(self, pool: object = None) -> None:
-        self.began = True
-
-    def capture_end(self) -> None:
-        self.ended = True
-
-    def replay(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("mode", ["static", "fixed-copy"])
 def test_a_mixed_capture_is_cut_at_every_deltanet_layer(ckpt: Path, mode: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -371,7 +356,7 @@ def test_a_mixed_capture_is_cut_at_every_deltanet_layer(ckpt: Path, mode: str,
     copies also one expert-table decision per MoE layer; each stretch runs the chunk form with the replay's layout."""
     import rimuru.engine.piecewise_graphs as pw
 
-    monkeypatch.setattr(pw.torch.cuda, "CUDAGraph", FakePiece)
+    monkeypatch.setattr(pw.torch.cuda, "CUDAGraph", StandInPiece)
     llm = LLM(str(ckpt), device="cpu", max_num_batched_tokens=CHUNK, max_num_seqs=SEQS, **_memory(ckpt, mode),
               **MODES[mode][0])
     engine = llm.engine

@@ -18,6 +18,7 @@ import torch
 from rimuru import LLM
 from rimuru.engine.piecewise_graphs import Boundary, EagerCut, ExpertTableBoundaries, PiecewiseGraph
 from rimuru.models.forward_batch import StepLayout
+from rimuru.testing.graph_pieces import StandInPiece
 from rimuru.testing.tiny_models import make_tiny_checkpoint
 
 
@@ -183,19 +184,6 @@ def test_a_host_join_adds_the_host_tiers_experts_into_the_kernels_output(tmp_pat
     torch.testing.assert_close(out, full, rtol=1e-4, atol=1e-5)
 
 
-class CapturedPiece:
-    """A graph piece on the CPU: capture_begin / capture_end recorded, nothing captured (the pass runs eagerly)."""
-
-    def __init__(self) -> None:
-        self.began = self.ended = False
-
-    def capture_begin(self, pool: object = None) -> None:
-        self.began = True
-
-    def capture_end(self) -> None:
-        self.ended = True
-
-
 @pytest.mark.parametrize("tier", ["on", "off"])
 def test_a_capture_with_a_host_tier_cuts_after_every_moe_kernel(tier: str, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,7 +193,7 @@ def test_a_capture_with_a_host_tier_cuts_after_every_moe_kernel(tier: str, tmp_p
     import rimuru.engine.piecewise_graphs as pw
     from rimuru.engine.cuda_graphs import StepGraphs
 
-    monkeypatch.setattr(pw.torch.cuda, "CUDAGraph", CapturedPiece)
+    monkeypatch.setattr(pw.torch.cuda, "CUDAGraph", StandInPiece)
     path = make_tiny_checkpoint("qwen2_moe", tmp_path / "m", seed=1)
     llm = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", offload_mode="fixed", offload_access="copy",
               resident_experts=4, cpu_expert_compute=tier, max_num_seqs=4, max_num_batched_tokens=32)
