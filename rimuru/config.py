@@ -142,10 +142,6 @@ class EngineConfig:
                                  f"got {self.dummy_routing!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.offload_access == "copy" and self.offload_mode == "elastic":
-            raise ValueError("offload_mode='elastic' with offload_access='copy' is not supported with "
-                             "tensor_parallel_size > 1 yet (its load buffers' slots move with rank 0's plan); use the "
-                             "default offload_access='direct', or offload_mode='fixed'")
         if self.gpu_memory_budget is not None:
             parse_bytes(self.gpu_memory_budget)
         if self.gpu_memory_utilization is not None:

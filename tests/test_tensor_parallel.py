@@ -134,10 +134,8 @@ def test_page_geometry_sizes_pages_per_rank(parity_checkpoints: dict[str, Path])
 def test_unsupported_combinations_are_refused_by_name(tiny_checkpoint) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         EngineConfig(model="unused", tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="offload_mode='elastic' with offload_access='copy' is not supported with "
-                                         "tensor_parallel_size > 1"):
-        EngineConfig(model="unused", tensor_parallel_size=2, offload_mode="elastic", offload_access="copy")
-    EngineConfig(model="unused", tensor_parallel_size=2, offload_mode="fixed", offload_access="copy")  # supported
+    for mode in ("fixed", "elastic"):  # copy access is supported under tensor parallelism
+        EngineConfig(model="unused", tensor_parallel_size=2, offload_mode=mode, offload_access="copy")
 
 
 def assert_rank_holds_its_slices(one: torch.nn.Module, rank: torch.nn.Module) -> None:
@@ -340,6 +338,59 @@ def tight_pool(path: Path, kv_blocks: int, tp_size: int, requests: int = 0) -> i
     kv = kv_blocks * len(spec.attention_layer_ids) * geo.size("kv")
     state = requests * len(spec.linear_layer_ids) * (geo.size(SSM) + geo.size(CONV)) if spec.is_hybrid else 0
     return experts + kv + state + geo.huge_size
+
+
+@slow
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_elastic_mode_with_copies_follows_rank_0s_moves_and_buffers(arch: str,
+                                                                   parity_checkpoints: dict[str, Path]) -> None:
+    """Copy access on two ranks in elastic mode: rank 0's evictions and grows reach rank 1 as its expert tables, its
+    load buffers' pages as the plan's buffer pages, and each rank fills its buffers with its own slices of the
+    routed offloaded experts; tokens equal one rank's and transformers' through chunked prefills."""
+    path = parity_checkpoints[arch]
+    g = torch.Generator().manual_seed(2)
+    ps = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in torch.randint(8, 40, (6,), generator=g)]
+    one = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", max_num_batched_tokens=64)
+    want = run_greedy(one, ps, STEPS)
+    one.shutdown()
+    two = LLM(str(path), device="cpu", tensor_parallel_size=2, page_pool_memory_bytes=tight_pool(path, 10, 2),
+              offload_mode="elastic", offload_access="copy", adjuster="paper", expert_offload_limit=5,
+              max_num_batched_tokens=64)
+    try:
+        got = run_greedy(two, ps, STEPS)
+        st = two.stats()
+        assert st["expert_evictions"] > 0 and st["expert_grows"] > 0, st
+        reports = two.engine.pool_reports()
+        assert all(r["expert_bytes_loaded"] > 0 for r in reports), [r["expert_bytes_loaded"] for r in reports]
+        assert_no_rank_holds_a_page(two)
+    finally:
+        two.shutdown()
+    assert got == want
+    assert_greedy_matches(path, ps, got, STEPS)
+
+
+def test_a_worker_takes_rank_0s_buffer_pages_and_refills_them_itself(parity_checkpoints: dict[str, Path]) -> None:
+    """What a worker does with a plan's buffer pages (engine/tp_workers.py `apply_buffer_pages`), on one engine:
+    detached by an empty list, attached again with rank 0's pages (buffer 0's slots, then buffer 1's) in the same
+    slots, emptied; the loads that follow refill them and the tokens stay those of an untouched engine."""
+    from rimuru.engine.tp_workers import apply_buffer_pages
+
+    path = parity_checkpoints["qwen2_moe"]
+    args = dict(device="cpu", page_pool_memory_bytes=tight_pool(path, 10, 1), offload_mode="elastic",
+                offload_access="copy", adjuster="paper", expert_offload_limit=5, max_num_batched_tokens=64)
+    ps = prompts()
+    want = run_greedy(LLM(str(path), **args), ps, STEPS)
+    llm = LLM(str(path), **args)
+    loader = llm.engine.runtime.loader
+    pages = loader.buffer_pages
+    assert pages and len(pages) % 6 == 0
+    slots = [list(buf.slot_pages) for buf in loader.buffers]
+    apply_buffer_pages(llm.engine, [])
+    assert loader.buffer_pages == [] and all(not buf.slot_of for buf in loader.buffers)
+    apply_buffer_pages(llm.engine, pages)
+    assert loader.buffer_pages == pages and [list(buf.slot_pages) for buf in loader.buffers] == slots
+    assert run_greedy(llm, ps, STEPS) == want
+    assert llm.stats()["expert_bytes_loaded"] > 0
 
 
 @slow

@@ -210,6 +210,7 @@ class LLMEngine:
         self.forward_steps = 0
         self.peak_running = 0
         self._warmup = self.workspace_profile.warmup if self.workspace_profile is not None else None
+        self._sent_buffer_pages: list[int] | None = None  # the load-buffer pages the workers last got
         self.kernel_variants_built = 0  # Triton kernel variants steps built (kernels/kernel_builds.py)
         self.start_time = time.monotonic()
         self.step_metrics = StepMetricsRing()
@@ -249,8 +250,15 @@ class LLMEngine:
         """Rank 0: the pass about to run, to every other rank (with the expert tables where they move, and the state
         copies queued before it)."""
         assert self.workers is not None
-        tables = self.runtime.cache.host_tables.numpy().copy() if self.runtime.mode == "elastic" else None
-        self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies), h.prompt_rows))
+        elastic = self.runtime.mode == "elastic"
+        tables = self.runtime.cache.host_tables.numpy().copy() if elastic else None
+        buffers = None  # elastic mode with copies: its load buffers' pages, when they moved
+        if elastic and self.config.offload_access == "copy":
+            pages = self.runtime.loader.buffer_pages
+            if pages != self._sent_buffer_pages:
+                buffers = self._sent_buffer_pages = pages
+        self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies), h.prompt_rows,
+                                   buffer_pages=buffers))
 
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:

@@ -41,6 +41,7 @@ from rimuru.config import EngineConfig
 from rimuru.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, free_port, init_tensor_parallel
 from rimuru.engine.kv_cache_manager import KV
 from rimuru.engine.state_cache_manager import StateCopy
+from rimuru.experts.offload_runtime import OffloadRuntime
 from rimuru.experts.residency import EXPERT
 from rimuru.memory.geometry import CONV, SSM
 
@@ -69,6 +70,9 @@ class PassPlan:
     state_copies: list[StateCopy] = field(default_factory=list)
     # prompt logprobs: the hidden rows the LM head runs over after the sampled rows (engine/prompt_logprobs.py)
     prompt_rows: np.ndarray | None = None
+    # elastic mode with copies: rank 0's load-buffer pages (buffer 0's slots, then buffer 1's), when they changed
+    # since the last plan ([] once detached); which expert a slot holds stays each rank's own
+    buffer_pages: list[int] | None = None
 
 
 @dataclass
@@ -197,14 +201,26 @@ def follow(engine: LLMEngine, plan: PassPlan) -> None:
     as on rank 0)."""
     if plan.expert_tables is not None:
         apply_expert_tables(engine, plan.expert_tables)
-    # the copy path's pass hooks (its streaming plan, its buffers' claims); the other modes' hooks are rank 0's
-    # bookkeeping (the adjusters' observations), which the workers do not keep
-    copies = engine.runtime.mode == "fixed" and engine.config.offload_access == "copy"
-    if copies:
-        engine.runtime.before_pass(len(plan.arrays[0]))  # the input ids: an eager pass has no padding rows
+    if plan.buffer_pages is not None:
+        apply_buffer_pages(engine, plan.buffer_pages)
+    # the copy path's pass hook (its streaming plan, its buffers' claims); the rest of the runtimes' pass hooks is
+    # rank 0's bookkeeping (the adjusters' observations), which the workers do not keep
+    if engine.config.offload_access == "copy" and engine.runtime.mode != "static":
+        OffloadRuntime.before_pass(engine.runtime, len(plan.arrays[0]))  # the input ids: no padding rows eagerly
     engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows)
-    if copies:
-        engine.runtime.after_pass()
+
+
+def apply_buffer_pages(engine: LLMEngine, pages: list[int]) -> None:
+    """Rank 0's load-buffer pages become this rank's: the same page ids (rank 0's allocator gave them), emptied
+    and refilled by this rank's own loads. Applied before the pass that first reads them, and a detach before the
+    first pass after rank 0's (which frees the pages only after its last pass that read them)."""
+    loader = engine.runtime.loader
+    if loader.buffer_pages == pages:
+        return
+    if loader.buffer_pages:
+        loader.detach()
+    if pages:
+        loader.add_slots(pages)
 
 
 def apply_expert_tables(engine: LLMEngine, tables: np.ndarray) -> None:
