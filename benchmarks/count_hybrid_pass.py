@@ -57,8 +57,9 @@ from benchmarks.count_pass import (  # noqa: E402  (re-exported: tests import th
     print_table,
     resolve_model_args,
     shrunk_config,
+    submit_prompts,
 )
-from rimuru import LLM, SamplingParams  # noqa: E402
+from rimuru import LLM  # noqa: E402
 from rimuru.engine.scheduler import SchedulerOutput  # noqa: E402
 from rimuru.models.forward_batch import ForwardBatch  # noqa: E402
 from rimuru.testing.op_count import Counts  # noqa: E402
@@ -87,15 +88,11 @@ def capture_passes(llm: LLM, decodes: int, chunk: int, prompt_len: int) -> dict[
         return launch(sched, trace)
 
     runner.launch = spy  # type: ignore[method-assign]
-    g = torch.Generator().manual_seed(0)
-    vocab = engine.spec.vocab_size
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)  # outlasts the steps looked for
-    for i in range(decodes):
-        engine.add_request(f"d{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
+    g, params = submit_prompts(engine, "d", decodes, prompt_len)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) or \
             engine.scheduler.waiting or not engine.scheduler.running:
         engine.step()
-    engine.add_request("chunked", torch.randint(3, vocab, (2 * chunk,), generator=g).tolist(), params)
+    engine.add_request("chunked", torch.randint(3, engine.spec.vocab_size, (2 * chunk,), generator=g).tolist(), params)
     for _ in range(16):
         engine.step()
         if len(seen) == 2:

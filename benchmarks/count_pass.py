@@ -391,6 +391,18 @@ def profile_top(run: Callable[[], Any], reps: int, top: int) -> tuple[list[dict[
 
 # ---------------------------------------------------------------------------------------------- the step
 
+def submit_prompts(engine: Any, prefix: str, count: int,
+                   prompt_len: int) -> tuple[torch.Generator, SamplingParams]:
+    """`count` random prompts of `prompt_len` tokens (seeded), greedy, each outlasting the steps looked for; the
+    generator (to draw further prompts from the same stream) and the parameters."""
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.spec.vocab_size
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(count):
+        engine.add_request(f"{prefix}{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
+    return g, params
+
+
 def capture_decode(llm: LLM, batch: int, prompt_len: int) -> tuple[SchedulerOutput, Any]:
     """Serves `batch` requests of `prompt_len` random tokens until they all decode; returns the schedule and the host
     arrays of the first step where every one of them decodes."""
@@ -405,11 +417,7 @@ def capture_decode(llm: LLM, batch: int, prompt_len: int) -> tuple[SchedulerOutp
         return launch(sched, trace)
 
     runner.launch = spy  # type: ignore[method-assign]
-    g = torch.Generator().manual_seed(0)
-    vocab = engine.spec.vocab_size
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)  # outlasts the steps looked for
-    for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), params)
+    submit_prompts(engine, f"b{batch}-", batch, prompt_len)
     for _ in range(64):
         engine.step()
         if seen:

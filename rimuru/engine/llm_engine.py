@@ -209,7 +209,6 @@ class LLMEngine:
         self._in_flight: InFlight | None = None
         self.forward_steps = 0
         self.peak_running = 0
-        self._warmup = self.workspace_profile.warmup if self.workspace_profile is not None else None
         self._sent_buffer_pages: list[int] | None = None  # the load-buffer pages the workers last got
         self.kernel_variants_built = 0  # Triton kernel variants steps built (kernels/kernel_builds.py)
         self.start_time = time.monotonic()
@@ -575,6 +574,7 @@ class LLMEngine:
         with self._lock:
             queued = len(self._inbox)
         cache = self.runtime.cache
+        warmup = self.workspace_profile.warmup if self.workspace_profile is not None else None
         return {
             "offload_mode": self.runtime.mode,
             "running": len(self.scheduler.running),
@@ -603,8 +603,8 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "kernel_variants_built": self.kernel_variants_built,  # by steps: each one waited for a compile
             # start-up's kernel warm-up (a GPU's; None on the CPU): what a cold Triton cache adds to a start
-            "kernel_warmup_s": self._warmup.seconds if self._warmup is not None else None,
-            "kernel_warmup_variants": self._warmup.variants_built if self._warmup is not None else None,
+            "kernel_warmup_s": warmup.seconds if warmup is not None else None,
+            "kernel_warmup_variants": warmup.variants_built if warmup is not None else None,
             "piecewise_overhead_ms": None if self.piecewise_overhead_s is None else 1e3 * self.piecewise_overhead_s,
             # KV tokens the pool could ever give requests (every allowed expert evicted) and the workspace the
             # budget reserved: levels fixed at start, what a serving sweep records beside its latencies

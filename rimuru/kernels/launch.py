@@ -10,13 +10,18 @@ import logging
 
 from torch import Tensor
 
-__all__ = ["as_rows", "next_pow2", "warn_once"]
+__all__ = ["as_rows", "inner_contiguous", "next_pow2", "warn_once"]
 
 
 def as_rows(t: Tensor) -> Tensor:
     """[..., N] as [R, N] with a contiguous last dim (a view whenever the layout allows)."""
     t = t if t.stride(-1) == 1 else t.contiguous()
     return t.reshape(-1, t.shape[-1])
+
+
+def inner_contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Each tensor as is when its last dim is contiguous (strided rows and heads are fine), else a contiguous copy."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 def next_pow2(x: int) -> int:

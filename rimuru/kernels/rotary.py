@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rimuru.kernels.launch import next_pow2
+from rimuru.kernels.launch import inner_contiguous, next_pow2
 from rimuru.kernels.paged_attention import write_kv, write_kv_reference
 from rimuru.kernels.rounding import round_to
 from rimuru.kernels.triton_import import libdevice, tl, triton
@@ -219,10 +219,7 @@ def apply_rotary_qk_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tu
     if k.shape != (num_tokens, num_kv_heads, head_dim) or cos.shape != (num_tokens, half) or sin.shape != cos.shape:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, "
                          f"sin {tuple(sin.shape)}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q, k, cos, sin = inner_contiguous(q, k, cos, sin)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens:
@@ -245,11 +242,7 @@ def rotary_write_kv_triton(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Te
             or sin.shape != cos.shape or kv_cache.shape[3:] != (num_kv_heads, head_dim):
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
                          f"{tuple(cos.shape)}, sin {tuple(sin.shape)}, kv_cache {tuple(kv_cache.shape)}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q, k, v, cos, sin = inner_contiguous(q, k, v, cos, sin)
     if kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache must have a contiguous head dim, got strides {kv_cache.stride()}")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -321,7 +321,7 @@ def box_kernels(counter: OpCounter, emulate_fla: bool = False) -> Iterator[None]
     installed), computed by `fla_packed_reference` and counted as fla's launches and syncs."""
     import importlib
 
-    patched: list[tuple[Any, str, Any]] = []
+    replacements: list[tuple[Any, str, Any]] = []
 
     def box(fn: Callable[..., Any], name: str, launches: int | Callable[..., int]) -> Callable[..., Any]:
         def boxed(*args: Any, **kwargs: Any) -> Any:
@@ -338,9 +338,7 @@ def box_kernels(counter: OpCounter, emulate_fla: bool = False) -> Iterator[None]
     for module_name, fn_name, launches in KERNELS:
         module = importlib.import_module(module_name)
         if hasattr(module, fn_name):
-            fn = getattr(module, fn_name)
-            patched.append((module, fn_name, fn))
-            setattr(module, fn_name, box(fn, fn_name, launches))
+            replacements.append((module, fn_name, box(getattr(module, fn_name), fn_name, launches)))
     if emulate_fla:
         gdn = importlib.import_module("rimuru.models.gated_deltanet")
 
@@ -353,14 +351,22 @@ def box_kernels(counter: OpCounter, emulate_fla: bool = False) -> Iterator[None]
             finally:
                 counter.suppress -= 1
 
-        for fn_name, new in (("fla_chunk_applies", lambda x: True), ("fla_chunk_gated_delta_rule", fla)):
-            patched.append((gdn, fn_name, getattr(gdn, fn_name)))
-            setattr(gdn, fn_name, new)
+        replacements += [(gdn, "fla_chunk_applies", lambda x: True), (gdn, "fla_chunk_gated_delta_rule", fla)]
+    with _replaced(replacements):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each (module, name, new) set for the block, the originals put back after it (in reverse order)."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in replacements]
     try:
+        for module, name, new in replacements:
+            setattr(module, name, new)
         yield
     finally:
-        for module, fn_name, fn in reversed(patched):
-            setattr(module, fn_name, fn)
+        for module, name, fn in reversed(originals):
+            setattr(module, name, fn)
 
 
 # ---------------------------------------------------------------------------------------------- kernel stubs
@@ -408,17 +414,9 @@ def stub_kernels() -> Iterator[None]:
     The outputs hold garbage: for timing the host, not for results."""
     import importlib
 
-    patched: list[tuple[Any, str, Any]] = []
-    for module_name, fn_name, stub in STUBS:
-        module = importlib.import_module(module_name)
-        if hasattr(module, fn_name):
-            patched.append((module, fn_name, getattr(module, fn_name)))
-            setattr(module, fn_name, stub)
-    try:
+    modules = [(importlib.import_module(module_name), fn_name, stub) for module_name, fn_name, stub in STUBS]
+    with _replaced([(module, fn_name, stub) for module, fn_name, stub in modules if hasattr(module, fn_name)]):
         yield
-    finally:
-        for module, fn_name, fn in reversed(patched):
-            setattr(module, fn_name, fn)
 
 
 __all__ = ["Counts", "OpCounter", "box_kernels", "fla_packed_reference", "stub_kernels"]
