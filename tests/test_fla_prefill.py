@@ -45,6 +45,34 @@ def test_the_cpu_never_takes_or_imports_fla() -> None:
     assert "fla" not in sys.modules
 
 
+def test_fla_is_handed_aligned_contiguous_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill's rows after d decode rows are slices d rows in: with 4 value heads in bf16, beta[1:] starts 8 bytes
+    off a 16-byte boundary. fla's kernels would build a variant per alignment pattern, so the wrapper hands them
+    aligned contiguous copies of such slices, the same values, and aligned tensors themselves (no copy)."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def recording_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                        use_qk_l2norm_in_kernel):
+        seen.update(q=q, k=k, v=v, g=g, beta=beta)
+        return torch.zeros_like(v), initial_state.clone()
+
+    monkeypatch.setattr(fla_gated_delta, "_fla_chunk", lambda: recording_chunk)
+    T, H, dk, dv, d = 9, 4, 8, 8, 1
+    q, k = torch.randn(T, H, dk).bfloat16(), torch.randn(T, H, dk).bfloat16()
+    v = torch.randn(T + d, 2 * H * dv).bfloat16()[d:, H * dv:].reshape(T, H, dv)  # a strided view, like the conv's
+    g_all, beta_all = -torch.rand(T + d, H), torch.rand(T + d, H).bfloat16()
+    g, beta = g_all[d:], beta_all[d:]
+    assert beta.data_ptr() % 16 != 0 and g.data_ptr() % 16 == 0
+    state, cu = torch.zeros(2, H, dk, dv), torch.tensor([0, 4, T])
+    fla_gated_delta.fla_chunk_gated_delta_rule(q, k, v, g, beta, state, cu, scale=dk**-0.5)
+    for name, given in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        handed = seen[name][0]
+        assert handed.is_contiguous() and handed.data_ptr() % 16 == 0, name
+        torch.testing.assert_close(handed, given, rtol=0, atol=0)
+    assert seen["q"][0].data_ptr() == q.data_ptr() and seen["g"][0].data_ptr() == g.data_ptr()  # no copy needed
+    assert seen["beta"][0].data_ptr() != beta.data_ptr()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core")

@@ -20,6 +20,7 @@ from rimuru.kernels.gated_delta_decode import block_v
 from rimuru.kernels.launch import next_pow2
 from rimuru.kernels.moe_align import SINGLE_PROGRAM_MAX, chunked_variant
 from rimuru.kernels.paged_attention import plan_launch
+from rimuru.models.forward_batch import StepLayout
 from rimuru.testing.tiny_models import ARCHS, HYBRID_ARCHS, make_tiny_checkpoint
 
 H200_SMS = 132
@@ -73,6 +74,16 @@ def test_the_passes_are_few_and_distinct():
     passes = warmup_passes(256, 4096, 128, 8)
     assert len(passes) == len({tuple(p) for p in passes}) <= 80
     assert [1] in passes and [1] * 256 in passes and [4096] in passes
+
+
+def test_mixed_passes_put_decodes_first_as_the_scheduler_does():
+    """A hybrid model's prefill rows start after the step's decode rows (StepLayout): a chunk after an odd number of
+    decodes, as serving meets it, and not only chunks at row 0."""
+    passes = warmup_passes(256, 4096, 128, 8)
+    mixed = [StepLayout.of(p) for p in passes if len(p) > 1 and max(p) > 1]
+    assert mixed and all(layout.num_decodes == layout.num_seqs - 1 for layout in mixed)
+    assert {layout.num_decodes % 2 for layout in mixed} == {1}
+    assert any(len(p) == 1 and p[0] > 1 for p in passes)  # and chunks with no decode before them
 
 
 @pytest.mark.gpu

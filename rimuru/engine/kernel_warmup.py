@@ -15,9 +15,10 @@ What decides a variant beside the model's constants, and so what the passes must
 The attention and DeltaNet choices are step functions of a count whose steps are at least a factor of two apart,
 so passes at the powers of two of that count (and at its limit) meet every value: decode passes of B one-token
 sequences, B = 1, 2, 4, ..., max_num_seqs; single prompts of q = 2, 4, ..., max_num_batched_tokens tokens; and a
-q-token chunk beside B - 1 decodes for q = 2, 4, 8, 16 (short queries keep the split path). The MoE's two choices
-change at points of their own (`fused_moe.variant_change_points`): a single prompt at each. What a step still
-builds is counted (`kernels/kernel_builds.py`, `kernel_variants_built` in the engine's stats).
+q-token chunk after B - 1 decodes for q = 2, 4, 8, 16 (short queries keep the split path; the decodes first, as
+the scheduler orders a step, so a hybrid model's prefill rows start after decode rows as in serving). The MoE's
+two choices change at points of their own (`fused_moe.variant_change_points`): a single prompt at each. What a
+step still builds is counted (`kernels/kernel_builds.py`, `kernel_variants_built` in the engine's stats).
 
 The passes run over the workspace profile's scratch pool (engine/workspace_profile.py) in the offload mode's kernel
 variant, before the memory outside torch's allocator is read, so the loaded kernel images are in the workspace.
@@ -55,8 +56,8 @@ def warmup_passes(max_num_seqs: int, max_num_batched_tokens: int, num_experts: i
     passes = [[1] * b for b in batches]  # decodes
     passes += [[q] for q in _powers_of_two_to(T, start=2)]  # single prompts
     passes += [[t] for t in variant_change_points(num_experts, top_k, T)]  # every MoE tier and alignment width
-    for q in _powers_of_two_to(min(SPLIT_PATH_MAX_QUERY, T), start=2):  # short chunks beside decodes
-        passes += [[q] + [1] * (b - 1) for b in batches if b >= 2 and q + b - 1 <= T]
+    for q in _powers_of_two_to(min(SPLIT_PATH_MAX_QUERY, T), start=2):  # short chunks beside decodes, decodes first
+        passes += [[1] * (b - 1) + [q] for b in batches if b >= 2 and q + b - 1 <= T]  # as the scheduler orders them
     seen: set[tuple[int, ...]] = set()
     return [p for p in passes if not (tuple(p) in seen or seen.add(tuple(p)))]
 

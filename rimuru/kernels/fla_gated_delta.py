@@ -38,6 +38,21 @@ def _fla_chunk() -> Callable[..., tuple[Tensor, Tensor]] | None:
     return chunk_gated_delta_rule
 
 
+# Triton specialises a kernel's pointer arguments on 16-byte alignment: each pattern is a variant of its own, built
+# at its first launch. A prefill's rows follow the step's decode rows (models/state_cache.py), so a slice such as
+# beta [T, Hv] (model dtype), which fla hands its kernels as it is, starts d * Hv * 2 bytes into the step's tensor:
+# with few value heads per rank (Hv * 2 not a multiple of 16) an odd decode count d meets a variant that start-up
+# never built, and that step waits for a compile. Aligned, contiguous inputs make one variant serve every step.
+ALIGNMENT_BYTES = 16
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """t itself when contiguous and 16-byte aligned, else a contiguous copy (fresh allocations are aligned)."""
+    if t.is_contiguous() and t.data_ptr() % ALIGNMENT_BYTES == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def fla_chunk_applies(x: Tensor) -> bool:
     """Whether the prefill of hidden states `x` takes fla's kernel: CUDA, bf16 or fp16, fla importable."""
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _fla_chunk() is not None
@@ -51,7 +66,8 @@ def fla_chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     chunk = _fla_chunk()
     if chunk is None:
         raise RuntimeError("fla_chunk_gated_delta_rule needs fla-core (check fla_chunk_applies first)")
-    o, final = chunk(q[None], k[None], v[None], g[None].float(), beta[None], scale=scale,
+    q, k, v, g, beta = (_aligned(t) for t in (q, k, v, g.float(), beta))
+    o, final = chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale,
                      initial_state=state.float().contiguous(), output_final_state=True,
                      cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=True)
     return o[0], final.float()
