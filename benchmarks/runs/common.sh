@@ -11,4 +11,4 @@ D=$(date -u +%F)
 VLLM_SITE=${VLLM_SITE:-/tmp/site}
 ANCHOR=${ANCHOR:-/tmp/anchor}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-SWEEP="python3 benchmarks/serve_sweep.py"
+SWEEP=${SWEEP:-python3 benchmarks/serve_sweep.py}  # (echo: print the commands only)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One cell of the regime map (docs/benchmarks.md section 10): configurations at rates, 400 ShareGPT requests a point
+# (NP to change), our client, dummy weights.
+#   regime_cell.sh CELL CONFIGS RATES
+#   CELL     qwen3-59gib-zipf | qwen3-59gib-uniform | qwen3-62gib-zipf | qwen3-48gib-zipf | qwen1.5-32gib-uniform
+#   CONFIGS  comma separated: static, elastic (the defaults), elastic-slo (TTFT p99 2 s, TPOT p99 50 ms), fixedN (N
+#            experts of each layer resident)
+#   RATES    comma separated req/s
+# e.g. regime_cell.sh qwen3-62gib-zipf static,elastic-slo 8,10,12
+. "$(dirname "$0")/common.sh"
+cell=${1:?CELL}; configs=${2:?CONFIGS}; rates=${3:?RATES}
+case "$cell" in
+  qwen3-*) model=qwen3-30b-a3b ;;
+  qwen1.5-*) model=qwen1.5-moe-a2.7b ;;
+  *) echo "unknown cell $cell" >&2; exit 2 ;;
+esac
+budget=$(echo "$cell" | sed -E 's/^[^-]+-([0-9]+)gib-.*/\1/')GiB
+routing=${cell##*-}
+args=(); label=uniform
+if [ "$routing" = zipf ]; then args=(--rimuru-args="--dummy-routing zipf:1.0"); label=zipf1.0; fi
+defines=()
+for c in ${configs//,/ }; do
+  case "$c" in fixed[0-9]*) defines+=(--define "$c=rimuru:--offload-mode fixed --resident-experts ${c#fixed}") ;; esac
+done
+timeout 580 $SWEEP --model $model --gpu-memory-budget "$budget" "${args[@]}" "${defines[@]}" --configs "$configs" \
+  --rates "$rates" --num-prompts "${NP:-400}" --label "$label" --time-budget-s 570 \
+  --output-json "$OUT/$D-serve-$cell-${configs//,/-}-${rates//,/-}rps-$C-h200.json"
