@@ -80,13 +80,10 @@ class DetachedServer:
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
-        try:  # our own child (the test's case): reap it, so its exit is seen
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
-                return self.returncode
-        except ChildProcessError:
-            pass  # not our child (a server from an earlier call): init reaps it
+        child = _STARTED.get(self.pid)
+        if child is not None:  # started by this process (the tests' case): its Popen has reaped it or will
+            self.returncode = child.poll()
+            return self.returncode
         try:
             fields = process_stat(self.pid)
         except OSError:  # no /proc: only whether the pid exists
@@ -108,11 +105,17 @@ class DetachedServer:
         return self.returncode  # type: ignore[return-value]
 
 
+# The Popen of every server this process detached, kept so that its exit code stays readable: a Popen that is
+# collected reaps a child that already exited (Popen.__del__ polls it), and the code would be lost.
+_STARTED: dict[int, subprocess.Popen] = {}
+
+
 def start_detached(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path = REPO) -> int:
     """A server in a new session that outlives this process (no death signal); returns its pid."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=cwd, start_new_session=True)
+    _STARTED[proc.pid] = proc
     return proc.pid
 
 

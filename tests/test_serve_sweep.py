@@ -5,6 +5,7 @@ sweep goes on to start and measure the next configuration)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from sweep_processes import (  # noqa: E402
     free_port,
     port_is_free,
     process_start_ticks,
+    process_stat,
     start_detached,
 )
 
@@ -230,9 +232,17 @@ def test_detached_server_is_measured_by_a_later_attach(tiny_checkpoint, tmp_path
 
 
 def test_a_detached_server_that_exits_or_whose_pid_is_reused_counts_as_exited(tmp_path: Path) -> None:
-    # our own child: reaped, with its exit code (a zombie would otherwise look alive to kill(pid, 0))
+    # our own child: reaped, with its exit code (a zombie would otherwise look alive to kill(pid, 0)), also when it
+    # exited before it was adopted and another Popen ran meanwhile (subprocess reaps the children of collected
+    # Popens it still tracks whenever a new one starts)
     pid = start_detached([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), tmp_path / "log")
-    server = DetachedServer(pid, process_start_ticks(pid))
+    start = process_start_ticks(pid)
+    deadline = time.monotonic() + 30
+    while (process_stat(pid) or ["Z"])[0] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gc.collect()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    server = DetachedServer(pid, start)
     assert server.wait(timeout=30) == 3 and server.poll() == 3
     # a live pid whose start time differs from the record's names another process: not the server
     me = process_start_ticks(os.getpid())
