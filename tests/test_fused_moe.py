@@ -170,6 +170,17 @@ _INTERPRET_SCRIPT = textwrap.dedent(
     host, moved, poisoned = move_to_host_rows(view, table, routed[::2])
     out = fused_moe_triton(hidden, w, ids, poisoned, moved, 16, host)
     assert torch.equal(out, fused_moe_triton(hidden, w, ids, view, table, 16))
+    # Routed experts whose rows are absent (-1: another rank holds them under expert parallelism) contribute zeros:
+    # what the reference gives with skip_absent, i.e. the sum over the experts present alone
+    hidden, w, ids, view, table = make_case(20, 32, 16, 12, 8, 0, torch.float32, "cpu", seed=8)
+    elsewhere = table.clone()
+    elsewhere[6:] = -1
+    out = fused_moe_triton(hidden, w, ids, view, elsewhere, 16)
+    assert rel_err(out, fused_moe_reference(hidden, w, ids, view, elsewhere, 16, skip_absent=True)) < 1e-5
+    others = table.clone()
+    others[:6] = -1
+    both = out + fused_moe_triton(hidden, w, ids, view, others, 16)
+    assert rel_err(both, fused_moe_triton(hidden, w, ids, view, table, 16)) < 1e-5
     # Both Triton alignments give the torch path's layout exactly (stable: an expert's assignments in index order),
     # across chunk edges, empty experts and an int32 input
     g = torch.Generator().manual_seed(3)
@@ -225,6 +236,23 @@ def test_cuda_paged_matches_reference(shape: tuple[int, int, int, int], T: int) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 64, 1024])
+def test_cuda_routed_experts_held_elsewhere_contribute_zeros(T: int) -> None:
+    """Expert parallelism: a rank's table holds its half of the experts, -1 rows for the other rank's; the two
+    ranks' outputs sum to the whole layer's (what the all-reduce does)."""
+    d, f, E, k = 256, 128, 64, 8
+    hidden, w, ids, view, table = make_case(T, d, f, E, k, 0, torch.bfloat16, "cuda", seed=T)
+    halves = [table.clone(), table.clone()]
+    halves[0][E // 2 :], halves[1][: E // 2] = -1, -1
+    parts = [fused_moe(hidden, w, ids, view, half, f) for half in halves]
+    for part, half in zip(parts, halves, strict=True):
+        ref = fused_moe_reference(hidden, w, ids, view, half, f, skip_absent=True)
+        assert rel_err(part, ref) < 1e-2
+    assert rel_err(parts[0].float() + parts[1].float(), fused_moe(hidden, w, ids, view, table, f)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,E,block_m", [(4097, 60, 16), (16384, 128, 64), (32768, 256, 128), (40000, 60, 32)])
 def test_cuda_chunked_alignment_equals_the_stable_sort(n: int, E: int, block_m: int) -> None:
     """Past SINGLE_PROGRAM_MAX assignments the three chunked launches give the stable sort's layout exactly."""
@@ -244,7 +272,7 @@ def test_cuda_chunked_alignment_equals_the_stable_sort(n: int, E: int, block_m: 
 def test_cuda_experts_read_from_pinned_host_rows(T: int) -> None:
     """Experts named by host rows are read by the kernel from pinned host memory over PCIe (no copy), with the
     same result as from their pages, also inside a CUDA graph whose tables then change in place."""
-    d, f, E, k = 2048, 768, 128, 8
+    d, f, E, k = 256, 128, 64, 8
     hidden, w, ids, view, table = make_case(T, d, f, E, k, 0, torch.bfloat16, "cuda", seed=T + 5)
     expect = fused_moe(hidden, w, ids, view, table, f)
     routed = sorted(set(ids.flatten().tolist()))

@@ -131,6 +131,39 @@ def test_page_geometry_sizes_pages_per_rank(parity_checkpoints: dict[str, Path])
     assert two.size("kv") * 2 == one.size("kv") and two.kv_heads_per_rank == 1
 
 
+def test_expert_parallel_ranks_hold_whole_experts_of_their_block() -> None:
+    tp, ep = TensorParallel(rank=1, size=2), TensorParallel(rank=1, size=2, expert_parallel=True)
+    assert tp.local_experts(8) == range(8) and tp.expert_part(32) == 16
+    assert ep.local_experts(8) == range(4, 8) and ep.expert_part(32) == 32
+    assert SINGLE.local_experts(8) == range(8) and SINGLE.expert_part(32) == 32
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by tensor_parallel_size=4"):
+        TensorParallel(rank=0, size=4, expert_parallel=True).local_experts(6)
+
+
+def test_expert_parallel_pages_hold_whole_experts(parity_checkpoints: dict[str, Path]) -> None:
+    spec = load_model_spec(str(parity_checkpoints["qwen2_moe"]))
+    one = PageGeometry.for_model(spec, dtype=torch.float32)
+    ep = PageGeometry.for_model(spec, dtype=torch.float32, tp_size=2, expert_parallel=True)
+    assert ep.size("expert") == one.size("expert") and ep.expert_numel == spec.moe_intermediate_size * spec.hidden_size
+    assert ep.size("kv") * 2 == one.size("kv")  # attention stays tensor-parallel
+
+
+def test_expert_parallel_is_a_flag_and_static_only() -> None:
+    import argparse
+
+    from rimuru.config import add_engine_args
+
+    args = add_engine_args(argparse.ArgumentParser()).parse_args(
+        ["m", "--tensor-parallel-size", "2", "--enable-expert-parallel"])
+    config = EngineConfig.from_cli_args(args)
+    assert config.enable_expert_parallel and config.tensor_parallel_size == 2
+    assert not EngineConfig.from_cli_args(add_engine_args(argparse.ArgumentParser()).parse_args(["m"])) \
+        .enable_expert_parallel
+    for mode in ("fixed", "elastic"):
+        with pytest.raises(ValueError, match=f"enable_expert_parallel runs in offload_mode='static' only .*'{mode}'"):
+            EngineConfig(model="unused", tensor_parallel_size=2, enable_expert_parallel=True, offload_mode=mode)
+
+
 def test_unsupported_combinations_are_refused_by_name(tiny_checkpoint) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         EngineConfig(model="unused", tensor_parallel_size=0)
@@ -222,7 +255,26 @@ def assert_no_rank_holds_a_page(llm: LLM) -> None:
     for r in reports:
         assert r["kv_pages_in_use"] == r["state_holders"] == 0, r
         assert r["used"]["kv"] == r["used"].get("ssm", 0) == r["used"].get("conv", 0) == 0, r
-        assert np.array_equal(r["expert_tables"], reports[0]["expert_tables"]), r["rank"]
+        if engine.tp.expert_parallel:
+            assert_ranks_hold_complementary_experts(reports, engine.spec.num_experts)
+        else:
+            assert np.array_equal(r["expert_tables"], reports[0]["expert_tables"]), r["rank"]
+
+
+def assert_ranks_hold_complementary_experts(reports: list[dict], num_experts: int) -> None:
+    """Expert parallelism: rank r's tables name pages for experts [r E/N, (r+1) E/N) of every layer and no other
+    (-1 rows), so every expert is held by exactly one rank; every rank holds as many expert pages, the same ids."""
+    n = len(reports)
+    per_rank = num_experts // n
+    for r in reports:
+        tables = r["expert_tables"]  # [L, E, 3]
+        mine = slice(r["rank"] * per_rank, (r["rank"] + 1) * per_rank)
+        assert (tables[:, mine] >= 0).all(), r["rank"]
+        others = np.delete(tables, np.arange(num_experts)[mine], axis=1)
+        assert (others == -1).all(), r["rank"]
+        assert r["used"]["expert"] == tables.shape[0] * per_rank * 3 == reports[0]["used"]["expert"]
+        assert np.array_equal(np.sort(tables[tables >= 0]), np.sort(reports[0]["expert_tables"][
+            reports[0]["expert_tables"] >= 0])), "the ranks' allocators gave different page ids"
 
 
 def serve_both(path: Path, steps: int = STEPS, ps: list[list[int]] | None = None,
@@ -251,6 +303,25 @@ def test_two_ranks_serve_the_tokens_of_one_and_of_transformers(arch: str, parity
     want, got = serve_both(path, offload_mode="static")
     assert got == want
     assert_greedy_matches(path, prompts(), got, STEPS)
+
+
+@slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_expert_parallel_ranks_serve_the_tokens_of_one_and_of_transformers(arch: str,
+                                                                          parity_checkpoints: dict[str, Path]) -> None:
+    """Static mode, each rank holding half of every layer's experts whole (mixtral and olmoe checkpoints hold fused
+    experts, the others per expert), with chunked prefill; the ranks' tables hold complementary experts."""
+    path = parity_checkpoints[arch]
+    want, got = serve_both(path, offload_mode="static", max_num_batched_tokens=16, enable_expert_parallel=True)
+    assert got == want
+    assert_greedy_matches(path, prompts(), got, STEPS)
+
+
+@slow
+def test_expert_parallel_serves_a_hybrid_model_as_one_rank(tiny_checkpoint) -> None:
+    path = hybrid_checkpoint(tiny_checkpoint, "qwen3_next-fused")
+    want, got = serve_both(path, offload_mode="static", max_num_batched_tokens=16, enable_expert_parallel=True)
+    assert got == want
 
 
 @slow

@@ -7,6 +7,12 @@ A `TensorParallel` is made once per process and handed to the model and the engi
 
 With size 1 (`SINGLE`) every collective returns its input untouched and nothing is initialised, so a model built
 without tensor parallelism runs exactly the code it ran before.
+
+With `expert_parallel` (vLLM's `--enable-expert-parallel`) the same group holds the routed experts whole instead of
+cut along their intermediate dimension: rank r of N holds experts [r E/N, (r+1) E/N) of every MoE layer
+(`local_experts`), every rank routes every token, and a token's experts on other ranks contribute zeros to this
+rank's partial sum, which the MoE's one all-reduce completes as under tensor parallelism. Attention, dense and
+shared-expert MLPs stay tensor-parallel.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # device collectives (None: the default group)
     cpu_group: Any = None  # control messages (gloo)
+    expert_parallel: bool = False  # routed experts whole, E/N of them per rank (see the module's note)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -46,6 +53,18 @@ class TensorParallel:
         if n % self.size:
             raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={self.size}")
         return n // self.size
+
+    def expert_part(self, intermediate_size: int) -> int:
+        """The intermediate size of this rank's routed-expert pages: whole under expert parallelism, f/N else."""
+        return intermediate_size if self.expert_parallel else self.part(intermediate_size, "moe_intermediate_size")
+
+    def local_experts(self, num_experts: int) -> range:
+        """The routed experts of each MoE layer this rank holds: all of them (their slices) under tensor
+        parallelism, a contiguous E/N of them under expert parallelism."""
+        if not self.expert_parallel:
+            return range(num_experts)
+        n = self.part(num_experts, "num_experts")
+        return range(self.rank * n, (self.rank + 1) * n)
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """The sum over ranks, in place (every rank gets the same bits)."""
@@ -98,7 +117,7 @@ def free_port() -> int:
 
 
 def init_tensor_parallel(rank: int, size: int, port: int, device: torch.device,
-                         timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorParallel:
+                         timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False) -> TensorParallel:
     """Joins the group of `size` ranks meeting at 127.0.0.1:`port` (one host). NCCL where the device is a GPU,
     gloo on the CPU; the control group is gloo either way."""
     if dist.is_initialized():
@@ -109,7 +128,7 @@ def init_tensor_parallel(rank: int, size: int, port: int, device: torch.device,
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timeout, device_id=device if device.type == "cuda" else None)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return TensorParallel(rank=rank, size=size, group=None, cpu_group=cpu_group)
+    return TensorParallel(rank=rank, size=size, group=None, cpu_group=cpu_group, expert_parallel=expert_parallel)
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:

@@ -125,7 +125,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(tokenizer_path) if tp.is_driver else None
         load_format = resolve_load_format(config)
         geometry = PageGeometry.for_model(spec, dtype=dtype, block_size=config.block_size,
-                                          tp_size=config.tensor_parallel_size)
+                                          tp_size=config.tensor_parallel_size, expert_parallel=tp.expert_parallel)
         self.geometry = geometry
         # non-expert weights first: the workspace is measured with them, before the pool exists
         model = build_model(spec, dtype, device, torch.empty(0, device=device), tp=tp)

@@ -122,7 +122,8 @@ class TensorParallelWorkers:
         for p in self.procs:
             p.start()
         try:
-            self.tp = init_tensor_parallel(0, size, port, self.device)
+            self.tp = init_tensor_parallel(0, size, port, self.device,
+                                           expert_parallel=config.enable_expert_parallel)
         except BaseException:
             self.kill()
             raise
@@ -251,7 +252,8 @@ def _worker_main(rank: int, config: EngineConfig, port: int, errors: Any) -> Non
         device = rank_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        tp = init_tensor_parallel(rank, config.tensor_parallel_size, port, device)
+        tp = init_tensor_parallel(rank, config.tensor_parallel_size, port, device,
+                                  expert_parallel=config.enable_expert_parallel)
         engine = LLMEngine(config, tp=tp)
         while True:
             plan = tp.broadcast_object()

@@ -143,11 +143,16 @@ def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype
     given)."""
     if store is None and needs_host_store(settings, spec):
         store = build_host_store(spec, dtype, pool.device, pool.geometry.tp_size)
-    residency = ExpertResidency(pool.allocator, spec.num_moe_layers, spec.num_experts,
-                                ranking=[popularity.ranking(layer) for layer in range(spec.num_moe_layers)])
+    local = model.tp.local_experts(spec.num_experts)
+    if len(local) < spec.num_experts and settings.mode != "static":
+        raise ValueError(f"expert parallelism runs in offload_mode='static' only, not {settings.mode!r}")
+    ranking = [popularity.ranking(layer) for layer in range(spec.num_moe_layers)]
+    if len(local) < spec.num_experts:  # expert parallelism: this rank's experts first, the only ones it makes resident
+        ranking = [[*local, *(e for e in order if e not in local)] for order in ranking]
+    residency = ExpertResidency(pool.allocator, spec.num_moe_layers, spec.num_experts, ranking=ranking)
     cache = ExpertCache(residency, pool.expert_view(dtype), pool.device)
     if settings.mode == "static":
-        runtime: ExpertRuntime = _static(cache, spec, pool)
+        runtime: ExpertRuntime = _static(cache, spec, pool, len(local))
     elif settings.mode == "fixed":
         runtime = _fixed(settings, cache, spec, pool, model, popularity, fence, store)
     elif settings.mode == "elastic":
@@ -159,11 +164,13 @@ def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype
     return runtime
 
 
-def _static(cache: ExpertCache, spec: ModelSpec, pool: PagePool) -> StaticRuntime:
+def _static(cache: ExpertCache, spec: ModelSpec, pool: PagePool, per_layer: int) -> StaticRuntime:
+    """Every routed expert this rank holds resident: all of them, or under expert parallelism its `per_layer` of
+    each layer (the others' table rows stay absent, -1)."""
     try:
-        cache.make_all_resident()
+        cache.make_prefix_resident(per_layer)
     except PoolTooSmallError as e:
-        need = cache.total_experts * 3 * cache.expert_page_bytes
+        need = cache.num_layers * per_layer * 3 * cache.expert_page_bytes
         short = need - pool.pool_bytes
         raise ValueError(
             f"offload_mode='static' needs every routed expert on the device ({format_bytes(need)}), "

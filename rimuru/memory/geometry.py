@@ -141,6 +141,7 @@ class PageGeometry:
         block_size: int = 16,
         tp_size: int = 1,
         ssm_dtype: torch.dtype = torch.float32,
+        expert_parallel: bool = False,
     ) -> PageGeometry:
         if tp_size < 1 or block_size < 1:
             raise ValueError(f"tp_size ({tp_size}) and block_size ({block_size}) must be >= 1")
@@ -151,7 +152,10 @@ class PageGeometry:
                 raise ValueError(f"{what}={n} is not divisible by tp_size={tp_size}")
             return n // tp_size
 
-        expert_numel = per_rank(spec.moe_intermediate_size, "moe_intermediate_size") * spec.hidden_size
+        # an expert page is one matrix of one expert: this rank's f/N rows of it, or the whole under expert parallelism
+        f = spec.moe_intermediate_size if expert_parallel else per_rank(spec.moe_intermediate_size,
+                                                                        "moe_intermediate_size")
+        expert_numel = f * spec.hidden_size
         mid: dict[str, int] = {PRIMARY_MID: expert_numel * item}
         small: dict[str, int] = {}
         kv_heads = None

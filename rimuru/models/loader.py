@@ -173,7 +173,7 @@ def load_checkpoint(
                 for pname, whole in zip(pnames, split_fn(handles[cname].get_tensor(cname)), strict=True):
                     params[pname].copy_(cut_of[pname].take(whole) if pname in cut_of else whole)
             for moe_idx, read_expert in enumerate(plans):
-                for e in range(spec.num_experts):
+                for e in model.tp.local_experts(spec.num_experts):  # a rank reads only the experts it holds
                     expert_sink(moe_idx, e, *read_expert(e))
 
 
@@ -201,11 +201,12 @@ def _expert_plan(
     model: MoECausalLM, spec: ModelSpec, moe_idx: int, layer: _LayerExperts, handles: dict[str, Any]
 ) -> Callable[[int], tuple[Tensor, Tensor, Tensor]]:
     """Validate one MoE layer's expert tensors; return a reader of (w1, w3, w2) by expert id: this rank's slice
-    along f under tensor parallelism."""
+    along f under tensor parallelism, the whole expert under expert parallelism (or on one rank)."""
     E, f, d = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
     tp = model.tp
-    fl = tp.part(f, "moe_intermediate_size")
-    lo, hi = tp.rank * fl, (tp.rank + 1) * fl  # this rank's rows of W1 / W3, columns of W2
+    sliced = tp.size > 1 and not tp.expert_parallel
+    fl = tp.expert_part(f)
+    lo, hi = (tp.rank * fl, (tp.rank + 1) * fl) if sliced else (0, f)  # this rank's rows of W1 / W3, columns of W2
     layer_id = spec.moe_layer_ids[moe_idx]
     if layer.per_expert and layer.fused:
         raise CheckpointError(
@@ -220,7 +221,7 @@ def _expert_plan(
         gate_up, down = layer.fused["gate_up_proj"], layer.fused["down_proj"]
 
         def read_fused(e: int) -> tuple[Tensor, Tensor, Tensor]:
-            if tp.size > 1:
+            if sliced:
                 w13, w2 = handles[gate_up].get_slice(gate_up), handles[down].get_slice(down)
                 return w13[e, lo:hi], w13[e, f + lo : f + hi], w2[e, :, lo:hi]  # [f/N, d], [f/N, d], [d, f/N]
             w13 = handles[gate_up].get_slice(gate_up)[e]  # [2f, d]
@@ -243,7 +244,7 @@ def _expert_plan(
 
     def read_per_expert(e: int) -> tuple[Tensor, Tensor, Tensor]:
         w1, w3, w2 = (layer.per_expert[(e, slot)] for slot in range(3))
-        if tp.size > 1:
+        if sliced:
             return (handles[w1].get_slice(w1)[lo:hi], handles[w3].get_slice(w3)[lo:hi],
                     handles[w2].get_slice(w2)[:, lo:hi])
         return handles[w1].get_tensor(w1), handles[w3].get_tensor(w3), handles[w2].get_tensor(w2)

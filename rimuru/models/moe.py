@@ -7,7 +7,9 @@ an optional shared expert are ordinary parameters.
 Tensor-parallel over N ranks: every rank routes the same tokens with the whole router (its hidden states are the
 same bits on every rank); each expert page holds the rank's f/N rows of W1 and W3 and columns of W2, so the fused
 MoE gives a partial sum that one all-reduce completes, after the shared expert's partial sum (row-parallel down
-projection) is added to it.
+projection) is added to it. Under expert parallelism a rank's pages hold E/N whole experts and the others' table
+rows are absent (-1): tokens routed to them contribute zeros here and their expert's rank adds them, so the same
+one all-reduce completes the sum.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.top_k = top_k
         self.tp = tp
-        self.intermediate_size = tp.part(intermediate_size, "moe_intermediate_size")  # this rank's f
+        self.intermediate_size = tp.expert_part(intermediate_size)  # this rank's f (the whole f under EP)
         self.renormalize = renormalize
         self.moe_idx = moe_idx  # ordinal among MoE layers: which expert table
         # a plain attribute, set by MoECausalLM.attach_experts: the provider's pages are not model state
@@ -102,7 +104,8 @@ class SparseMoE(nn.Module):
         table = provider.table(self.moe_idx, ids)  # [E, 3] int32
         host = provider.host_experts(self.moe_idx, x, weights, ids)  # experts left out of the table, started
         out = fused_moe(x, weights, ids, provider.expert_view, table, self.intermediate_size,
-                        host_rows=provider.host_rows(self.moe_idx), skip_absent=host is not None)  # [T, d]
+                        host_rows=provider.host_rows(self.moe_idx),
+                        skip_absent=host is not None or self.tp.expert_parallel)  # [T, d]
         # the host computes its experts while the device runs the kernel queued above, then adds them
         return out if host is None else host.join(out)
 
