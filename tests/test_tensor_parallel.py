@@ -318,6 +318,23 @@ def test_expert_parallel_ranks_serve_the_tokens_of_one_and_of_transformers(arch:
 
 
 @slow
+def test_expert_parallel_ranks_each_charge_half_the_experts(parity_checkpoints: dict[str, Path]) -> None:
+    """A rank's pool holds E/N whole experts of every layer: half the one-rank bytes of resident experts, as under
+    tensor parallelism, and the engine reports the group's experts all resident."""
+    path = str(parity_checkpoints["qwen2_moe"])
+    one = LLM(path, device="cpu", gpu_memory_budget="64MiB")
+    full = one.engine.budget_split["experts_resident"]
+    one.shutdown()
+    two = LLM(path, device="cpu", gpu_memory_budget="64MiB", tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert two.engine.budget_split["experts_resident"] * 2 == full
+        stats = two.stats()
+        assert stats["resident_experts"] == stats["total_experts"] == two.engine.runtime.cache.num_resident * 2
+    finally:
+        two.shutdown()
+
+
+@slow
 def test_expert_parallel_serves_a_hybrid_model_as_one_rank(tiny_checkpoint) -> None:
     path = hybrid_checkpoint(tiny_checkpoint, "qwen3_next-fused")
     want, got = serve_both(path, offload_mode="static", max_num_batched_tokens=16, enable_expert_parallel=True)

@@ -298,8 +298,14 @@ class LLMEngine:
                     "KV %s = %d tokens); %s mode, %d of %d experts resident, host copies %s",
                     format_bytes(s["budget"]), format_bytes(s["non_expert_weights"]), format_bytes(s["workspace"]),
                     format_bytes(s["pool"]), format_bytes(s["experts_resident"]), format_bytes(s["load_buffers"]),
-                    format_bytes(s["kv_free"]), kv_tokens, self.runtime.mode, self.runtime.cache.num_resident,
+                    format_bytes(s["kv_free"]), kv_tokens, self.runtime.mode, self._resident_experts(),
                     self.runtime.cache.total_experts, format_bytes(s["host_experts"]))
+
+    def _resident_experts(self) -> int:
+        """Routed experts resident on the device, all layers: under expert parallelism the group's (static mode: every
+        rank holds its E/N of each layer, as this one does), so a model served whole reads all of them resident."""
+        per_rank = self.runtime.cache.num_resident
+        return per_rank * self.tp.size if self.tp.expert_parallel else per_rank
 
     def _check_workspace(self, start_memory: DeviceMemoryMark) -> None:
         """The budget reserved the measured `workspace` for everything beyond weights and pool; say when the start
@@ -596,7 +602,7 @@ class LLMEngine:
             # hybrid models with prefix caching: ssm + conv pages of the state snapshots (held by requests or not)
             "state_pages_cached": self.state.num_cached_pages if self.state is not None else 0,
             "trapped_bytes": st.trapped_bytes,
-            "resident_experts": cache.num_resident,
+            "resident_experts": self._resident_experts(),
             "total_experts": cache.total_experts,
             "forward_steps": self.forward_steps,
             "peak_running": self.peak_running,
