@@ -99,8 +99,8 @@ class EngineConfig:
     offload_access: str = "direct"
     expert_ranking: str | None = None  # JSON file from `rimuru profile`
     tensor_parallel_size: int = 1
-    # routed experts whole on the ranks, E/N of each layer per rank, instead of cut along f (vLLM's flag; static mode;
-    # attention and the dense / shared MLPs stay tensor-parallel): distributed/parallel_state.py
+    # routed experts whole on the ranks, E/N of each layer per rank, instead of cut along f (vLLM's flag; static mode,
+    # or fixed with direct access; attention and the dense / shared MLPs stay tensor-parallel): parallel_state.py
     enable_expert_parallel: bool = False
     # load_format="dummy" only: "uniform" (random routers) or "zipf:S" — a seeded power-law expert popularity
     # (exponent S, a random expert order per layer) added to the routers as log-probability biases
@@ -170,9 +170,11 @@ class EngineConfig:
         if self.cpu_expert_compute not in CPU_EXPERT_COMPUTE:
             raise ValueError(f"cpu_expert_compute must be one of {', '.join(CPU_EXPERT_COMPUTE)}, "
                              f"got {self.cpu_expert_compute!r}")
-        if self.enable_expert_parallel and self.offload_mode not in (None, "static"):
-            raise ValueError(f"enable_expert_parallel runs in offload_mode='static' only (got {self.offload_mode!r}): "
-                             "each rank's pool offloading its own experts is not built yet")
+        if self.enable_expert_parallel and (self.offload_mode not in (None, "static", "fixed")
+                                            or self.offload_mode == "fixed" and self.offload_access != "direct"):
+            raise ValueError("enable_expert_parallel runs in offload_mode='static', or 'fixed' with "
+                             f"offload_access='direct' (got {self.offload_mode!r} with {self.offload_access!r}): "
+                             "elastic mode and copies under expert parallelism are not built yet")
         if self.cpu_expert_compute == "on" and self.offload_mode == "static":
             raise ValueError("cpu_expert_compute='on' computes offloaded experts on the host, and "
                              "offload_mode='static' offloads none: use --offload-mode fixed or elastic")
@@ -234,7 +236,7 @@ _FLAG_HELP = {
     "expert_ranking": "expert popularity JSON written by `rimuru profile`",
     "enforce_eager": "never capture CUDA graphs",
     "enable_expert_parallel": "with --tensor-parallel-size N: each rank holds E/N whole routed experts of every layer "
-                              "instead of a 1/N slice of every expert (static mode)",
+                              "instead of a 1/N slice of every expert (static mode, or fixed with direct access)",
     "max_cudagraph_capture_size": "the largest step (tokens) replayed from a CUDA graph; larger steps run eagerly "
                                   "(default: max_num_batched_tokens, at most 8192)",
     "async_scheduling": "launch step n+1 before reading step n's tokens (default: on on a GPU)",

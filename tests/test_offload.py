@@ -118,6 +118,18 @@ def test_host_store_layout_and_errors() -> None:
     assert float(a.layers[0].std()) == pytest.approx(0.02, rel=0.3)
 
 
+def test_a_ranks_store_holds_its_block_of_experts_by_their_model_ids() -> None:
+    """Expert parallelism: rank 1 of 2 over 6 experts holds experts 3..5 in slots 0..2."""
+    store = HostExpertStore(2, 3, 4, 6, torch.float32, pin=False, first_expert=3)
+    w1, w3, w2 = torch.randn(4, 6), torch.randn(4, 6), torch.randn(6, 4)
+    store.write(1, 4, w1, w3, w2)
+    assert store.slot(1, 4) == 1 and torch.equal(store.layers[1][1, 0].view(4, 6), w1)
+    assert torch.equal(store.expert(1, 4)[2].view(6, 4), w2)
+    assert [store.holds(e) for e in range(7)] == [False, False, False, True, True, True, False]
+    with pytest.raises(IndexError, match=r"expert 2 of MoE layer 0 is outside the store \(2 layers x experts 3\.\.5\)"):
+        store.expert(0, 2)
+
+
 def test_provider_loads_misses_prefetches_hits_and_keeps_tables(checkpoints) -> None:
     llm = fixed(checkpoints["qwen3_moe"], 2)  # 2 MoE layers, 8 experts, top-2; resident 0, 1
     eng = llm.engine

@@ -159,9 +159,11 @@ def test_expert_parallel_is_a_flag_and_static_only() -> None:
     assert config.enable_expert_parallel and config.tensor_parallel_size == 2
     assert not EngineConfig.from_cli_args(add_engine_args(argparse.ArgumentParser()).parse_args(["m"])) \
         .enable_expert_parallel
-    for mode in ("fixed", "elastic"):
-        with pytest.raises(ValueError, match=f"enable_expert_parallel runs in offload_mode='static' only .*'{mode}'"):
-            EngineConfig(model="unused", tensor_parallel_size=2, enable_expert_parallel=True, offload_mode=mode)
+    for mode, access in (("elastic", "direct"), ("elastic", "copy"), ("fixed", "copy")):
+        with pytest.raises(ValueError, match=f"enable_expert_parallel runs in .*got '{mode}' with '{access}'"):
+            EngineConfig(model="unused", tensor_parallel_size=2, enable_expert_parallel=True, offload_mode=mode,
+                         offload_access=access)
+    EngineConfig(model="unused", tensor_parallel_size=2, enable_expert_parallel=True, offload_mode="fixed")
 
 
 def test_unsupported_combinations_are_refused_by_name(tiny_checkpoint) -> None:
@@ -262,19 +264,20 @@ def assert_no_rank_holds_a_page(llm: LLM) -> None:
 
 
 def assert_ranks_hold_complementary_experts(reports: list[dict], num_experts: int) -> None:
-    """Expert parallelism: rank r's tables name pages for experts [r E/N, (r+1) E/N) of every layer and no other
-    (-1 rows), so every expert is held by exactly one rank; every rank holds as many expert pages, the same ids."""
+    """Expert parallelism: rank r's tables name experts [r E/N, (r+1) E/N) of every layer, by pages (>= 0) or by
+    host rows of its own store (<= -2, fixed mode), and no other (-1 rows), so every expert is held by exactly one
+    rank; every rank holds as many expert pages, the same ids."""
     n = len(reports)
     per_rank = num_experts // n
+    pages0 = reports[0]["expert_tables"][reports[0]["expert_tables"] >= 0]
     for r in reports:
         tables = r["expert_tables"]  # [L, E, 3]
         mine = slice(r["rank"] * per_rank, (r["rank"] + 1) * per_rank)
-        assert (tables[:, mine] >= 0).all(), r["rank"]
+        assert (tables[:, mine] != -1).all(), r["rank"]
         others = np.delete(tables, np.arange(num_experts)[mine], axis=1)
         assert (others == -1).all(), r["rank"]
-        assert r["used"]["expert"] == tables.shape[0] * per_rank * 3 == reports[0]["used"]["expert"]
-        assert np.array_equal(np.sort(tables[tables >= 0]), np.sort(reports[0]["expert_tables"][
-            reports[0]["expert_tables"] >= 0])), "the ranks' allocators gave different page ids"
+        assert r["used"]["expert"] == (tables >= 0).sum() == pages0.size, r["rank"]
+        assert np.array_equal(np.sort(tables[tables >= 0]), np.sort(pages0)), "the ranks' allocators differ"
 
 
 def serve_both(path: Path, steps: int = STEPS, ps: list[list[int]] | None = None,
@@ -313,6 +316,33 @@ def test_expert_parallel_ranks_serve_the_tokens_of_one_and_of_transformers(arch:
     experts, the others per expert), with chunked prefill; the ranks' tables hold complementary experts."""
     path = parity_checkpoints[arch]
     want, got = serve_both(path, offload_mode="static", max_num_batched_tokens=16, enable_expert_parallel=True)
+    assert got == want
+    assert_greedy_matches(path, prompts(), got, STEPS)
+
+
+@slow
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_expert_parallel_fixed_mode_reads_each_ranks_offloaded_experts_from_its_own_store(
+        arch: str, parity_checkpoints: dict[str, Path]) -> None:
+    """Fixed mode with direct access: each rank keeps 2 of its 4 experts per layer resident and names the other 2 by
+    host rows of its own store, which holds its 4 experts only (half the one-rank store's bytes)."""
+    path = parity_checkpoints[arch]
+    kwargs = {"device": "cpu", "gpu_memory_budget": "64MiB"}
+    one = LLM(str(path), **kwargs)
+    want = run_greedy(one, prompts(), STEPS)
+    one.shutdown()
+    two = LLM(str(path), tensor_parallel_size=2, offload_mode="fixed", resident_experts=2, enable_expert_parallel=True,
+              **kwargs)
+    try:
+        got = run_greedy(two, prompts(), STEPS)
+        store, E = two.engine.runtime.store, two.engine.spec.num_experts
+        assert (store.first_expert, store.num_experts, store.f) == (0, E // 2, two.engine.spec.moe_intermediate_size)
+        reports = two.engine.pool_reports()
+        for r in reports:  # half of each rank's experts named by host rows of its own store
+            assert ((r["expert_tables"] <= -2).sum(axis=(1, 2)) == 3 * 2).all(), r["rank"]
+        assert_no_rank_holds_a_page(two)
+    finally:
+        two.shutdown()
     assert got == want
     assert_greedy_matches(path, prompts(), got, STEPS)
 

@@ -232,9 +232,9 @@ class LLMEngine:
     def _make_host_store(self, mode: str, dtype: torch.dtype) -> None:
         """Pins the host expert store of an offloading mode before the graph profile: its device-side mappings
         (hundreds of MB for a 58 GB store) are memory outside torch the workspace must hold."""
-        if needs_host_store(self._runtime_settings(mode), self.spec):
+        if needs_host_store(self._runtime_settings(mode), self.spec, self.tp):
             t0 = time.monotonic()
-            self._host_store = build_host_store(self.spec, dtype, self.device, self.tp.size)
+            self._host_store = build_host_store(self.spec, dtype, self.device, self.tp)
             self._clock.add("the host store", time.monotonic() - t0)
 
     def _agree(self, memory: MemoryPlan) -> MemoryPlan:

@@ -6,6 +6,9 @@ row-major forms as the expert pages, so an expert page and its host slot are byt
     layers[l]   [E, 3, f*d]   dtype of the model
     layers[l][e, 0]  W1 (gate) [f, d]      layers[l][e, 1]  W3 (up) [f, d]      layers[l][e, 2]  W2 (down) [d, f]
 
+Under expert parallelism a rank's store holds only its experts [first_expert, first_expert + E): slot e of a
+layer is expert first_expert + e (`expert()` and `write()` take the model's expert ids).
+
 Pinning is what lets the loader's copies run asynchronously at full PCIe speed (pageable host memory
 goes through a staging buffer at a third of the bandwidth), and it is slow (~26 s for 32 GiB on the
 GPU machine): it is done one layer at a time behind a progress bar. Without CUDA the store is plain
@@ -22,12 +25,13 @@ from tqdm import tqdm
 
 class HostExpertStore:
     def __init__(self, num_layers: int, num_experts: int, intermediate_size: int, hidden_size: int,
-                 dtype: torch.dtype, pin: bool | None = None, progress: bool = True) -> None:
+                 dtype: torch.dtype, pin: bool | None = None, progress: bool = True, first_expert: int = 0) -> None:
         if min(num_layers, num_experts, intermediate_size, hidden_size) < 1:
             raise ValueError(f"host expert store needs positive sizes, got layers={num_layers} "
                              f"experts={num_experts} f={intermediate_size} d={hidden_size}")
         self.num_layers = num_layers
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # experts held per layer
+        self.first_expert = first_expert  # the model's id of slot 0
         self.f, self.d = intermediate_size, hidden_size
         self.dtype = dtype
         self.pinned = torch.cuda.is_available() if pin is None else pin
@@ -53,25 +57,30 @@ class HostExpertStore:
     def nbytes(self) -> int:
         return self.num_layers * self.num_experts * self.expert_bytes
 
-    def _check(self, layer: int, expert: int) -> None:
-        if not (0 <= layer < self.num_layers and 0 <= expert < self.num_experts):
+    def holds(self, expert: int) -> bool:
+        return self.first_expert <= expert < self.first_expert + self.num_experts
+
+    def slot(self, layer: int, expert: int) -> int:
+        """The index of the model's `expert` in `layers[layer]`."""
+        if not (0 <= layer < self.num_layers and self.holds(expert)):
+            held = f"experts {self.first_expert}..{self.first_expert + self.num_experts - 1}"
             raise IndexError(f"expert {expert} of MoE layer {layer} is outside the store "
-                             f"({self.num_layers} layers x {self.num_experts} experts)")
+                             f"({self.num_layers} layers x {held})")
+        return expert - self.first_expert
 
     def expert(self, layer: int, expert: int) -> Tensor:
         """[3, f*d] view of one expert's W1, W3, W2 (no copy)."""
-        self._check(layer, expert)
-        return self.layers[layer][expert]
+        return self.layers[layer][self.slot(layer, expert)]
 
     def write(self, layer: int, expert: int, w1: Tensor, w3: Tensor, w2: Tensor) -> None:
         """The weight loader's sink: one expert's W1 [f, d], W3 [f, d], W2 [d, f], cast to the store dtype."""
-        self._check(layer, expert)
+        slot = self.slot(layer, expert)
         f, d = self.f, self.d
         for name, w, want in (("w1", w1, (f, d)), ("w3", w3, (f, d)), ("w2", w2, (d, f))):
             if tuple(w.shape) != want:
                 raise ValueError(f"expert {expert} of MoE layer {layer}: {name} has shape {tuple(w.shape)}, "
                                  f"expected {want}")
-        dst = self.layers[layer][expert]  # [3, f*d]
+        dst = self.layers[layer][slot]  # [3, f*d]
         with torch.no_grad():
             for j, w in enumerate((w1, w3, w2)):
                 dst[j].copy_(w.reshape(-1))

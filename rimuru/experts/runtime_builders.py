@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from rimuru.config import format_bytes
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.experts.adjuster import Adjuster, AdjusterConfig, PaperAdjuster
 from rimuru.experts.cache import ExpertCache, resolve_offload_limit, resolve_resident_count
 from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
@@ -105,35 +106,40 @@ def build_adjuster(kind: str, expert_bytes: int, top_k: int, cost: CostAdjusterC
     return adjuster, costs
 
 
-def needs_host_store(settings: RuntimeSettings, spec: ModelSpec) -> bool:
-    """Whether the mode keeps experts in host memory (fixed with fewer resident than a layer holds, elastic)."""
+def needs_host_store(settings: RuntimeSettings, spec: ModelSpec, tp: TensorParallel = SINGLE) -> bool:
+    """Whether the mode keeps experts in host memory (fixed with fewer resident than a layer holds on this rank,
+    elastic)."""
     if settings.mode == "elastic":
         return True
     if settings.mode != "fixed":
         return False
-    resident = resolve_resident_count(settings.resident_experts, spec.num_experts)
-    return resolve_offload_limit(settings.expert_offload_limit, spec.num_experts, resident) > 0
+    held = len(tp.local_experts(spec.num_experts))
+    resident = resolve_resident_count(settings.resident_experts, held)
+    return resolve_offload_limit(settings.expert_offload_limit, held, resident) > 0
 
 
 # host memory a start-up leaves free beside the host store (the process, the checkpoint reader's buffers, the OS)
 HOST_MEMORY_HEADROOM = 2 * 2**30
 
 
-def build_host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> HostExpertStore:
-    """The home copy of every routed expert, pinned for a GPU: under tensor parallelism this rank's f / tp_size slice
-    of each, as its pages hold. The engine makes it before the pool is sized: its device-side mappings are memory the
-    workspace profile has to see. Refused, before anything is pinned, where the host's available memory cannot hold
-    it and HOST_MEMORY_HEADROOM."""
-    f = spec.moe_intermediate_size // tp_size
+def build_host_store(spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                     tp: TensorParallel = SINGLE) -> HostExpertStore:
+    """The home copy of every routed expert this rank holds, pinned for a GPU: under tensor parallelism this rank's
+    f / N slice of each, under expert parallelism its E / N experts whole, as its pages hold. The engine makes it
+    before the pool is sized: its device-side mappings are memory the workspace profile has to see. Refused, before
+    anything is pinned, where the host's available memory cannot hold it and HOST_MEMORY_HEADROOM."""
+    f = tp.expert_part(spec.moe_intermediate_size)
+    local = tp.local_experts(spec.num_experts)
     element = torch.empty((), dtype=dtype).element_size()
-    need = spec.num_moe_layers * spec.num_experts * 3 * f * spec.hidden_size * element
+    need = spec.num_moe_layers * len(local) * 3 * f * spec.hidden_size * element
     have = available_host_bytes()
     if need + HOST_MEMORY_HEADROOM > have:
         raise ValueError(f"the host expert store needs {format_bytes(need)} of host memory (every routed expert, "
                          f"{'pinned' if device.type == 'cuda' else 'in host memory'}) plus "
                          f"{format_bytes(HOST_MEMORY_HEADROOM)} of headroom, but only {format_bytes(have)} is "
                          "available; free host memory or use offload_mode='static' with a larger budget")
-    return HostExpertStore(spec.num_moe_layers, spec.num_experts, f, spec.hidden_size, dtype, pin=device.type == "cuda")
+    return HostExpertStore(spec.num_moe_layers, len(local), f, spec.hidden_size, dtype, pin=device.type == "cuda",
+                           first_expert=local.start)
 
 
 def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype, pool: PagePool,
@@ -141,20 +147,23 @@ def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype
                   store: HostExpertStore | None = None) -> ExpertRuntime:
     """The runtime of `settings.mode`; `store` is the host store of a mode that needs one (made here when not
     given)."""
-    if store is None and needs_host_store(settings, spec):
-        store = build_host_store(spec, dtype, pool.device, pool.geometry.tp_size)
-    local = model.tp.local_experts(spec.num_experts)
-    if len(local) < spec.num_experts and settings.mode != "static":
-        raise ValueError(f"expert parallelism runs in offload_mode='static' only, not {settings.mode!r}")
+    tp = model.tp
+    if store is None and needs_host_store(settings, spec, tp):
+        store = build_host_store(spec, dtype, pool.device, tp)
+    local = tp.local_experts(spec.num_experts)
+    supported = settings.mode == "static" or settings.mode == "fixed" and settings.offload_access == "direct"
+    if tp.expert_parallel and not supported:
+        raise ValueError("expert parallelism runs in offload_mode='static', or 'fixed' with offload_access='direct', "
+                         f"not {settings.mode!r} with {settings.offload_access!r}")
     ranking = [popularity.ranking(layer) for layer in range(spec.num_moe_layers)]
-    if len(local) < spec.num_experts:  # expert parallelism: this rank's experts first, the only ones it makes resident
-        ranking = [[*local, *(e for e in order if e not in local)] for order in ranking]
+    if tp.expert_parallel:  # this rank's experts first, in popularity order: the only ones it makes resident
+        ranking = [[*(e for e in order if e in local), *(e for e in order if e not in local)] for order in ranking]
     residency = ExpertResidency(pool.allocator, spec.num_moe_layers, spec.num_experts, ranking=ranking)
     cache = ExpertCache(residency, pool.expert_view(dtype), pool.device)
     if settings.mode == "static":
         runtime: ExpertRuntime = _static(cache, spec, pool, len(local))
     elif settings.mode == "fixed":
-        runtime = _fixed(settings, cache, spec, pool, model, popularity, fence, store)
+        runtime = _fixed(settings, cache, spec, pool, model, popularity, fence, store, len(local))
     elif settings.mode == "elastic":
         assert store is not None
         runtime = _elastic(settings, cache, spec, pool, model, popularity, fence, store)
@@ -181,9 +190,12 @@ def _static(cache: ExpertCache, spec: ModelSpec, pool: PagePool, per_layer: int)
 
 
 def _fixed(settings: RuntimeSettings, cache: ExpertCache, spec: ModelSpec, pool: PagePool, model: MoECausalLM,
-           popularity: ExpertPopularity, fence: PassFence, store: HostExpertStore | None) -> ExpertRuntime:
-    resident = resolve_resident_count(settings.resident_experts, spec.num_experts)
-    limit = resolve_offload_limit(settings.expert_offload_limit, spec.num_experts, resident)
+           popularity: ExpertPopularity, fence: PassFence, store: HostExpertStore | None,
+           held: int) -> ExpertRuntime:
+    """The first K of each layer's ranking of the `held` experts this rank holds (all, or E/N under expert
+    parallelism) resident, the rest read from the host store or copied."""
+    resident = resolve_resident_count(settings.resident_experts, held)
+    limit = resolve_offload_limit(settings.expert_offload_limit, held, resident)
     direct = settings.offload_access == "direct"
     _check_fits("fixed", cache, pool, resident, limit, buffer_slots=0 if direct else limit)
     cache.make_prefix_resident(resident)
