@@ -64,6 +64,15 @@ def format_bytes(n: int | float) -> str:
     return f"{int(n)} B"
 
 
+# what expert parallelism runs in: each rank's pool holds its own experts for good (static), or keeps the first K of
+# them and the kernel reads the rest from the rank's own host store (fixed, direct); nothing moves between ranks
+EXPERT_PARALLEL_MODES = "runs in offload_mode='static', or 'fixed' with offload_access='direct'"
+
+
+def expert_parallel_supported(offload_mode: str | None, offload_access: str) -> bool:
+    return offload_mode in (None, "static") or offload_mode == "fixed" and offload_access == "direct"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -170,11 +179,10 @@ class EngineConfig:
         if self.cpu_expert_compute not in CPU_EXPERT_COMPUTE:
             raise ValueError(f"cpu_expert_compute must be one of {', '.join(CPU_EXPERT_COMPUTE)}, "
                              f"got {self.cpu_expert_compute!r}")
-        if self.enable_expert_parallel and (self.offload_mode not in (None, "static", "fixed")
-                                            or self.offload_mode == "fixed" and self.offload_access != "direct"):
-            raise ValueError("enable_expert_parallel runs in offload_mode='static', or 'fixed' with "
-                             f"offload_access='direct' (got {self.offload_mode!r} with {self.offload_access!r}): "
-                             "elastic mode and copies under expert parallelism are not built yet")
+        if self.enable_expert_parallel and not expert_parallel_supported(self.offload_mode, self.offload_access):
+            raise ValueError(f"enable_expert_parallel {EXPERT_PARALLEL_MODES} (got {self.offload_mode!r} with "
+                             f"{self.offload_access!r}): elastic mode and copies under expert parallelism are not "
+                             "built yet")
         if self.cpu_expert_compute == "on" and self.offload_mode == "static":
             raise ValueError("cpu_expert_compute='on' computes offloaded experts on the host, and "
                              "offload_mode='static' offloads none: use --offload-mode fixed or elastic")

@@ -96,7 +96,8 @@ class ExpertCache:
         E = self.num_experts
         self.host_rows = [layer.view(3 * store.num_experts, -1) for layer in store.layers]
         # an expert the store does not hold (another rank's, under expert parallelism) stays absent: -1
-        self._absent = torch.tensor([[host_row_code(store.slot(0, e), j) if store.holds(e) else -1 for j in range(3)]
+        first = store.first_expert
+        self._absent = torch.tensor([[host_row_code(e - first, j) if store.holds(e) else -1 for j in range(3)]
                                      for e in range(E)], dtype=torch.int32)
         absent = self.host_tables[:, :, 0] < 0  # [L, E]
         codes = self._absent.expand(self.num_layers, E, 3)

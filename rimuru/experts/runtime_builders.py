@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rimuru.config import format_bytes
+from rimuru.config import EXPERT_PARALLEL_MODES, expert_parallel_supported, format_bytes
 from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.experts.adjuster import Adjuster, AdjusterConfig, PaperAdjuster
 from rimuru.experts.cache import ExpertCache, resolve_offload_limit, resolve_resident_count
@@ -151,10 +151,9 @@ def build_runtime(settings: RuntimeSettings, spec: ModelSpec, dtype: torch.dtype
     if store is None and needs_host_store(settings, spec, tp):
         store = build_host_store(spec, dtype, pool.device, tp)
     local = tp.local_experts(spec.num_experts)
-    supported = settings.mode == "static" or settings.mode == "fixed" and settings.offload_access == "direct"
-    if tp.expert_parallel and not supported:
-        raise ValueError("expert parallelism runs in offload_mode='static', or 'fixed' with offload_access='direct', "
-                         f"not {settings.mode!r} with {settings.offload_access!r}")
+    if tp.expert_parallel and not expert_parallel_supported(settings.mode, settings.offload_access):
+        raise ValueError(f"expert parallelism {EXPERT_PARALLEL_MODES}, not {settings.mode!r} with "
+                         f"{settings.offload_access!r}")
     ranking = [popularity.ranking(layer) for layer in range(spec.num_moe_layers)]
     if tp.expert_parallel:  # this rank's experts first, in popularity order: the only ones it makes resident
         ranking = [[*(e for e in order if e in local), *(e for e in order if e not in local)] for order in ranking]
