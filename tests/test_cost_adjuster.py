@@ -558,3 +558,60 @@ def test_simulation_with_the_cost_adjuster_accounts_for_every_page() -> None:
     assert pages["free_bytes"] + pages["used_bytes"] == 72 * PAGE
     assert sim.residency.in_tables.sum(axis=1).min() >= 8 - 4
     assert sim.core.step_cost.steps == res.forward_steps
+
+
+def _uniform_queue_state(offloaded: int) -> AdjusterState:
+    """Qwen1.5-MoE shapes (24 layers, 60 experts, top-4) with uniform routing, as on the H200 at 40 req/s: 74
+    running requests of 11 mid pages each, a queue whose head lacks one page, nothing free; `offloaded` experts out,
+    one in each of the first layers."""
+    L, E = 24, 60
+    ranks = np.tile(np.arange(E), (L, 1))
+    return AdjusterState(shortfall_mid_pages=1, free_mid_pages=0,
+                         resident=[frozenset(range(E - (layer < offloaded))) for layer in range(L)],
+                         probabilities=np.full((L, E), 1.0 / E), rankings=ranks, offload_limit=E - 4,
+                         num_batched_tokens=74, num_running=74, num_waiting=30,
+                         kv_mid_pages=74 * 11.0)
+
+
+def test_direct_reads_never_look_hidden() -> None:
+    """With direct access the kernel reads offloaded experts on the pass's path: the tracker never learns an overlap,
+    and the decode estimate is read from decode passes, not from the bucket's costlier mixed ones. Fed what the H200
+    saw (decode passes of 74 sequences at 10 ms beside mixed passes of ~100 tokens at 25 ms in the same bucket, then
+    passes that read 8 offloaded experts, at their compute plus the reads), the adjuster evicts nothing more, where
+    (learned overlap, bucket estimate) it went on to 33 experts out at 0.80x static's output."""
+    from rimuru.experts.runtime_builders import build_adjuster, slo_config
+
+    expert_bytes = 3 * 2048 * 1408 * 2  # one Qwen1.5-MoE expert, bf16
+    assert slo_config(None, None, "copy").copy_overlap == CostAdjusterConfig().copy_overlap  # copies can hide
+    cfg = slo_config(None, None, "direct", pcie_bandwidth=52e9)
+    assert cfg.copy_overlap == cfg.initial_copy_overlap == 0.0
+    adj, costs = build_adjuster("cost", expert_bytes, 4, cfg)
+    assert costs is not None
+    for _ in range(20):
+        costs.observe_forward(10 * MS, 0.0, tokens=74, decode=True)
+        costs.observe_forward(25 * MS, 0.0, tokens=100)
+    assert costs(74) == pytest.approx(10 * MS)  # the decode table, not the bucket's EMA of both (~17 ms)
+    read_s = 8 * expert_bytes / 52e9  # every offloaded expert is routed at 74 tokens x top-4 of 60
+    for _ in range(20):
+        costs.observe_forward(10 * MS + read_s, read_s, tokens=74, decode=True)
+        costs.observe_forward(25 * MS + read_s, read_s, tokens=100)
+    assert costs.copy_overlap_share() == 0.0 and costs(74) == pytest.approx(10 * MS)
+    for offloaded in (0, 8):
+        plan = adj.plan(_uniform_queue_state(offloaded))
+        assert plan.evict == [], f"{offloaded} out: one more read costs more than the request it admits"
+
+
+def test_bucket_estimate_without_decode_passes() -> None:
+    """Until a decode-only pass is seen, the decode estimate is the bucket's estimate over every clean pass; a
+    decode pass with copies is compared with decode passes only."""
+    from rimuru.experts.step_cost import StepCostTracker
+
+    t = StepCostTracker(copy_overlap=0.8, initial_overlap=0.0)
+    t.observe_forward(20 * MS, 0.0, tokens=100)
+    assert t(74) == pytest.approx(20 * MS)
+    t.observe_forward(30 * MS, 9 * MS, tokens=74, decode=True)  # no decode reference yet: nothing learned
+    assert (t.copy_overlap_share(), t.copy_slowdown()) == (0.0, 1.0)
+    t.observe_forward(10 * MS, 0.0, tokens=74, decode=True)
+    assert t(74) == pytest.approx(10 * MS)
+    t.observe_forward(20 * MS, 9 * MS, tokens=74, decode=True)  # 10 ms exposed of 9 ms of copies: slower than nominal
+    assert t.copy_overlap_share() == 0.0 and t.copy_slowdown() == pytest.approx(0.9 + 0.1 * 10 / 9)

@@ -467,7 +467,8 @@ class LLMEngine:
 
     def _demand(self, sched: SchedulerOutput) -> StepDemand:
         return StepDemand(shortfall_kv_pages=sched.shortfall_pages, num_batched_tokens=sched.num_tokens,
-                          num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                          num_scheduled=len(sched.scheduled), num_running=len(self.scheduler.running),
+                          num_waiting=len(self.scheduler.waiting),
                           num_stalled=len(sched.stalled), max_num_seqs=self.scheduler.max_num_seqs,
                           oldest_wait_s=self.scheduler.oldest_wait_s(time.monotonic()),
                           tpot_p99_s=self.recent_tpot.p99_s(), tpot_observed=self.recent_tpot.count)

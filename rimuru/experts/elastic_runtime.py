@@ -54,6 +54,8 @@ class ElasticRuntime(OffloadRuntime):
         self._forward_start: tuple[float, int, float] | None = None
         self._tokens = 0  # batched tokens of the pass launched this step
         self._tokens_in_flight = 0  # async: the same for the pass launched one step earlier
+        self._decode = False  # the pass launched this step carries one token per sequence
+        self._decode_in_flight = False  # async: the same for the pass launched one step earlier
         # async: the counts of the pass in flight, their copy's event, and which experts that pass found offloaded
         self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None, np.ndarray | None] | None = None
         self._last_after_pass: tuple[float, int, float] | None = None
@@ -100,6 +102,7 @@ class ElasticRuntime(OffloadRuntime):
 
     def plan(self, demand: StepDemand) -> AdjustPlan:
         moves = self.core.plan(demand)
+        self._decode = 0 < demand.num_batched_tokens == demand.num_scheduled
         for (layer, expert), pages in moves.grow:
             done = self.loader.copy_to_pages(layer, expert, pages)
             if done is not None:
@@ -134,7 +137,7 @@ class ElasticRuntime(OffloadRuntime):
             copy_s = (self.loader.counters.bytes_loaded - bytes0 + read) / self.pcie_bandwidth
             overhead = self.piecewise_overhead_s if self.core.launched_offloaded else 0.0
             step_cost.observe_forward(max(0.0, time.monotonic() - t0 - overhead), copy_s, self._tokens,
-                                      host_s=self.host_compute_s - host0)
+                                      host_s=self.host_compute_s - host0, decode=self._decode)
         self._forward_start = None
         self.core.observe_routing(counts)
 
@@ -169,11 +172,12 @@ class ElasticRuntime(OffloadRuntime):
                 overhead = self.piecewise_overhead_s if self._piecewise_in_flight else 0.0
                 step_cost.observe_forward(max(0.0, now - t0 - overhead),
                                           (self._copy_bytes + read) / self.pcie_bandwidth, self._tokens_in_flight,
-                                          host_s=self._host_s)
+                                          host_s=self._host_s, decode=self._decode_in_flight)
             self._copy_bytes = loaded - bytes0
             self._host_s = host_now - host0
         self._piecewise_in_flight = self.core.launched_offloaded and ran
         self._tokens_in_flight = self._tokens if ran else 0
+        self._decode_in_flight = self._decode and ran
         self._last_after_pass = (now, loaded, host_now) if ran else None
         if not ran:
             self._copy_bytes = None

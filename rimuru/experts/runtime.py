@@ -38,6 +38,7 @@ class StepDemand:
 
     shortfall_kv_pages: int = 0  # KV pages the stalled requests, or else the first waiting request, still lack
     num_batched_tokens: int = 0  # tokens scheduled in this step
+    num_scheduled: int = 0  # sequences scheduled in this step (tokens == sequences: a decode-only pass)
     num_running: int = 0
     num_waiting: int = 0
     num_stalled: int = 0  # running requests sitting out this step until evictions free their pages

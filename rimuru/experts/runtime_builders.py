@@ -82,9 +82,15 @@ class RuntimeSettings:
 
 def slo_config(slo_ttft_p99_ms: float | None, slo_tpot_p99_ms: float | None, offload_access: str = "direct",
                **fields: float) -> CostAdjusterConfig:
-    """The cost adjuster's settings for the SLO flags (milliseconds, EngineConfig's names), the offload access (what
-    it allows without an SLO: CostAdjusterConfig.hide_copies_without_slo) and other fields; the engine's and the
-    simulator's one source."""
+    """The cost adjuster's settings for the SLO flags (milliseconds, EngineConfig's names), the offload access and
+    other fields; the engine's and the simulator's one source. The access decides what the adjuster allows without
+    an SLO (CostAdjusterConfig.hide_copies_without_slo) and whether the bytes it models can hide at all: with copy
+    access they are copies on a side stream, behind up to `copy_overlap` of compute; with direct access they are the
+    MoE kernel's own reads of host memory, on the pass's path, so nothing hides them (copy_overlap 0). Learned
+    instead, the overlap rose to 0.44 on the H200 (Qwen1.5-MoE shapes, uniform routing: passes that read every
+    offloaded expert compared with a stale clean estimate) and the reads looked free to the model."""
+    if offload_access == "direct":
+        fields = {"copy_overlap": 0.0, "initial_copy_overlap": 0.0} | fields
     return CostAdjusterConfig(ttft_slo_s=None if slo_ttft_p99_ms is None else slo_ttft_p99_ms / 1e3,
                               tpot_slo_s=None if slo_tpot_p99_ms is None else slo_tpot_p99_ms / 1e3,
                               hide_copies_without_slo=offload_access == "copy", **fields)

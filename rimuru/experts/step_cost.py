@@ -7,6 +7,12 @@ bucket asked for (the cost adjuster asks for a decode step of the running batch:
 the latest pass's), or the nearest measured bucket below (above when none is below): a smaller batch's time
 underestimates, which makes copies look less hideable, the safe direction. (The latest pass's bucket alone would
 make the estimate jump to a prefill-heavy step's time after each one, ~19 against ~8 ms in the simulator.)
+Decode-only passes (`decode=True`: one token per sequence) also feed a table of their own, and the estimate asked
+for by batch size reads it once it holds a sample: a bucket's mixed passes (a prefill chunk beside the decodes,
+preemptions' recomputation) cost more at the same token count: on the H200 (Qwen1.5-MoE shapes) they held the
+estimate for ~75 running requests at 16 ms while the served decode steps averaged 10.8 ms, which made every expert
+read look two thirds as costly as it is.
+Copies are likewise learned against the clean estimate of the pass's own kind (decode passes against decode ones).
 Passes with copies do not feed the compute estimate once any clean pass was seen. Subtracting from them the copy
 time the model says is exposed, `forward - max(0, copy - overlap c)`, would bring every cost the model misses
 (copies hiding less than `overlap`, on-demand misses, the host's per-layer routing reads) back into the estimate,
@@ -73,6 +79,7 @@ class StepCostTracker:
         self.max_slowdown = max_slowdown
         self.noise_share = noise_share  # exposed time within this share of compute counts as hidden
         self._clean: dict[int, float] = {}  # token bucket -> EMA of copy-free pass times
+        self._clean_decode: dict[int, float] = {}  # the same over decode-only passes
         # EMA of forward - copy over every pass while no clean pass was seen (one for all batch sizes: per bucket,
         # decode passes whose copies take nearly all the pass give ~0, and the simulated Qwen3-30B at 48 GiB then
         # leaves requests waiting, TTFT p99 14.6 s against 0.85 s at 2 req/s)
@@ -111,12 +118,15 @@ class StepCostTracker:
     def _clean_estimate(self, bucket: int) -> float | None:
         return self._nearest(self._clean, bucket)
 
-    def observe_compute(self, compute_s: float, tokens: int = 0) -> None:
-        """A pass whose compute time is known (a copy-free pass, or the simulator's cost model)."""
+    def observe_compute(self, compute_s: float, tokens: int = 0, decode: bool = False) -> None:
+        """A pass whose compute time is known (a copy-free pass, or the simulator's cost model); `decode`: it
+        carried one token per sequence."""
         if compute_s < 0:
             raise ValueError(f"compute time must be >= 0, got {compute_s}")
         b = self.bucket(tokens)
         self._clean[b] = self._ema(self._clean.get(b), compute_s)
+        if decode:
+            self._clean_decode[b] = self._ema(self._clean_decode.get(b), compute_s)
         self.compute_s = self._clean_estimate(b)
         self.steps += 1
 
@@ -127,16 +137,17 @@ class StepCostTracker:
         self.host_profile = profile
         self.expert_copy_s = expert_copy_s
 
-    def observe_forward(self, forward_s: float, copy_s: float = 0.0, tokens: int = 0, host_s: float = 0.0) -> None:
-        """A pass of `tokens` batched tokens took `forward_s` (piecewise overhead already taken out) while
-        `copy_s` of expert copies (bytes / nominal bandwidth) were issued for it and the host tier spent `host_s`
-        computing experts (taken out of the pass: what the host tier costs reaches the model through
-        offload_cost_factor)."""
+    def observe_forward(self, forward_s: float, copy_s: float = 0.0, tokens: int = 0, host_s: float = 0.0,
+                        decode: bool = False) -> None:
+        """A pass of `tokens` batched tokens (`decode`: one per sequence) took `forward_s` (piecewise overhead
+        already taken out) while `copy_s` of expert copies (bytes / nominal bandwidth) were issued for it and the
+        host tier spent `host_s` computing experts (taken out of the pass: what the host tier costs reaches the
+        model through offload_cost_factor)."""
         if forward_s < 0 or copy_s < 0 or host_s < 0:
             raise ValueError(f"need forward_s >= 0, copy_s >= 0 and host_s >= 0, got {forward_s}, {copy_s}, {host_s}")
         forward_s = max(0.0, forward_s - host_s)
         if copy_s == 0:
-            self.observe_compute(forward_s, tokens)
+            self.observe_compute(forward_s, tokens, decode)
             return
         b = self.bucket(tokens)
         self.steps += 1
@@ -145,7 +156,7 @@ class StepCostTracker:
             self.compute_s = self._forced
             return
         self.compute_s = self._clean_estimate(b)
-        ref = self._clean.get(b)
+        ref = (self._clean_decode if decode else self._clean).get(b)
         # the copies' cost is learned only against a clean pass of the same batch size (a neighbour's compute
         # differs by more than what is measured), and only from copies large enough to tell from noise
         if ref is None or ref <= 0 or copy_s < self.min_copy_share * ref:
@@ -205,8 +216,9 @@ class StepCostTracker:
         return self.overlap
 
     def __call__(self, tokens: int | None = None) -> float | None:
-        """The compute estimate for a pass of `tokens` batched tokens (the cost adjuster asks for a decode step of
-        the running batch); without `tokens`, for the latest pass's batch."""
+        """The compute estimate for a decode pass of `tokens` sequences (the cost adjuster asks for a decode step
+        of the running batch): from decode-only passes once one was seen, else from every clean pass; without
+        `tokens`, the latest pass's batch."""
         if tokens is None or not self._clean:
             return self.compute_s
-        return self._clean_estimate(self.bucket(tokens))
+        return self._nearest(self._clean_decode or self._clean, self.bucket(tokens))

@@ -306,7 +306,8 @@ class Simulation:
             if core is not None:
                 moves = core.plan(StepDemand(
                     shortfall_kv_pages=out.shortfall_pages, num_batched_tokens=out.num_tokens,
-                    num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                    num_scheduled=len(out.scheduled), num_running=len(self.scheduler.running),
+                    num_waiting=len(self.scheduler.waiting),
                     num_stalled=len(out.stalled), max_num_seqs=self.scheduler.max_num_seqs,
                     oldest_wait_s=self.scheduler.oldest_wait_s(seen),
                     tpot_p99_s=recent_p99(result.tpot_s), tpot_observed=len(result.tpot_s)))
@@ -343,7 +344,7 @@ class Simulation:
                 # PCIe (copies, and direct access's reads), and the offloaded experts routed and copied (the
                 # simulated loader copies exactly the routed ones; direct access copies none)
                 core.step_cost.observe_forward(cost.time_s - cost.piecewise_s, cost.copy_s + cost.read_s,
-                                               out.num_tokens)
+                                               out.num_tokens, decode=all(n == 1 for _, n in chunks))
                 loaded = 0 if self.direct else round(cost.offloaded_activated)
                 core.step_cost.observe_loads(loaded, loaded)
             result.forward_steps += 1
