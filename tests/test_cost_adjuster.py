@@ -521,13 +521,16 @@ def test_ttft_pressure_makes_room_for_the_queue_within_the_tpot_target() -> None
     # 1 ms of compute hides 0.8 ms of copies: without an SLO nothing goes (test_no_offload_when_copies_cannot_hide).
     # The head of the queue lacks R = 4 pages; each expert frees 3 and every request holds 1 (kv / running), so
     # n = 0..4 offloaded run 100, 100, 103, 106, 109 requests: n = 4 admits the most (the limits stop there)
+    # (here the throughput the pressure may give up is unbounded: ttft_pressure_max_loss = 1)
     queue = state(R=4, F=2, running=100, waiting=50, kv=100)
-    slo = replace(BASE, ttft_slo_s=2.0)
+    slo = replace(BASE, ttft_slo_s=2.0, ttft_pressure_max_loss=1.0)
     assert adjuster(1 * MS, slo).plan(replace(queue, oldest_wait_s=0.4)).is_empty  # waited < a quarter of 2 s
     pressed = adjuster(1 * MS, slo)
     assert pressed.plan(replace(queue, oldest_wait_s=0.6)).evict == ORDER
     assert pressed.last is not None and pressed.last.best == 0 and pressed.last.target == 4
     assert pressed.max_offloaded() == 4  # stalls may wait for those evictions
+    # by default it gives up at most 10 %: n = 1 already serves 100 / 1.2 ms against 100 / 1 ms, so nothing goes
+    assert adjuster(1 * MS, replace(slo, ttft_pressure_max_loss=0.1)).plan(replace(queue, oldest_wait_s=0.6)).is_empty
     # with a TPOT target of 2.5 ms: n = 2 (1 + 2 - 0.8 = 2.2 ms) is the most within it, n = 3 (3.2 ms) is not
     both = adjuster(1 * MS, replace(slo, tpot_slo_s=2.5 * MS))
     assert both.plan(replace(queue, oldest_wait_s=0.6)).evict == ORDER[:2]
@@ -615,3 +618,26 @@ def test_bucket_estimate_without_decode_passes() -> None:
     assert t(74) == pytest.approx(10 * MS)
     t.observe_forward(20 * MS, 9 * MS, tokens=74, decode=True)  # 10 ms exposed of 9 ms of copies: slower than nominal
     assert t.copy_overlap_share() == 0.0 and t.copy_slowdown() == pytest.approx(0.9 + 0.1 * 10 / 9)
+
+
+def test_ttft_pressure_gives_up_a_bounded_share_of_throughput() -> None:
+    # 4.5 ms of compute hides 3.6 ms of copies (1 ms an expert): without pressure n = 3 is best (106 requests,
+    # copies hidden, 23.6k tok/s); n = 4 admits 109 at 4.9 ms a step (22.2k, 5.6 % less): the pressure takes it
+    # when it may give up 10 %, not when 5 %
+    queue = state(R=4, F=2, running=100, waiting=50, kv=100)
+    slo = replace(BASE, ttft_slo_s=2.0)
+    assert adjuster(4.5 * MS, slo).plan(replace(queue, oldest_wait_s=0.4)).evict == ORDER[:3]
+    assert adjuster(4.5 * MS, slo).plan(replace(queue, oldest_wait_s=0.6)).evict == ORDER
+    strict = replace(slo, ttft_pressure_max_loss=0.05)
+    assert adjuster(4.5 * MS, strict).plan(replace(queue, oldest_wait_s=0.6)).evict == ORDER[:3]
+    # the loss counts against the larger of the best reachable split and the batch with every expert home (which the
+    # pages would hold in the long run, (kv + F - P n_now) / footprint requests): with 3 out and nothing free, the head
+    # lacking 3 pages, n = 4 admits it at 4.9 ms (20.6k tok/s), within 10 % of n = 3's 22.2k, so the fourth goes
+    out = state(R=3, F=0, running=100, waiting=50, kv=100, resident=[3, 2])
+    pressed = adjuster(4.5 * MS, slo)
+    plan = pressed.plan(replace(out, oldest_wait_s=0.6))
+    assert pressed.last is not None and pressed.last.offloaded == 3
+    assert plan.evict == [ORDER[2]]  # (0,1), (1,0), (1,2) are out already
+    # and at 1 ms of compute, where every copy shows, nothing more goes however long the queue waits
+    slow = adjuster(1 * MS, slo)
+    assert slow.plan(replace(out, oldest_wait_s=1.9)).evict == []

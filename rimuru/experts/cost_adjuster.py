@@ -49,8 +49,13 @@ Rules, every step:
     costlier after the evictions), no n above n_now is allowed.
   * TTFT pressure (`ttft_slo_s`): while the head of the queue lacks pages (R > 0) and has waited
     `ttft_pressure_share` of the target, the adjuster evicts towards the fewest offloaded that admit the whole
-    queue (the first n of highest conc), within the TPOT target when one is set, even where that serves fewer
-    tokens per second; experts stay out while the pressure lasts and come home by the rules below once it ends.
+    queue (the first n of highest conc), within the TPOT target when one is set, and giving up at most
+    `ttft_pressure_max_loss` of the modelled tokens per second of the best split or, where that is more, of the
+    batch with every expert home (the steady model's n = 0: experts out stay out under pressure, so the best
+    reachable split is the last plan's target, and a loss allowed against it would compound plan after plan);
+    experts stay out while the pressure lasts and come home by the rules below once it ends. Past the engine's
+    capacity no split meets the TTFT target, and evicting for the queue then only slows every step: on the H200 (Qwen1.5-MoE shapes, 32 GiB, uniform, 40
+    req/s), unbounded in throughput, the rule read 1 TB of experts from host memory for 0.54x static's output.
   * Direction: while requests wait for pages (R > 0) the adjuster evicts towards the best n, even when n_now is
     within `min_gain` of it (holding still there leaves requests waiting seconds for a split a few per cent
     better); when nobody is short it aims for the smallest n within `min_gain` of the best, so experts come home
@@ -121,6 +126,7 @@ class CostAdjusterConfig:
     # waiting requests beyond the throughput-best split (within tpot_slo_s when that is set)
     ttft_slo_s: float | None = None
     ttft_pressure_share: float = 0.25
+    ttft_pressure_max_loss: float = 0.1  # the share of modelled tokens/s the TTFT pressure may give up (see above)
     exposed_copy_share: float = 0.0  # without an SLO: copy time may exceed the hideable time by this x compute
     # Without an SLO, whether a split is allowed only where its copies hide (copy access: copies are learned slower
     # and less hidden than modelled, so an eviction that shows its copies is taken back only after it has cost) or
@@ -153,8 +159,9 @@ class CostAdjusterConfig:
         if self.tpot_feedback_requests < 1 or self.max_tpot_correction < 1:
             raise ValueError(f"need tpot_feedback_requests >= 1 and max_tpot_correction >= 1, got "
                              f"{self.tpot_feedback_requests}, {self.max_tpot_correction}")
-        if not 0.0 <= self.ttft_pressure_share <= 1.0:
-            raise ValueError(f"ttft_pressure_share must be in [0, 1], got {self.ttft_pressure_share}")
+        for name in ("ttft_pressure_share", "ttft_pressure_max_loss"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.exposed_copy_share < 0 or self.min_gain < 0 or self.reverse_cooldown_steps < 0:
             raise ValueError("exposed_copy_share, min_gain and reverse_cooldown_steps must be >= 0")
         if self.max_evict_per_step < 1 or self.max_grow_per_step < 0 or self.grow_reserve_mid < 0:
@@ -340,9 +347,13 @@ class CostAdjuster:
                     and state.oldest_wait_s >= cfg.ttft_pressure_share * cfg.ttft_slo_s)
         if pressure:
             # the queue's TTFT is at risk: the fewest offloaded that admit every waiting request the model can (the
-            # first candidate of highest concurrency), within the TPOT target, whatever the throughput
+            # first candidate of highest concurrency), within the TPOT target and the throughput it may give up
             bound = self.tpot_bound_s
             within = step_s <= bound if bound is not None else np.ones(len(cands), dtype=bool)
+            # the loss counts against the best split or the batch with every expert home, whichever serves more (see
+            # the module's docstring: against the best reachable split alone it compounds)
+            home, _, _ = self._model(state, order, n_now, compute, np.zeros(1, dtype=np.int64), steady=True)
+            within &= tput >= (1.0 - cfg.ttft_pressure_max_loss) * max(float(home[0]), float(tput[i_best]))
             if within.any():
                 target = max(target, int(cands[int(np.argmax(np.where(within, tput * step_s, -1.0)))]))
         # stalls may wait for evictions up to the best split (the smallest of equals: a tie offloads no more), or
