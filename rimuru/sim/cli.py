@@ -15,13 +15,13 @@ import argparse
 import datetime
 import json
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rimuru.bench.cli import git_commit
 from rimuru.config import OFFLOAD_ACCESS, EngineConfig, add_renamed_flags, format_bytes, parse_bytes
 from rimuru.experts.adjuster import AdjusterConfig
 from rimuru.experts.popularity import ExpertPopularity
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
                    "workspace_bytes": base.workspace_bytes, "async_scheduling": base.async_scheduling,
                    "sweep_rates": rates, "sweep_criterion": f"ttft_p99_s <= {args.slo_ttft_p99}"},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(),
         "command": "rimuru simulate " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["simulate"] else sys.argv[1:]),
         "modes": sections,
     }
@@ -256,11 +256,3 @@ def print_section(mode: str, s: dict[str, Any]) -> None:
           f"TPOT p50/p99 {1e3 * s['tpot_p50_s']:.1f}/{1e3 * s['tpot_p99_s']:.1f} ms  evict/grow "
           f"{s['evictions']}/{s['grows']}  PCIe {s['pcie_bytes'] / 1e9:.1f} GB  max rate {rate}")
 
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
