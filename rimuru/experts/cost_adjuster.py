@@ -54,8 +54,9 @@ Rules, every step:
     batch with every expert home (the steady model's n = 0: experts out stay out under pressure, so the best
     reachable split is the last plan's target, and a loss allowed against it would compound plan after plan);
     experts stay out while the pressure lasts and come home by the rules below once it ends. Past the engine's
-    capacity no split meets the TTFT target, and evicting for the queue then only slows every step: on the H200 (Qwen1.5-MoE shapes, 32 GiB, uniform, 40
-    req/s), unbounded in throughput, the rule read 1 TB of experts from host memory for 0.54x static's output.
+    capacity no split meets the TTFT target, and evicting for the queue then only slows every step: on the H200
+    (Qwen1.5-MoE shapes, 32 GiB, uniform, 40 req/s), unbounded in throughput, the rule read 1 TB of experts from
+    host memory for 0.54x static's output.
   * Direction: while requests wait for pages (R > 0) the adjuster evicts towards the best n, even when n_now is
     within `min_gain` of it (holding still there leaves requests waiting seconds for a split a few per cent
     better); when nobody is short it aims for the smallest n within `min_gain` of the best, so experts come home
