@@ -7,6 +7,9 @@
 #            experts of each layer resident)
 #   RATES    comma separated req/s
 # e.g. regime_cell.sh qwen3-62gib-zipf static,elastic-slo 8,10,12
+# SWEEP_ARGS adds serve_sweep flags: a point longer than one command (the 48 GiB cell at 1 req/s: 400 s of arrivals
+# after a start of minutes) takes two calls, one configuration each: SWEEP_ARGS=--detach (starts the server, measures
+# nothing), then the same command with SWEEP_ARGS=--attach (measures on it and stops it).
 . "$(dirname "$0")/common.sh"
 cell=${1:?CELL}; configs=${2:?CONFIGS}; rates=${3:?RATES}
 case "$cell" in
@@ -23,5 +26,5 @@ for c in ${configs//,/ }; do
   case "$c" in fixed[0-9]*) defines+=(--define "$c=rimuru:--offload-mode fixed --resident-experts ${c#fixed}") ;; esac
 done
 timeout 580 $SWEEP --model $model --gpu-memory-budget "$budget" "${args[@]}" "${defines[@]}" --configs "$configs" \
-  --rates "$rates" --num-prompts "${NP:-400}" --label "$label" --time-budget-s 570 \
+  --rates "$rates" --num-prompts "${NP:-400}" --label "$label" --time-budget-s 570 ${SWEEP_ARGS:-} \
   --output-json "$OUT/$D-serve-$cell-${configs//,/-}-${rates//,/-}rps-$C-h200.json"
