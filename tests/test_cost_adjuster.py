@@ -641,3 +641,31 @@ def test_ttft_pressure_gives_up_a_bounded_share_of_throughput() -> None:
     # and at 1 ms of compute, where every copy shows, nothing more goes however long the queue waits
     slow = adjuster(1 * MS, slo)
     assert slow.plan(replace(out, oldest_wait_s=1.9)).evict == []
+
+
+def test_tpot_bound_counts_what_mixed_steps_add() -> None:
+    """A request's TPOT averages every step it is in: the TPOT bound holds the modelled decode step plus what the
+    measured mean pass takes beyond the mean decode-only pass."""
+    from rimuru.experts.step_cost import StepCostTracker
+
+    t = StepCostTracker(copy_overlap=0.8, initial_overlap=0.0)
+    assert t.mixed_step_surcharge() == 0.0  # nothing measured
+    for _ in range(50):
+        t.observe_forward(10 * MS, 0.0, tokens=100, decode=True)
+        t.observe_forward(30 * MS, 0.0, tokens=400)
+    # EMAs (alpha 0.1) over alternating 10 / 30 ms passes end near 20 ms for all passes, 10 ms for decode ones
+    assert t.mixed_step_surcharge() == pytest.approx(10 * MS, rel=0.1)
+    # 10 ms of decode compute, every copy exposed (overlap 0, 1 ms an expert), a TPOT target of 11.5 ms: without a
+    # surcharge n = 0 and 1 are within it (10 and 11 ms), with 1 ms of it only n = 0 (11 ms; n = 1 would be 12)
+    queue = state(R=1, F=0, running=100, waiting=50, kv=100)
+    cfg = replace(BASE, tpot_slo_s=11.5 * MS, copy_overlap=0.0)
+
+    def allowed(surcharge_s: float) -> list[int]:
+        a = CostAdjuster(cfg, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
+                         mixed_step_surcharge=lambda: surcharge_s)
+        a.plan(queue)
+        assert a.last is not None
+        return [n for n, tput in zip(a.last.candidates, a.last.throughput, strict=True) if tput > 0]
+
+    assert allowed(0.0) == [0, 1]
+    assert allowed(1 * MS) == [0]

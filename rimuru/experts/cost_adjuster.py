@@ -37,9 +37,10 @@ compute estimate, and the model charges it to every n > 0.
 
 Rules, every step:
   * Allowed n: reachable (from n_min = n_now - free/P, since grows take free pages only, up to every expert the
-    limits allow) and, with a TPOT SLO, within it (step(n) <= tpot_slo_s / correction); without one, with copy
-    access, hiding its copies (copy(n) - overlap compute(n) <= exposed_copy_share compute(n)), with direct access
-    any (`hide_copies_without_slo`). The best allowed n maximises tput.
+    limits allow) and, with a TPOT SLO, within it (step(n) + mixed <= tpot_slo_s / correction, where mixed is what
+    steps with prefill chunks add to the mean step, measured: a request's TPOT averages every step it is in); without
+    one, with copy access, hiding its copies (copy(n) - overlap compute(n) <= exposed_copy_share compute(n)), with
+    direct access any (`hide_copies_without_slo`). The best allowed n maximises tput.
     The correction (>= 1) is learned from finished requests: every `tpot_feedback_requests` of them it is
     multiplied by their measured TPOT p99 over the SLO, so a model that underestimates offloaded steps (on the
     H200 it held the modelled step within 50 ms while requests saw 62-82 ms) tightens its own bound.
@@ -202,7 +203,8 @@ class CostAdjuster:
                  compute_time: Callable[[int], float | None],
                  copy_slowdown: Callable[[], float] | None = None,
                  copy_overlap: Callable[[], float] | None = None,
-                 copy_excess: Callable[[], float] | None = None) -> None:
+                 copy_excess: Callable[[], float] | None = None,
+                 mixed_step_surcharge: Callable[[], float] | None = None) -> None:
         if expert_bytes <= 0 or top_k < 1:
             raise ValueError(f"need expert_bytes > 0 and top_k >= 1, got {expert_bytes}, {top_k}")
         self.config = config
@@ -216,6 +218,9 @@ class CostAdjuster:
         self.copy_overlap = copy_overlap or (lambda: config.copy_overlap)
         # experts the engine copies per routed offloaded expert (StepCostTracker, >= 1: wasted prefetches)
         self.copy_excess = copy_excess or (lambda: 1.0)
+        # what steps with prefill chunks add to a decoding request's mean step (StepCostTracker): a TPOT target
+        # bounds the modelled decode step plus this, since a request's TPOT averages every step it is in
+        self.mixed_step_surcharge = mixed_step_surcharge or (lambda: 0.0)
         # What a pass with any expert offloaded costs beyond one with all resident, whatever it copies: the engine
         # replays piecewise graphs then (host work and launches at every MoE layer) and whole graphs otherwise.
         # Measured by the engine at start-up (StepGraphs.measure_piecewise_overhead); 0 without graphs.
@@ -350,7 +355,8 @@ class CostAdjuster:
             # the queue's TTFT is at risk: the fewest offloaded that admit every waiting request the model can (the
             # first candidate of highest concurrency), within the TPOT target and the throughput it may give up
             bound = self.tpot_bound_s
-            within = step_s <= bound if bound is not None else np.ones(len(cands), dtype=bool)
+            within = (step_s + self.mixed_step_surcharge() <= bound if bound is not None
+                      else np.ones(len(cands), dtype=bool))
             # the loss counts against the best split or the batch with every expert home, whichever serves more (see
             # the module's docstring: against the best reachable split alone it compounds)
             home, _, _ = self._model(state, order, n_now, compute, np.zeros(1, dtype=np.int64), steady=True)
@@ -475,7 +481,7 @@ class CostAdjuster:
         step_s = np.maximum(comp + exposed + np.where(n > 0, overhead, 0.0), 1e-9)  # > 0 whatever the config
         bound = self.tpot_bound_s
         if bound is not None:
-            ok = step_s <= bound
+            ok = step_s + self.mixed_step_surcharge() <= bound
         elif cfg.hide_copies_without_slo:
             ok = exposed <= cfg.exposed_copy_share * comp + 1e-12
         else:

@@ -108,7 +108,7 @@ def build_adjuster(kind: str, expert_bytes: int, top_k: int, cost: CostAdjusterC
     # offload_cost_factor: copy_excess, and with a host tier the host-computed share at its measured host time
     adjuster = CostAdjuster(cost, expert_bytes=expert_bytes, top_k=top_k, compute_time=costs,
                             copy_slowdown=costs.copy_slowdown, copy_overlap=costs.copy_overlap_share,
-                            copy_excess=costs.offload_cost_factor)
+                            copy_excess=costs.offload_cost_factor, mixed_step_surcharge=costs.mixed_step_surcharge)
     return adjuster, costs
 
 

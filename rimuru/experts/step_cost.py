@@ -13,6 +13,9 @@ preemptions' recomputation) cost more at the same token count: on the H200 (Qwen
 estimate for ~75 running requests at 16 ms while the served decode steps averaged 10.8 ms, which made every expert
 read look two thirds as costly as it is.
 Copies are likewise learned against the clean estimate of the pass's own kind (decode passes against decode ones).
+A request's TPOT, though, is the mean of every step it is in, prefill chunks included: `mixed_step_surcharge` is
+what the mean clean pass costs beyond the mean decode-only one (EMAs over all batch sizes), which a TPOT bound adds
+to the modelled decode step.
 Passes with copies do not feed the compute estimate once any clean pass was seen. Subtracting from them the copy
 time the model says is exposed, `forward - max(0, copy - overlap c)`, would bring every cost the model misses
 (copies hiding less than `overlap`, on-demand misses, the host's per-layer routing reads) back into the estimate,
@@ -80,6 +83,8 @@ class StepCostTracker:
         self.noise_share = noise_share  # exposed time within this share of compute counts as hidden
         self._clean: dict[int, float] = {}  # token bucket -> EMA of copy-free pass times
         self._clean_decode: dict[int, float] = {}  # the same over decode-only passes
+        self._mean_clean: float | None = None  # EMA of every copy-free pass's time, whatever its batch
+        self._mean_clean_decode: float | None = None  # the same over decode-only passes
         # EMA of forward - copy over every pass while no clean pass was seen (one for all batch sizes: per bucket,
         # decode passes whose copies take nearly all the pass give ~0, and the simulated Qwen3-30B at 48 GiB then
         # leaves requests waiting, TTFT p99 14.6 s against 0.85 s at 2 req/s)
@@ -125,8 +130,10 @@ class StepCostTracker:
             raise ValueError(f"compute time must be >= 0, got {compute_s}")
         b = self.bucket(tokens)
         self._clean[b] = self._ema(self._clean.get(b), compute_s)
+        self._mean_clean = self._ema(self._mean_clean, compute_s)
         if decode:
             self._clean_decode[b] = self._ema(self._clean_decode.get(b), compute_s)
+            self._mean_clean_decode = self._ema(self._mean_clean_decode, compute_s)
         self.compute_s = self._clean_estimate(b)
         self.steps += 1
 
@@ -208,6 +215,13 @@ class StepCostTracker:
             return self.copy_excess()
         host_per_expert = self._host_s / self._host
         return (1.0 - share) * self.copy_excess() + share * host_per_expert / self.expert_copy_s
+
+    def mixed_step_surcharge(self) -> float:
+        """Seconds the mean copy-free pass takes beyond the mean decode-only one (0 until both were seen): what the
+        steps carrying prefill chunks add, on average, to a decoding request's time per token."""
+        if self._mean_clean is None or self._mean_clean_decode is None:
+            return 0.0
+        return max(0.0, self._mean_clean - self._mean_clean_decode)
 
     def copy_slowdown(self) -> float:
         return self.slowdown
