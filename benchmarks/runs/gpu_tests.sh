@@ -14,7 +14,7 @@ FLA_FILES="tests/test_fla_prefill.py tests/test_kernel_warmup.py"
 KERNELS="tests/test_fused_moe.py tests/test_gated_delta_kernels.py tests/test_fused_small_kernels.py
   tests/test_paged_attention.py tests/test_fla_prefill.py tests/test_pass_fence.py tests/test_pool.py"
 case "${1:-}" in
-  kernels) group=kernels; files=$KERNELS; workers=" -n 14" ;;
+  kernels) group=kernels; files=$KERNELS; workers="-n 14" ;;
   engines) share=${2:-1/1}; k=${share%/*}; n=${share#*/}; group=engines-$k-of-$n; workers=""
     files=$(grep -l "mark.gpu" tests/*.py | grep -v -F "$(echo $KERNELS | tr ' ' '\n')" \
       | awk -v k="$k" -v n="$n" '(NR - 1) % n == k - 1' | tr '\n' ' ') ;;
@@ -29,12 +29,12 @@ done
 echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $D, commit $RIMURU_COMMIT" > "$log"
 start=$(date +%s)
 if [ -n "$without_fla" ]; then
-  cmd="python3 -m pytest -p no:cacheprovider -m gpu -rs $workers$without_fla"
+  cmd="python3 -m pytest -p no:cacheprovider -m gpu -rs $workers $without_fla"
   echo "# $cmd" >> "$log"
   timeout 560 $cmd 2>&1 | tee -a "$log" | tail -25
 fi
 if [ -n "$with_fla" ]; then
-  cmd="python3 -m pytest -p no:cacheprovider -m gpu -rs $workers$with_fla"
+  cmd="python3 -m pytest -p no:cacheprovider -m gpu -rs $workers $with_fla"
   echo "# PYTHONPATH=\$PYTHONPATH:$FLA_SITE $cmd" >> "$log"
   left=$((570 - $(date +%s) + start)); [ $left -gt 30 ] || left=30
   PYTHONPATH=$PYTHONPATH:$FLA_SITE timeout $left $cmd 2>&1 | tee -a "$log" | tail -25

@@ -125,7 +125,8 @@ class CostAdjusterConfig:
     tpot_feedback_requests: int = 16
     max_tpot_correction: float = 10.0
     # when set: while the head of the queue, short of pages, has waited `ttft_pressure_share` of it, evict for the
-    # waiting requests beyond the throughput-best split (within tpot_slo_s when that is set)
+    # waiting requests beyond the throughput-best split (within tpot_slo_s when that is set, and giving up at most
+    # `ttft_pressure_max_loss` of the modelled tokens per second)
     ttft_slo_s: float | None = None
     ttft_pressure_share: float = 0.25
     ttft_pressure_max_loss: float = 0.1  # the share of modelled tokens/s the TTFT pressure may give up (see above)
