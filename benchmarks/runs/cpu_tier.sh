@@ -12,7 +12,7 @@ dir=/tmp/models/qwen3moe
 [ -f $dir/config.json ] || python3 benchmarks/model_folder.py qwen3-30b-a3b $dir || exit 1
 case "${1:-}" in
   host) timeout 560 python3 benchmarks/bench_host_experts.py --model qwen3-30b-a3b --budgets-gib 48 24 \
-      --output-json "$OUT/$D-host-experts-qwen3-$C-h200.json" ;;
+      --output-json "$OUT/$D-host-experts-qwen3-$C-$G.json" ;;
   serve) config=${2:?CONFIG}; rate=${3:?RATE}
     case "$config" in
       tier) flags="--offload-mode elastic --offload-access copy --cpu-expert-compute on" ;;
@@ -25,6 +25,6 @@ case "${1:-}" in
     timeout 580 $SWEEP --model $dir --load-format dummy --gpu-memory-budget 48GiB --client vllm --vllm-site "$VLLM_SITE" \
       --dataset-path "$ANCHOR/sharegpt.json" --num-prompts 100 --rates "$r" ${client:+--client-args "$client"} \
       --define "$config=rimuru:$flags" --configs "$config" --label uniform --time-budget-s 570 \
-      --output-json "$OUT/$D-serve-qwen3-48gib-uniform-$config-${rate}rps-$C-h200.json" ;;
+      --output-json "$OUT/$D-serve-qwen3-48gib-uniform-$config-${rate}rps-$C-$G.json" ;;
   *) echo "usage: cpu_tier.sh host | serve tier|copy|direct RATE|sat" >&2; exit 2 ;;
 esac

@@ -9,8 +9,8 @@ common="--model $ANCHOR/qwen15moe --load-format dummy --gpu-memory-budget 32GiB 
 case "${1:-}" in
   rimuru) export TRITON_CACHE_DIR=$(mktemp -d)
     timeout 560 $SWEEP $common --rimuru-args=--enforce-eager --configs static,elastic --log-dir "$OUT/logs-eager" \
-      --output-json "$OUT/$D-serve-qwen1.5-32gib-uniform-eager-rimuru-10rps-$C-h200.json" ;;
+      --output-json "$OUT/$D-serve-qwen1.5-32gib-uniform-eager-rimuru-10rps-$C-$G.json" ;;
   vllm) timeout 560 $SWEEP $common --vllm-args=--enforce-eager --configs vllm \
-      --output-json "$OUT/$D-serve-qwen1.5-32gib-uniform-eager-vllm-10rps-beside-$C-h200.json" ;;
+      --output-json "$OUT/$D-serve-qwen1.5-32gib-uniform-eager-vllm-10rps-beside-$C-$G.json" ;;
   *) echo "usage: eager_vs_vllm.sh rimuru|vllm" >&2; exit 2 ;;
 esac

@@ -4,7 +4,7 @@
 #   gpu_tests.sh engines K/N   the K-th of N shares of every other file with GPU tests, one engine at a time
 #                              (the whole of them takes ~10 min: N = 3 leaves each share room)
 #   gpu_tests.sh FILE...   the GPU tests of these files
-# Log: $OUT/<date>-gpu-tests-<group>-<commit>-h200.log, the commit and the command on its first lines.
+# Log: $OUT/<date>-gpu-tests-<group>-<commit>-$G.log, the commit and the command on its first lines.
 # fla-core (FLA_SITE, default /tmp/hsite: where the device call installed it) goes on the path only for the files
 # that need it (FLA_FILES). The others must run without it: with fla importable, transformers swaps fla's GPU-only
 # kernels into the CPU reference models the tests compare against, which then fail on CPU tensors.
@@ -21,7 +21,7 @@ case "${1:-}" in
   "") echo "usage: gpu_tests.sh kernels | engines K/N | FILE..." >&2; exit 2 ;;
   *) group=$(basename "${1%.py}" | sed 's/^test_//'); files="$*"; workers="" ;;
 esac
-log=$OUT/$D-gpu-tests-$group-$C-h200.log
+log=$OUT/$D-gpu-tests-$group-$C-$G.log
 with_fla=""; without_fla=""
 for f in $files; do
   case " $FLA_FILES " in *" $f "*) with_fla="$with_fla $f" ;; *) without_fla="$without_fla $f" ;; esac

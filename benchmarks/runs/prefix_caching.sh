@@ -18,10 +18,10 @@ case "${2:-}" in
   rimuru) timeout 560 $SWEEP --model qwen1.5-moe-a2.7b --gpu-memory-budget 32GiB "${common[@]}" \
       --define "pc-on=rimuru:--offload-mode elastic --enable-prompt-tokens-details" \
       --define "pc-off=rimuru:--offload-mode elastic --no-enable-prefix-caching --enable-prompt-tokens-details" \
-      --configs pc-on,pc-off --output-json "$OUT/$D-prefix-$label-qwen1.5-32gib-rimuru-$C-h200.json" ;;
+      --configs pc-on,pc-off --output-json "$OUT/$D-prefix-$label-qwen1.5-32gib-rimuru-$C-$G.json" ;;
   vllm) timeout 560 $SWEEP --model "$ANCHOR/qwen15moe" --vllm-site "$VLLM_SITE" "${common[@]}" \
       --define "vllm-pc=vllm:--gpu-memory-utilization 0.229 --enable-prefix-caching --enable-prompt-tokens-details" \
       --configs vllm-pc --save-metrics-text "$OUT" \
-      --output-json "$OUT/$D-prefix-$label-qwen1.5-32gib-vllm-beside-$C-h200.json" ;;
+      --output-json "$OUT/$D-prefix-$label-qwen1.5-32gib-vllm-beside-$C-$G.json" ;;
   *) echo "usage: prefix_caching.sh shared|multiturn rimuru|vllm" >&2; exit 2 ;;
 esac

@@ -13,11 +13,11 @@ common=(--model $dir --load-format dummy --client vllm --vllm-site "$VLLM_SITE" 
   --rates "${RATES:-4,8}" --num-prompts "${NP:-200}" --label uniform --time-budget-s 540)
 case "${1:-}" in
   rimuru72) timeout 560 $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --configs static,fixed,elastic \
-      --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-rimuru-$C-h200.json" ;;
+      --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-rimuru-$C-$G.json" ;;
   rimuru60) timeout 560 $SWEEP "${common[@]}" --gpu-memory-budget 60GiB --configs fixed,elastic \
-      --output-json "$OUT/$D-serve-qwen3.5-35b-60gib-uniform-rimuru-$C-h200.json" ;;
+      --output-json "$OUT/$D-serve-qwen3.5-35b-60gib-uniform-rimuru-$C-$G.json" ;;
   vllm72) timeout 560 $SWEEP "${common[@]}" --vllm-max-model-len 4096 \
       --define "vllm72=vllm:--gpu-memory-utilization 0.5128 --language-model-only" --configs vllm72 \
-      --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-vllm-beside-$C-h200.json" ;;
+      --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-vllm-beside-$C-$G.json" ;;
   *) echo "usage: qwen35_vs_vllm.sh rimuru72|rimuru60|vllm72" >&2; exit 2 ;;
 esac

@@ -27,4 +27,4 @@ for c in ${configs//,/ }; do
 done
 timeout 580 $SWEEP --model $model --gpu-memory-budget "$budget" "${args[@]}" "${defines[@]}" --configs "$configs" \
   --rates "$rates" --num-prompts "${NP:-400}" --label "$label" --time-budget-s 570 ${SWEEP_ARGS:-} \
-  --output-json "$OUT/$D-serve-$cell-${configs//,/-}-${rates//,/-}rps-$C-h200.json"
+  --output-json "$OUT/$D-serve-$cell-${configs//,/-}-${rates//,/-}rps-$C-$G.json"

@@ -8,6 +8,6 @@ B=${BEFORE_COMMIT:?name the before commit}; root=${BEFORE_ROOT:?name the before 
 common="--model qwen1.5-moe-a2.7b --gpu-memory-budget 32GiB --label uniform --num-prompts 300 --configs static --rates 40"
 for r in $(seq 1 "${ROUNDS:-2}"); do
   timeout 150 $SWEEP $common --server-root "$root" --server-commit "$B" \
-    --output-json "$OUT/$D-tp-before-qwen1.5-32gib-static-40rps-${B:0:7}-r$r-h200.json" 2>&1 | tail -3
-  timeout 150 $SWEEP $common --output-json "$OUT/$D-tp-after-qwen1.5-32gib-static-40rps-$C-r$r-h200.json" 2>&1 | tail -3
+    --output-json "$OUT/$D-tp-before-qwen1.5-32gib-static-40rps-${B:0:7}-r$r-$G.json" 2>&1 | tail -3
+  timeout 150 $SWEEP $common --output-json "$OUT/$D-tp-after-qwen1.5-32gib-static-40rps-$C-r$r-$G.json" 2>&1 | tail -3
 done

@@ -12,11 +12,11 @@
 dir=/tmp/models/qwen3moe
 case "${1:-}" in
   tests) bash "$(dirname "$0")/gpu_tests.sh" tests/test_tensor_parallel.py ;;
-  allreduce) nvidia-smi topo -m > "$OUT/$D-gpu-topology-h200x2.txt"
+  allreduce) nvidia-smi topo -m > "$OUT/$D-gpu-topology-${G}x2.txt"
     timeout 280 python3 benchmarks/check_captured_allreduce.py --world-size 2 \
-      --output-json "$OUT/$D-captured-allreduce-$C-h200x2.json"
+      --output-json "$OUT/$D-captured-allreduce-$C-${G}x2.json"
     NCCL_P2P_DISABLE=1 timeout 280 python3 benchmarks/check_captured_allreduce.py --world-size 2 \
-      --output-json "$OUT/$D-captured-allreduce-p2p-off-$C-h200x2.json" ;;
+      --output-json "$OUT/$D-captured-allreduce-p2p-off-$C-${G}x2.json" ;;
   rimuru|vllm)
     [ -f $dir/config.json ] || python3 benchmarks/model_folder.py qwen3-30b-a3b $dir || exit 1
     common=(--model $dir --load-format dummy --client vllm --vllm-site "$VLLM_SITE" --dataset-path "$ANCHOR/sharegpt.json"
@@ -26,12 +26,12 @@ case "${1:-}" in
       if [ "${ROUTING:-uniform}" = zipf ]; then label=zipf1.0; extra="$extra --dummy-routing zipf:1.0"; fi
       timeout 580 $SWEEP "${common[@]}" --gpu-memory-budget 32GiB --rimuru-args="$extra" --configs "$configs" \
         --rates "$rates" --label "$label" \
-        --output-json "$OUT/$D-serve-qwen3-2x32gib-tp2-$label-${configs//,/-}-${rates//,/-}rps-$C-h200x2.json"
+        --output-json "$OUT/$D-serve-qwen3-2x32gib-tp2-$label-${configs//,/-}-${rates//,/-}rps-$C-${G}x2.json"
     else
       rates=${2:?RATES}
       timeout 580 $SWEEP "${common[@]}" --define "vllm-tp2=vllm:--tensor-parallel-size 2 --gpu-memory-utilization 0.229" \
         --configs vllm-tp2 --rates "$rates" --label uniform \
-        --output-json "$OUT/$D-serve-qwen3-2x32gib-tp2-uniform-vllm-${rates//,/-}rps-h200x2.json"
+        --output-json "$OUT/$D-serve-qwen3-2x32gib-tp2-uniform-vllm-${rates//,/-}rps-${G}x2.json"
     fi ;;
   *) echo "usage: two_gpus.sh tests | allreduce | rimuru CONFIGS RATES | vllm RATES" >&2; exit 2 ;;
 esac
