@@ -4,7 +4,7 @@
 #   gpu_tests.sh engines K/N   the K-th of N shares of every other file with GPU tests, one engine at a time
 #                              (the whole of them takes ~10 min: N = 3 leaves each share room)
 #   gpu_tests.sh FILE...   the GPU tests of these files
-# Log: $OUT/<date>-gpu-tests-<group>-<commit>-$G.log, the commit and the command on its first lines.
+# Log: $OUT/<date>-gpu-tests-<group>-<commit>-<card>.log, the commit and the command on its first lines.
 # fla-core (FLA_SITE, default /tmp/hsite: where the device call installed it) goes on the path only for the files
 # that need it (FLA_FILES). The others must run without it: with fla importable, transformers swaps fla's GPU-only
 # kernels into the CPU reference models the tests compare against, which then fail on CPU tensors.
