@@ -8,12 +8,12 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
                                                          the load buffers' pages: with lazy buffers 6 per slot, as
                                                          many slots as the most offloaded experts of one layer
                                                          among the n, never fewer than held, 0 when n = 0)
-    conc(n)     = R > 0: min(running + waiting, running + [g >= R] (1 + (g - R) / footprint))
-                  R = 0: min(running, (kv + F + g) / footprint)
-                                                         concurrent requests; footprint = kv / running. When
-                                                         requests wait, the first needs R more pages than are
-                                                         free (FIFO: nobody behind it starts before it), the
-                                                         next ones a footprint each
+    conc(n)     = min(demand, (kv + F + g) / footprint)   concurrent requests in the long run; footprint =
+                                                         kv / running; demand = running, + waiting while
+                                                         requests wait for pages (R > 0). Under TTFT pressure
+                                                         (below) the next steps' count instead: the first
+                                                         waiting request needs R more pages than are free (FIFO),
+                                                         running + [g >= R] (1 + (g - R) / footprint)
     compute(n)  = c (fixed + (1 - fixed) conc(n) / running)  c = compute measured on copy-free passes (step_cost.py)
     act(n)      = sum over the n offloaded e of 1 - (1 - p_e)^(top_k conc(n))   expected activated
     copy(n)     = act(n) expert_bytes / pcie_bandwidth x slowdown x excess
@@ -29,8 +29,9 @@ CostAdjusterConfig). Without an SLO and with copy access the adjuster therefore 
 batch is not expected to route to, and otherwise only when the experts do not all fit (forced offloading, below);
 with direct access (the default: the kernel reads offloaded experts in host memory, modelled as copies that never
 hide, at the speed they were measured to take) tokens per second decide among every reachable split; with
-`--slo-tpot-p99-ms` it trades exposed copies for KV room within it, and with `--slo-ttft-p99-ms` it makes room for a
-queue whose head has waited a quarter of the target (TTFT pressure, below). piecewise_overhead (measured by the engine
+`--slo-tpot-p99-ms` it trades exposed copies for KV room within it; without `--slo-ttft-p99-ms` it makes room for any
+queue short of pages within a small loss of long-run throughput (admission, below), and with it for a queue whose head
+has waited a quarter of the target (TTFT pressure, below). piecewise_overhead (measured by the engine
 at start-up) is what a pass with any expert offloaded costs beyond one with all resident (piecewise CUDA graphs
 instead of whole ones); the elastic runtime takes it out of piecewise passes' times before they reach the
 compute estimate, and the model charges it to every n > 0.
@@ -50,14 +51,20 @@ Rules, every step:
     costlier after the evictions), no n above n_now is allowed.
   * TTFT pressure (`ttft_slo_s`): while the head of the queue lacks pages (R > 0) and has waited
     `ttft_pressure_share` of the target, the adjuster evicts towards the fewest offloaded that admit the whole
-    queue (the first n of highest conc), within the TPOT target when one is set, and giving up at most
-    `ttft_pressure_max_loss` of the modelled tokens per second of the best split or, where that is more, of the
-    batch with every expert home (the steady model's n = 0: experts out stay out under pressure, so the best
+    queue in the next steps (the first n of highest head-counted concurrency, the model's `head` form), within the
+    TPOT target when one is set (the next steps' batch and the long run's), and giving up at most
+    `ttft_pressure_max_loss` of the modelled long-run tokens per second of the best split or, where that is more,
+    of the batch with every expert home (the steady model's n = 0: experts out stay out under pressure, so the best
     reachable split is the last plan's target, and a loss allowed against it would compound plan after plan);
     experts stay out while the pressure lasts and come home by the rules below once it ends. Past the engine's
     capacity no split meets the TTFT target, and evicting for the queue then only slows every step: on the H200
     (Qwen1.5-MoE shapes, 32 GiB, uniform, 40 req/s), unbounded in throughput, the rule read 1 TB of experts from
     host memory for 0.54x static's output.
+  * Admission (no `ttft_slo_s`): the same rule from the first plan short of pages, giving up at most
+    `admission_max_loss` (3 %) of the long-run tokens per second, and within the allowed splits. Where KV room is
+    scarce and cold experts are cheap (Qwen3-30B-A3B shapes at 59 GiB, zipf 1.0) that admits the queue at once;
+    where an expert's pages hold a sliver of a request and every step reads it (Qwen1.5-MoE shapes at 32 GiB: 3
+    mid pages against ~11 a request), at most one expert goes. Experts out come home by `_home_target` as usual.
   * Direction: while requests wait for pages (R > 0) the adjuster evicts towards the best n, even when n_now is
     within `min_gain` of it (holding still there leaves requests waiting seconds for a split a few per cent
     better); when nobody is short it aims for the smallest n within `min_gain` of the best, so experts come home
@@ -130,6 +137,9 @@ class CostAdjusterConfig:
     ttft_slo_s: float | None = None
     ttft_pressure_share: float = 0.25
     ttft_pressure_max_loss: float = 0.1  # the share of modelled tokens/s the TTFT pressure may give up (see above)
+    # without a TTFT target: admitting requests that wait for pages (the same rule as the TTFT pressure, from the
+    # first step short of pages) may give up this share of the modelled long-run tokens/s
+    admission_max_loss: float = 0.03
     exposed_copy_share: float = 0.0  # without an SLO: copy time may exceed the hideable time by this x compute
     # Without an SLO, whether a split is allowed only where its copies hide (copy access: copies are learned slower
     # and less hidden than modelled, so an eviction that shows its copies is taken back only after it has cost) or
@@ -162,7 +172,7 @@ class CostAdjusterConfig:
         if self.tpot_feedback_requests < 1 or self.max_tpot_correction < 1:
             raise ValueError(f"need tpot_feedback_requests >= 1 and max_tpot_correction >= 1, got "
                              f"{self.tpot_feedback_requests}, {self.max_tpot_correction}")
-        for name in ("ttft_pressure_share", "ttft_pressure_max_loss"):
+        for name in ("ttft_pressure_share", "ttft_pressure_max_loss", "admission_max_loss"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.exposed_copy_share < 0 or self.min_gain < 0 or self.reverse_cooldown_steps < 0:
@@ -350,20 +360,30 @@ class CostAdjuster:
             target = max(n_now, int(cands[np.flatnonzero(good).min()]))
         else:  # not short: the fewest offloaded experts that cost no throughput
             target = int(cands[np.flatnonzero(good).min()])
-        pressure = (cfg.ttft_slo_s is not None and R > 0
-                    and state.oldest_wait_s >= cfg.ttft_pressure_share * cfg.ttft_slo_s)
+        if cfg.ttft_slo_s is None:  # admission: any queue short of pages, within admission_max_loss
+            pressure, max_loss = R > 0, cfg.admission_max_loss
+        else:
+            pressure = R > 0 and state.oldest_wait_s >= cfg.ttft_pressure_share * cfg.ttft_slo_s
+            max_loss = cfg.ttft_pressure_max_loss
         if pressure:
             # the queue's TTFT is at risk: the fewest offloaded that admit every waiting request the model can (the
-            # first candidate of highest concurrency), within the TPOT target and the throughput it may give up
+            # first candidate of highest concurrency in the next steps: the evictions that cover the head's
+            # shortfall admit it), within the TPOT target and the long-run throughput it may give up
+            tput_h, step_h, _ = self._model(state, order, n_now, compute, cands, head=True)
             bound = self.tpot_bound_s
-            within = (step_s + self.mixed_step_surcharge() <= bound if bound is not None
-                      else np.ones(len(cands), dtype=bool))
-            # the loss counts against the best split or the batch with every expert home, whichever serves more (see
-            # the module's docstring: against the best reachable split alone it compounds)
+            if bound is not None:  # the next steps' batch and the long run's within the TPOT target
+                within = np.maximum(step_h, step_s) + self.mixed_step_surcharge() <= bound
+            elif cfg.ttft_slo_s is None:  # admission keeps the rule of the steady choice (copy access: hiding)
+                within = allowed.copy()
+            else:
+                within = np.ones(len(cands), dtype=bool)
+            # the loss counts in the long run (an expert out stays out for many steps) against the best split or the
+            # batch with every expert home, whichever serves more (see the module's docstring: against the best
+            # reachable split alone it compounds)
             home, _, _ = self._model(state, order, n_now, compute, np.zeros(1, dtype=np.int64), steady=True)
-            within &= tput >= (1.0 - cfg.ttft_pressure_max_loss) * max(float(home[0]), float(tput[i_best]))
+            within &= tput >= (1.0 - max_loss) * max(float(home[0]), float(tput[i_best]))
             if within.any():
-                target = max(target, int(cands[int(np.argmax(np.where(within, tput * step_s, -1.0)))]))
+                target = max(target, int(cands[int(np.argmax(np.where(within, tput_h * step_h, -1.0)))]))
         # stalls may wait for evictions up to the best split (the smallest of equals: a tie offloads no more), or
         # the TTFT target's; with nobody short the best is computed without a queue, so the last bound made under
         # pressure holds
@@ -372,8 +392,9 @@ class CostAdjuster:
             self._short_bound = max_allowed
         elif self._short_bound is not None:
             max_allowed = max(max_allowed, self._short_bound)
-        if target <= n_now and not pressure:
-            # experts home where that pays in the long run, even while requests wait (see _home_target)
+        if target <= n_now and not (pressure and cfg.ttft_slo_s is not None):
+            # experts home where that pays in the long run, even while requests wait (see _home_target); under
+            # TTFT pressure the experts out stay out
             target = min(target, self._home_target(state, order, n_now, compute))
         self.last = CostEstimate(offloaded=n_now, target=target, best=best, compute_s=compute,
                                  candidates=cands.tolist(), throughput=np.where(allowed, tput, 0.0).tolist(),
@@ -441,11 +462,19 @@ class CostAdjuster:
         return plan
 
     def _model(self, state: AdjusterState, order: np.ndarray, n_now: int, compute: float,
-               cands: np.ndarray, steady: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               cands: np.ndarray, steady: bool = False, head: bool = False
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per candidate n in `cands`: modelled throughput, step time, and whether the split is allowed (with an
         SLO its step meets it; without, its copies hide, or every split is where `hide_copies_without_slo` is off).
-        `steady`: concurrency is what the pool holds in the long run, (kv + F + P (n - n_now)) / footprint, up to every
-        running and waiting request (no head of the queue, no floor of one request)."""
+
+        Concurrency is what the pool holds in the long run, (kv + F + freed) / footprint, up to every running
+        request and, while requests wait for pages, every waiting one: an expert out for good holds P / footprint
+        requests, however many its first pages admit. `head` (TTFT pressure only): while requests wait for pages,
+        the pages that cover the head of the queue's shortfall R admit it whole and each footprint beyond them one
+        more, what the next steps see. As a throughput model that overstates an eviction by footprint / R: the
+        admitted request grows to a footprint like the others, and the expert stays out (on the H200, Qwen1.5-MoE
+        shapes at 32 GiB, it evicted 63 experts for 0.29 requests each, 0.75x static's output).
+        `steady`: no queue head and no floor of one request, for comparisons of long-run splits."""
         cfg = self.config
         P = cfg.pages_per_expert
         running = max(1, state.num_running)
@@ -456,7 +485,7 @@ class CostAdjuster:
         if state.max_num_seqs is not None:  # the scheduler never runs more, whatever room evictions make
             demand = min(demand, max(state.max_num_seqs, state.num_running))
         n = cands
-        R = 0 if steady else state.shortfall_mid_pages
+        R = state.shortfall_mid_pages if head and not steady else 0
         # lazy load buffers grow with the most offloaded experts of a layer and give their pages back with the last
         # expert home: what a split frees is its experts' pages less the slots it adds
         E = state.rankings.shape[1]
