@@ -177,3 +177,29 @@ def test_copy_excess_is_copied_per_routed_expert() -> None:
         t.observe_loads(-1, 3)
     with pytest.raises(ValueError, match="max_excess >= 1"):
         StepCostTracker(max_excess=0.5)
+
+
+def test_decode_estimate_ignores_a_burst_of_slow_passes_and_grows_with_the_batch() -> None:
+    """The decode estimate is the median of a bucket's last `decode_window` decode passes: a burst of slow ones
+    (host-clock timings while the server thread was busy) shorter than half the window leaves it; an EMA would have
+    taken it to ~2.5x. And a smaller batch never reads more than a larger measured one."""
+    t = StepCostTracker(decode_window=32)
+    for _ in range(40):
+        t.observe_forward(9.5 * MS, 0.0, tokens=50, decode=True)
+    for _ in range(10):
+        t.observe_forward(40 * MS, 0.0, tokens=50, decode=True)
+    assert t(50) == pytest.approx(9.5 * MS)
+    ema = 9.5 * MS
+    for _ in range(10):
+        ema = 0.1 * 40 * MS + 0.9 * ema
+    assert ema > 2.5 * 9.5 * MS  # what the EMA (alpha 0.1) read after the same burst
+    # a longer run of slow passes is what the batch costs now: the median follows
+    for _ in range(10):
+        t.observe_forward(40 * MS, 0.0, tokens=50, decode=True)
+    assert t(50) == pytest.approx(40 * MS)
+    # 100 sequences measured at 11 ms: 50 sequences read at most that
+    t.observe_forward(11 * MS, 0.0, tokens=100, decode=True)
+    assert t(50) == pytest.approx(11 * MS) and t(100) == pytest.approx(11 * MS)
+    assert t(300) == pytest.approx(11 * MS)  # beyond every measured bucket: the nearest below
+    with pytest.raises(ValueError, match="decode_window"):
+        StepCostTracker(decode_window=0)

@@ -11,7 +11,11 @@ Decode-only passes (`decode=True`: one token per sequence) also feed a table of 
 for by batch size reads it once it holds a sample: a bucket's mixed passes (a prefill chunk beside the decodes,
 preemptions' recomputation) cost more at the same token count: on the H200 (Qwen1.5-MoE shapes) they held the
 estimate for ~75 running requests at 16 ms while the served decode steps averaged 10.8 ms, which made every expert
-read look two thirds as costly as it is.
+read look two thirds as costly as it is. That table keeps the median of each bucket's last `decode_window` passes,
+not an EMA: a pass is timed by the host's clock, and a burst of slow ones (a server thread busy with arrivals, a
+garbage collection) moved an EMA of 33-64 running requests to 15.4 and 35.6 ms on the H200 while decode steps took
+~9.5 ms, and the adjuster evicted for copies it then read as a third of their cost. The decode estimate for a batch
+is also never more than a larger measured batch's (a decode step does not get cheaper with more sequences).
 Copies are likewise learned against the clean estimate of the pass's own kind (decode passes against decode ones).
 A request's TPOT, though, is the mean of every step it is in, prefill chunks included: `mixed_step_surcharge` is
 what the mean clean pass costs beyond the mean decode-only one (EMAs over all batch sizes), which a TPOT bound adds
@@ -57,6 +61,8 @@ its modelled copies by it (runtime_builders.build_adjuster); without host comput
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,13 +72,15 @@ if TYPE_CHECKING:
 class StepCostTracker:
     def __init__(self, alpha: float = 0.1, copy_overlap: float = 0.8, min_copy_share: float = 0.25,
                  max_slowdown: float = 10.0, noise_share: float = 0.05, max_excess: float = 100.0,
-                 initial_overlap: float | None = None) -> None:
+                 initial_overlap: float | None = None, decode_window: int = 32) -> None:
         if not 0.0 < alpha <= 1.0 or not 0.0 <= copy_overlap <= 1.0:
             raise ValueError(f"need 0 < alpha <= 1 and 0 <= copy_overlap <= 1, got {alpha}, {copy_overlap}")
         if initial_overlap is None:
             initial_overlap = copy_overlap
         if not 0.0 <= initial_overlap <= copy_overlap:
             raise ValueError(f"need 0 <= initial_overlap <= copy_overlap, got {initial_overlap}, {copy_overlap}")
+        if decode_window < 1:
+            raise ValueError(f"decode_window must be >= 1, got {decode_window}")
         if min_copy_share <= 0 or max_slowdown < 1 or noise_share < 0 or max_excess < 1:
             raise ValueError(f"need min_copy_share > 0, max_slowdown >= 1, noise_share >= 0 and max_excess >= 1, "
                              f"got {min_copy_share}, {max_slowdown}, {noise_share}, {max_excess}")
@@ -81,8 +89,11 @@ class StepCostTracker:
         self.min_copy_share = min_copy_share
         self.max_slowdown = max_slowdown
         self.noise_share = noise_share  # exposed time within this share of compute counts as hidden
+        self.decode_window = decode_window
         self._clean: dict[int, float] = {}  # token bucket -> EMA of copy-free pass times
-        self._clean_decode: dict[int, float] = {}  # the same over decode-only passes
+        # token bucket -> the last decode_window decode-only copy-free pass times (their median is the estimate)
+        self._decode_times: dict[int, deque[float]] = {}
+        self._clean_decode: dict[int, float] = {}  # token bucket -> the median of its decode_window
         self._mean_clean: float | None = None  # EMA of every copy-free pass's time, whatever its batch
         self._mean_clean_decode: float | None = None  # the same over decode-only passes
         # EMA of forward - copy over every pass while no clean pass was seen (one for all batch sizes: per bucket,
@@ -132,7 +143,9 @@ class StepCostTracker:
         self._clean[b] = self._ema(self._clean.get(b), compute_s)
         self._mean_clean = self._ema(self._mean_clean, compute_s)
         if decode:
-            self._clean_decode[b] = self._ema(self._clean_decode.get(b), compute_s)
+            window = self._decode_times.setdefault(b, deque(maxlen=self.decode_window))
+            window.append(compute_s)
+            self._clean_decode[b] = statistics.median(window)
             self._mean_clean_decode = self._ema(self._mean_clean_decode, compute_s)
         self.compute_s = self._clean_estimate(b)
         self.steps += 1
@@ -235,4 +248,10 @@ class StepCostTracker:
         `tokens`, the latest pass's batch."""
         if tokens is None or not self._clean:
             return self.compute_s
-        return self._nearest(self._clean_decode or self._clean, self.bucket(tokens))
+        b = self.bucket(tokens)
+        if not self._clean_decode:
+            return self._nearest(self._clean, b)
+        larger = [v for k, v in self._clean_decode.items() if k > b]
+        estimate = self._nearest(self._clean_decode, b)
+        assert estimate is not None
+        return min(estimate, *larger) if larger else estimate
