@@ -102,7 +102,7 @@ ROW_FIELDS = (
     "median_itl_ms", "p99_itl_ms", "peak_running", "peak_waiting", "expert_bytes_pcie", "prefetch_hits",
     "prefetch_misses", "prefetch_hit_rate", "preemptions", "forward_steps", "kernel_variants_built",
     "kernel_warmup_s", "kernel_warmup_variants",
-    "expert_evictions", "expert_grows",
+    "expert_evictions", "expert_grows", "kv_pages_moved",
     "piecewise_overhead_ms", "kv_tokens_max", "workspace_bytes", "prefix_cache_queries", "prefix_cache_hits",
     "prefix_cache_hit_rate", "total_input_tokens", "total_cached_tokens", "median_ttft_first_turn_ms",
     "median_ttft_later_turns_ms", "p99_ttft_first_turn_ms", "p99_ttft_later_turns_ms", "point_wall_s", "timeline",
@@ -264,6 +264,7 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "kernel_variants_built": delta("rimuru:kernel_variants_built"),  # steps that waited for a Triton build
         "expert_evictions": delta("rimuru:expert_evictions"),
         "expert_grows": delta("rimuru:expert_grows"),
+        "kv_pages_moved": delta("rimuru:kv_pages_moved"),  # KV compaction for experts coming home
         # elastic with graphs: what the engine measured at start-up (a level, not a delta)
         "piecewise_overhead_ms": metric(after, "rimuru:piecewise_overhead_ms"),
         "kv_tokens_max": metric(after, "rimuru:kv_tokens_max"),

@@ -662,3 +662,23 @@ def test_cuda_elastic_two_ranks_through_moves(parity_checkpoints: dict[str, Path
     finally:
         llm.shutdown()
     assert_greedy_matches(path, prompts(), got, STEPS)
+
+
+@slow
+def test_kv_compaction_moves_every_ranks_pages_alike(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's runtime made to wait for two whole mid pages at every step: every step's KV moves travel in the pass
+    plan and each rank copies its slice of the pages before the pass. Tokens equal one rank's without compaction."""
+    path = tiny_checkpoint()
+    ps = [[5, 9, 14, 3, 8, 21, 4, 17, 6, 11, 2, 30, 7, 19, 13, 12] + [40 + i] * (3 + 5 * i) for i in range(6)]
+    one = LLM(str(path), device="cpu", gpu_memory_budget="64MiB", max_num_batched_tokens=48)
+    want = run_greedy(one, ps, STEPS)
+    one.shutdown()
+    two = LLM(str(path), tensor_parallel_size=2, device="cpu", gpu_memory_budget="64MiB", max_num_batched_tokens=48)
+    try:
+        monkeypatch.setattr(two.engine.runtime, "mid_pages_awaited", lambda: 2)
+        got = run_greedy(two, ps, STEPS)
+        assert two.engine.kv_pages_moved > 0
+        assert_no_rank_holds_a_page(two)
+    finally:
+        two.shutdown()
+    assert got == want

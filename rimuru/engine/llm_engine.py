@@ -37,6 +37,7 @@ from rimuru.config import EngineConfig, format_bytes
 from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.engine.cuda_graphs import capture_step_graphs
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
+from rimuru.engine.kv_compaction import KVMoves, compact_kv
 from rimuru.engine.model_runner import HostBatch, ModelRunner, SampledTokens
 from rimuru.engine.output_processor import OutputProcessor, final_output
 from rimuru.engine.outputs import RequestOutput
@@ -209,6 +210,9 @@ class LLMEngine:
         self._in_flight: InFlight | None = None
         self.forward_steps = 0
         self.peak_running = 0
+        self.kv_pages_moved = 0  # by KV compaction (engine/kv_compaction.py)
+        # the most KV pages one step's compaction moves: 8 mid pages' worth (a few MB of device copies)
+        self._max_kv_moves = 8 * geometry.smalls_per_mid(KV, EXPERT) if EXPERT in geometry.mid_kinds else 0
         self._sent_buffer_pages: list[int] | None = None  # the load-buffer pages the workers last got
         self.kernel_variants_built = 0  # Triton kernel variants steps built (kernels/kernel_builds.py)
         self.start_time = time.monotonic()
@@ -245,9 +249,9 @@ class LLMEngine:
         plan: MemoryPlan = self.tp.broadcast_object(memory)
         return replace(plan, pool_bytes=self.tp.min_int(memory.pool_bytes))
 
-    def _send_pass(self, h: HostBatch, sample: bool, state_copies: list[StateCopy]) -> None:
+    def _send_pass(self, h: HostBatch, sample: bool, state_copies: list[StateCopy], kv_moves: KVMoves | None) -> None:
         """Rank 0: the pass about to run, to every other rank (with the expert tables where they move, and the state
-        copies queued before it)."""
+        copies and KV moves queued before it)."""
         assert self.workers is not None
         elastic = self.runtime.mode == "elastic"
         tables = self.runtime.cache.host_tables.numpy().copy() if elastic else None
@@ -257,7 +261,7 @@ class LLMEngine:
             if pages != self._sent_buffer_pages:
                 buffers = self._sent_buffer_pages = pages
         self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies), h.prompt_rows,
-                                   buffer_pages=buffers))
+                                   buffer_pages=buffers, kv_moves=kv_moves))
 
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:
@@ -424,6 +428,10 @@ class LLMEngine:
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         trace.scheduled(sched)
         plan = self.runtime.plan(self._demand(sched))
+        if sched.scheduled and (awaited := self.runtime.mid_pages_awaited()) > 0:
+            # grows wait for whole mid pages: move the few live KV pages out of the emptiest
+            sched.kv_moves = compact_kv(self.kv, self.scheduler.running, EXPERT, awaited, self._max_kv_moves)
+            self.kv_pages_moved += len(sched.kv_moves) if sched.kv_moves is not None else 0
         trace.mark("adjust")
         previous, self._in_flight = self._in_flight, None
         if previous is not None and sched.scheduled and self.runtime.pass_reads_routing(sched.num_tokens):
@@ -608,6 +616,7 @@ class LLMEngine:
             "forward_steps": self.forward_steps,
             "peak_running": self.peak_running,
             "preemptions": self.scheduler.num_preemptions,
+            "kv_pages_moved": self.kv_pages_moved,  # by KV compaction, for experts coming home
             "kernel_variants_built": self.kernel_variants_built,  # by steps: each one waited for a compile
             # start-up's kernel warm-up (a GPU's; None on the CPU): what a cold Triton cache adds to a start
             "kernel_warmup_s": warmup.seconds if warmup is not None else None,

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from rimuru.engine.cuda_graphs import StepGraphs
+from rimuru.engine.kv_compaction import KVMoves
 from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs, logprob_rows, unpack_logprobs
 from rimuru.engine.penalties import PenaltyHistory
 from rimuru.engine.prompt_logprobs import (
@@ -50,6 +51,7 @@ from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.forward_batch import ForwardBatch, StepLayout
 
 _ALIGN = 16  # bytes: every packed field starts at a multiple (int64 views need 8)
+KV_COPY_CHUNK = 64  # KV pages a compaction copy gathers at once (8 MB of Qwen1.5-MoE pages)
 _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
@@ -195,7 +197,7 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
 # Tensor parallelism, rank 0: sends each eager pass's host arrays (and whether it samples) to the other ranks before
 # running it (engine/tp_workers.py)
 # rank 0's pass to the other tensor-parallel ranks: the batch, whether it samples, and the state copies before it
-PassSender = Callable[[HostBatch, bool, list[StateCopy]], None]
+PassSender = Callable[[HostBatch, bool, list[StateCopy], KVMoves | None], None]
 
 
 class ModelRunner:
@@ -411,13 +413,28 @@ class ModelRunner:
         for copy in copies:
             state_cache.copy(*copy)
 
+    @torch.inference_mode()
+    def copy_kv(self, moves: KVMoves) -> None:
+        """KV compaction: pages' bytes to their new pages, queued before the pass on the stream that runs it (after the
+        pass in flight, which may still write the sources)."""
+        kv = self.model.kv_cache
+        src = torch.from_numpy(moves.src).to(kv.device)
+        dst = torch.from_numpy(moves.dst).to(kv.device)
+        # in chunks: the gathered pages are a temporary outside the measured workspace (no destination is a source,
+        # so the order of the chunks does not matter)
+        for i in range(0, len(moves), KV_COPY_CHUNK):
+            kv.index_copy_(0, dst[i : i + KV_COPY_CHUNK], kv.index_select(0, src[i : i + KV_COPY_CHUNK]))
+
     def follow(self, arrays: list[np.ndarray], max_query_len: int, sample: bool,
-               state_copies: list[StateCopy] | None = None, prompt_rows: np.ndarray | None = None) -> None:
+               state_copies: list[StateCopy] | None = None, prompt_rows: np.ndarray | None = None,
+               kv_moves: KVMoves | None = None) -> None:
         """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample, its
-        prompt rows' logits rank 0's to turn into prompt logprobs), after the state copies rank 0 queued before it
-        (the same page ids in every rank's pool)."""
+        prompt rows' logits rank 0's to turn into prompt logprobs), after the state copies and KV moves rank 0 queued
+        before it (the same page ids in every rank's pool)."""
         if state_copies:
             self.copy_states(state_copies)
+        if kv_moves is not None:
+            self.copy_kv(kv_moves)
         ids, pos, qsl, seq_lens, bt, slots, li, *state = arrays
         ssm, conv = state if state else (None, None)
         h = HostBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
@@ -452,6 +469,8 @@ class ModelRunner:
         sampling = [s.request for s in sched.scheduled if s.samples]
         if sched.state_copies:  # prefix caching's state snapshots, behind the last pass on the same stream
             self.copy_states(sched.state_copies)
+        if sched.kv_moves is not None:  # KV compaction, likewise
+            self.copy_kv(sched.kv_moves)
         prompt = prompt_logprob_rows(sched.scheduled, self.model.spec.vocab_size, self.batch_order)
         hidden = None  # the pass's hidden states, where prompt rows are read (eager passes, mixed graphs)
         graphs = self.graphs
@@ -486,7 +505,7 @@ class ModelRunner:
             if prompt is not None:
                 h.prompt_rows = prompt.hidden_rows
             if self.peers is not None:
-                self.peers(h, bool(sampling), sched.state_copies)
+                self.peers(h, bool(sampling), sched.state_copies, sched.kv_moves)
             batch = self.device_batch(h)
             trace.mark("prepare")
             trace.forward_begin()

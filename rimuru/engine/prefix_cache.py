@@ -188,6 +188,29 @@ class PrefixCache:
                 for block in list(self._unref_blocks[key].values()):
                     self._drop(block)
 
+    # ------------------------------------------------------------------ KV compaction (engine/kv_compaction.py)
+    def unreferenced_in(self, key: int) -> int:
+        """Pages of refs-0 blocks in the mid page at byte offset `key`."""
+        return self._unref.get(key, 0)
+
+    def whole_keys(self) -> list[int]:
+        """Byte offsets of the mid pages used by refs-0 blocks alone (reclaimable whole)."""
+        return list(self._whole)
+
+    def drop_unreferenced_in(self, key: int) -> None:
+        """Drops every refs-0 block with a page in the mid page at byte offset `key` (their other pages are freed
+        too: a block missing one layer's page is of no use)."""
+        for block in list(self._unref_blocks.get(key, {}).values()):
+            self._drop(block)
+
+    def move_block(self, b: CachedBlock, pages: Sequence[int]) -> None:
+        """A held block's pages were moved (compaction copies their bytes): the block names the new pages."""
+        assert b.refs > 0, "refs-0 blocks are dropped, not moved"
+        keys, counts = np.unique(self.allocator.parent_keys(KV, np.asarray(pages, dtype=np.int64)),
+                                 return_counts=True)
+        b.pages = tuple(int(p) for p in pages)
+        b.mids = tuple(zip(keys.tolist(), counts.tolist(), strict=True))
+
     # ------------------------------------------------------------------ bookkeeping
     def _drop(self, b: CachedBlock) -> None:
         assert b.refs == 0

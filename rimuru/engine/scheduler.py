@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rimuru.engine.kv_cache_manager import CachedPrefix, KVCacheManager
+from rimuru.engine.kv_compaction import KVMoves
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.state_cache_manager import StateCacheManager, StateCopy, StateSnapshot, snapshot_points
 
@@ -58,6 +59,8 @@ class SchedulerOutput:
     shortfall_pages: int = 0
     # hybrid models with prefix caching: state copies the pass runs before its forward, in order
     state_copies: list[StateCopy] = field(default_factory=list)
+    # set by the engine: KV pages compaction moved (engine/kv_compaction.py), copied before the pass
+    kv_moves: KVMoves | None = None
 
     @property
     def num_tokens(self) -> int:

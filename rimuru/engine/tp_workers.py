@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 from rimuru.config import EngineConfig
 from rimuru.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, free_port, init_tensor_parallel
 from rimuru.engine.kv_cache_manager import KV
+from rimuru.engine.kv_compaction import KVMoves
 from rimuru.engine.state_cache_manager import StateCopy
 from rimuru.experts.offload_runtime import OffloadRuntime
 from rimuru.experts.residency import EXPERT
@@ -73,6 +74,7 @@ class PassPlan:
     # elastic mode with copies: rank 0's load-buffer pages (buffer 0's slots, then buffer 1's), when they changed
     # since the last plan ([] once detached); which expert a slot holds stays each rank's own
     buffer_pages: list[int] | None = None
+    kv_moves: KVMoves | None = None  # KV compaction's page moves, copied before the pass (engine/kv_compaction.py)
 
 
 @dataclass
@@ -208,7 +210,8 @@ def follow(engine: LLMEngine, plan: PassPlan) -> None:
     # rank 0's bookkeeping (the adjusters' observations), which the workers do not keep
     if engine.config.offload_access == "copy" and engine.runtime.mode != "static":
         OffloadRuntime.before_pass(engine.runtime, len(plan.arrays[0]))  # the input ids: no padding rows eagerly
-    engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows)
+    engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows,
+                         plan.kv_moves)
 
 
 def apply_buffer_pages(engine: LLMEngine, pages: list[int]) -> None:

@@ -215,6 +215,11 @@ class ElasticCore:
         """KV pages the scheduler keeps free from new admissions: the pages the adjuster's grows are waiting for."""
         return self.adjuster.grow_reserve() * self.smalls_per_mid
 
+    def mid_pages_awaited(self) -> int:
+        """Whole mid pages the adjuster's grows wait for beyond those the pool can give now (its reserve, which
+        includes the free pages grows leave, less the free and reclaimable whole mid pages)."""
+        return max(0, self.adjuster.grow_reserve() - self.allocator.mid_capacity(EXPERT))
+
     # ------------------------------------------------------------------ one step
     def commit_grows(self) -> list[tuple[Expert, ExpertPages]]:
         """The grows reserved by the last plan enter the residency (the device half first made sure their copies

@@ -88,6 +88,9 @@ class ElasticRuntime(OffloadRuntime):
     def evictable_kv_pages(self) -> int:
         return self.core.evictable_kv_pages()
 
+    def mid_pages_awaited(self) -> int:
+        return self.core.mid_pages_awaited()
+
     # ------------------------------------------------------------------ one step
     def begin_step(self) -> None:
         pages = self.core.attach_buffers()

@@ -100,6 +100,11 @@ class ExpertRuntime(Protocol):
         """KV pages beyond the free ones that requests could ever get (every allowed eviction made)."""
         ...
 
+    def mid_pages_awaited(self) -> int:
+        """Whole expert mid pages the last plan's grows wait for beyond those the pool can give (the engine's KV
+        compaction makes them, engine/kv_compaction.py)."""
+        ...
+
     def plan(self, demand: StepDemand) -> AdjustPlan: ...
 
     def pass_reads_routing(self, num_tokens: int) -> bool: ...
@@ -145,6 +150,9 @@ class FixedResidency:
         return 0
 
     def evictable_kv_pages(self) -> int:
+        return 0
+
+    def mid_pages_awaited(self) -> int:
         return 0
 
     def plan(self, demand: StepDemand) -> AdjustPlan:

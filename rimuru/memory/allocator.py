@@ -267,6 +267,61 @@ class PageAllocator:
         if arr.size:
             self._release_smalls(kind, arr)
 
+    # ================================================================== compaction
+
+    def split_parents(self, kind: str, mid_kind: str) -> list[tuple[int, int]]:
+        """(key, used small pages) of every `mid_kind` mid page split into small pages of `kind`."""
+        spm = self._spm[kind, mid_kind]
+        return [(p.key, spm - len(p.free)) for p in self._parents.values()
+                if p.small_kind == kind and p.mid_kind == mid_kind]
+
+    def used_smalls_in(self, kind: str, key: int) -> np.ndarray:
+        """The used (not deferred) small pages of `kind` in the split mid page at byte offset `key`."""
+        p = self._parents[key]
+        r = self.geometry.smalls_of_mid(kind, p.mid_kind, p.mid_id)
+        return r.start + np.flatnonzero(self._small_state[kind][r.start : r.stop] == USED)
+
+    def relocate_small(self, kind: str, keys: Iterable[int], avoid: Iterable[int] = ()
+                       ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Moves every used small page of `kind` out of the split mid pages at byte offsets `keys` into free small
+        pages of other split mid pages, not those at `avoid` (never a free mid or huge page: a compaction that splits
+        one gains nothing):
+        returns (sources, destinations), index-aligned. The destinations are USED; the sources DEFERRED, released
+        by complete_forward() so that the mid pages merge once the copy that moves their bytes has run. A mid page
+        holding deferred pages is left out (it merges once they are released). None, with nothing changed, when the
+        free small pages elsewhere cannot hold them.
+
+            mid page A (source)   [u . u . . . u .]  ->  [d . d . . . d .]   d: deferred until complete_forward
+            mid page B            [u u . u u . u u]  ->  [u u x u u x u u]   x: a destination, now used
+        """
+        self._check_level(kind, "small")
+        keys = list(dict.fromkeys(keys))
+        srcs: list[np.ndarray] = []
+        for key in keys:
+            p = self._parents.get(key)
+            if p is None or p.small_kind != kind:
+                raise AllocatorError(f"no mid page split into {kind!r} pages at byte offset {key}")
+            r = self.geometry.smalls_of_mid(kind, p.mid_kind, p.mid_id)
+            states = self._small_state[kind][r.start : r.stop]
+            if not (states == DEFERRED).any():
+                srcs.append(r.start + np.flatnonzero(states == USED))
+        src = np.concatenate(srcs) if srcs else np.zeros(0, dtype=np.int64)
+        excluded = set(keys) | set(avoid)
+        others = [p for p in self._partial[kind].values() if p.key not in excluded]
+        if sum(len(p.free) for p in others) < src.size:
+            return None
+        out: list[int] = []
+        need = int(src.size)
+        for p in sorted(others, key=lambda p: len(p.free)):  # the fullest first: they stay full
+            if not need:
+                break
+            need = self._take(kind, p, need, out, p.owner)
+        dst = np.asarray(out, dtype=np.int64)
+        self._small_state[kind][dst] = USED
+        self._used[kind] += dst.size
+        self.defer_free(kind, src)
+        return src, dst
+
     def _take_from_parents(
         self, kind: str, parents: dict[int, _Parent], need: int, out: list[int], owner: Hashable
     ) -> int:

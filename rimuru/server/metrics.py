@@ -63,6 +63,7 @@ COUNTERS = {
     "expert_bytes_loaded": ("expert_bytes_loaded", "Expert bytes copied host->device (PCIe)."),
     "expert_evictions": ("expert_evictions", "Experts evicted from the pool."),
     "expert_grows": ("expert_grows", "Experts brought back into the pool."),
+    "kv_pages_moved": ("kv_pages_moved", "KV pages moved by compaction to make whole mid pages for grows."),
     "expert_reranks": ("expert_reranks", "Times the resident expert set was re-ranked."),
     "prefetch_hits": ("prefetch_hits", "Routed experts that the predictor had prefetched."),
     "prefetch_misses": ("prefetch_misses", "Routed experts loaded on demand."),

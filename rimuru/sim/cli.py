@@ -73,6 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "e.g. 1400MiB); default: the simulator's bound from the batch limits and the hardware's scratch")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each pass's tokens before scheduling the next (default: async, as rimuru serve on a GPU)")
+    p.add_argument("--no-kv-compaction", action="store_true",
+                   help="grows wait for mid pages to empty by themselves (default: KV compaction, as the engine)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--sweep-rates", default="2,5,10,15,20,30,40,60", help="comma list; empty: no sweep")
@@ -177,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
                      expert_offload_limit=args.expert_offload_limit, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, offload_access=args.offload_access,
                      workspace_bytes=parse_bytes(args.workspace) if args.workspace else None,
-                     async_scheduling=not args.no_async_scheduling)
+                     async_scheduling=not args.no_async_scheduling, kv_compaction=not args.no_kv_compaction)
     rates = [float(r) for r in args.sweep_rates.split(",") if r.strip()]
     sections: dict[str, dict[str, Any]] = {}
     print(f"{args.model}: {len(pairs)} requests at {args.request_rate} req/s, budget "
@@ -254,5 +256,6 @@ def print_section(mode: str, s: dict[str, Any]) -> None:
     print(f"{mode:12s} peak running {s['peak_running']:4d}  steps {s['forward_steps']:6d}  "
           f"{s['output_throughput_tok_s']:8.1f} tok/s  TTFT p50/p99 {s['ttft_p50_s']:.3f}/{s['ttft_p99_s']:.3f} s  "
           f"TPOT p50/p99 {1e3 * s['tpot_p50_s']:.1f}/{1e3 * s['tpot_p99_s']:.1f} ms  evict/grow "
-          f"{s['evictions']}/{s['grows']}  PCIe {s['pcie_bytes'] / 1e9:.1f} GB  max rate {rate}")
+          f"{s['evictions']}/{s['grows']}  KV moved {s.get('kv_pages_moved', 0)}  PCIe {s['pcie_bytes'] / 1e9:.1f} GB  "
+          f"max rate {rate}")
 

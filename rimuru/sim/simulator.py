@@ -30,6 +30,7 @@ import torch
 
 from rimuru.config import OFFLOAD_ACCESS, EngineConfig, format_bytes
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
+from rimuru.engine.kv_compaction import compact_kv
 from rimuru.engine.recent_tpot import recent_p99
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampling_params import SamplingParams
@@ -97,6 +98,9 @@ class SimConfig:
     workspace_bytes: int | None = None
     # the engine's default on a GPU: pass n+1 is scheduled and launched before pass n's tokens are read
     async_scheduling: bool = True
+    # the engine's KV compaction when grows wait for whole mid pages (engine/kv_compaction.py); its device copies
+    # are not costed (a few MB at the device's bandwidth a step)
+    kv_compaction: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -149,6 +153,7 @@ class SimResult:
     preemptions: int = 0
     evictions: int = 0
     grows: int = 0
+    kv_pages_moved: int = 0  # by KV compaction
     pcie_bytes: float = 0.0
     ttft_s: list[float] = field(default_factory=list, repr=False)
     tpot_s: list[float] = field(default_factory=list, repr=False)
@@ -168,7 +173,7 @@ class SimResult:
             "sim_time_s": self.sim_time_s, "output_tokens": self.output_tokens,
             "output_throughput_tok_s": self.throughput, "peak_running": self.peak_running,
             "peak_waiting": self.peak_waiting, "preemptions": self.preemptions, "evictions": self.evictions,
-            "grows": self.grows, "pcie_bytes": self.pcie_bytes,
+            "grows": self.grows, "kv_pages_moved": self.kv_pages_moved, "pcie_bytes": self.pcie_bytes,
             "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p99_s": pct(self.ttft_s, 99),
             "tpot_p50_s": pct(self.tpot_s, 50), "tpot_p99_s": pct(self.tpot_s, 99),
             "memory": self.memory, "final_pages": self.final_pages,
@@ -312,6 +317,10 @@ class Simulation:
                     oldest_wait_s=self.scheduler.oldest_wait_s(seen),
                     tpot_p99_s=recent_p99(result.tpot_s), tpot_observed=len(result.tpot_s)))
                 grown, moved = len(moves.grow), bool(moves.evict or moves.grow)
+                if self.cfg.kv_compaction and out.scheduled and (awaited := core.mid_pages_awaited()) > 0:
+                    kv_moves = compact_kv(self.kv, self.scheduler.running, EXPERT, awaited,
+                                          8 * self.mem.geometry.smalls_per_mid(KV, EXPERT))
+                    result.kv_pages_moved += len(kv_moves) if kv_moves is not None else 0
             previous, in_flight = in_flight, None
             if previous is not None and not out.is_empty and self._pass_reads_routing():
                 # the engine drains pass n first when this launch would stop the host at a routing read; requests
