@@ -25,6 +25,8 @@ defines=()
 for c in ${configs//,/ }; do
   case "$c" in fixed[0-9]*) defines+=(--define "$c=rimuru:--offload-mode fixed --resident-experts ${c#fixed}") ;; esac
 done
-timeout 580 $SWEEP --model $model --gpu-memory-budget "$budget" "${args[@]}" "${defines[@]}" --configs "$configs" \
-  --rates "$rates" --num-prompts "${NP:-400}" --label "$label" --time-budget-s 570 ${SWEEP_ARGS:-} \
+# TIMEOUT_S (default 580) bounds the sweep, so that two cells can share one device command
+t=${TIMEOUT_S:-580}
+timeout "$t" $SWEEP --model $model --gpu-memory-budget "$budget" "${args[@]}" "${defines[@]}" --configs "$configs" \
+  --rates "$rates" --num-prompts "${NP:-400}" --label "$label" --time-budget-s $((t - 10)) ${SWEEP_ARGS:-} \
   --output-json "$OUT/$D-serve-$cell-${configs//,/-}-${rates//,/-}rps-$C-$G.json"
