@@ -73,6 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "e.g. 1400MiB); default: the simulator's bound from the batch limits and the hardware's scratch")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each pass's tokens before scheduling the next (default: async, as rimuru serve on a GPU)")
+    p.add_argument("--admission-max-loss", type=float,
+                   help="cost adjuster without a TTFT target: the share of long-run tokens/s admitting a queue may "
+                        "give up (default: the engine's, CostAdjusterConfig.admission_max_loss)")
     p.add_argument("--no-kv-compaction", action="store_true",
                    help="grows wait for mid pages to empty by themselves (default: KV compaction, as the engine)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -171,7 +174,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"bad --adjuster {args.adjuster!r}; choose from {', '.join(ADJUSTERS)} (comma list)")
     runs = [(m, a) for m in modes for a in (adjusters if m == "elastic" else ["paper"])]
     # the cost adjuster reckons with the hardware's copy bandwidth, as the engine does with its start-up measurement
-    cost_cfg = slo_config(args.slo_ttft_p99_ms, args.slo_tpot_p99_ms, args.offload_access)
+    extra = {} if args.admission_max_loss is None else {"admission_max_loss": args.admission_max_loss}
+    try:
+        cost_cfg = slo_config(args.slo_ttft_p99_ms, args.slo_tpot_p99_ms, args.offload_access, **extra)
+    except ValueError as e:
+        raise SystemExit(f"rimuru simulate: {e}") from None
     hw = hardware_from(args)
     pairs = load_requests(args.dataset, args.num_prompts, args.seed)
     base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,
