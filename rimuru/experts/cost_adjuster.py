@@ -65,9 +65,10 @@ Rules, every step:
     scarce and cold experts are cheap (Qwen3-30B-A3B shapes at 59 GiB, zipf 1.0) that admits the queue at once;
     where an expert's pages hold a sliver of a request and every step reads it (Qwen1.5-MoE shapes at 32 GiB: 3
     mid pages against ~11 a request), hardly any expert goes. Experts out come home by `_home_target` as usual.
-    In the simulator 1 % kept the 59 GiB cells' TTFT p99 (0.13-0.44 s at zipf 8-16 req/s and uniform 10, as at 3
-    and 5 %; 4.9-14.9 s without admission) and cut the loss at Qwen1.5 zipf:1.5 40 req/s from 2.1 % (3 %) to 0.6 %;
-    on the H200 3 % left 3 experts out for the queue at Qwen1.5 30 and 60 req/s (docs/benchmarks.md section 16).
+    In the simulator 1 % keeps the 59 GiB cells' TTFT p99 (0.13-0.44 s at zipf 8 and 16 req/s and uniform 10, as 3 %
+    does; 11.5 and 14.9 s at zipf 16 and uniform 10 without admission) and loses 0.6 % of static's output at
+    Qwen1.5 zipf:1.5 40 req/s where 3 % loses 2.0 % (benchmarks/sim_admission_allowance.py); on the H200 3 % took 3
+    experts out for the queue at Qwen1.5 30 and 60 req/s (docs/benchmarks.md section 16).
   * Direction: while requests wait for pages (R > 0) the adjuster evicts towards the best n, even when n_now is
     within `min_gain` of it (holding still there leaves requests waiting seconds for a split a few per cent
     better); when nobody is short it aims for the smallest n within `min_gain` of the best, so experts come home
