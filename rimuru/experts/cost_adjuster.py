@@ -372,22 +372,23 @@ class CostAdjuster:
         if pressure:
             # the queue's TTFT is at risk: the fewest offloaded that admit every waiting request the model can (the
             # first candidate of highest concurrency in the next steps: the evictions that cover the head's
-            # shortfall admit it), within the TPOT target and the long-run throughput it may give up
-            tput_h, step_h, _ = self._model(state, order, n_now, compute, cands, head=True)
-            bound = self.tpot_bound_s
-            if bound is not None:  # the next steps' batch and the long run's within the TPOT target
-                within = np.maximum(step_h, step_s) + self.mixed_step_surcharge() <= bound
-            elif cfg.ttft_slo_s is None:  # admission keeps the rule of the steady choice (copy access: hiding)
-                within = allowed.copy()
-            else:
-                within = np.ones(len(cands), dtype=bool)
-            # the loss counts in the long run (an expert out stays out for many steps) against the best split or the
-            # batch with every expert home, whichever serves more (see the module's docstring: against the best
-            # reachable split alone it compounds)
+            # shortfall admit it), within the TPOT target and the long-run throughput it may give up. The loss counts
+            # in the long run (an expert out stays out for many steps) against the best split or the batch with every
+            # expert home, whichever serves more (see the module's docstring: against the best reachable split alone
+            # it compounds); the next steps' model runs over the candidates within it only (host time: it is the
+            # costliest part of a plan)
             home, _, _ = self._model(state, order, n_now, compute, np.zeros(1, dtype=np.int64), steady=True)
-            within &= tput >= (1.0 - max_loss) * max(float(home[0]), float(tput[i_best]))
-            if within.any():
-                target = max(target, int(cands[int(np.argmax(np.where(within, tput_h * step_h, -1.0)))]))
+            near = np.flatnonzero(tput >= (1.0 - max_loss) * max(float(home[0]), float(tput[i_best])))
+            if cfg.ttft_slo_s is None and self.tpot_bound_s is None:  # admission keeps the steady choice's rule
+                near = near[allowed[near]]
+            if near.size:
+                tput_h, step_h, _ = self._model(state, order, n_now, compute, cands[near], head=True)
+                within = np.ones(near.size, dtype=bool)
+                if (bound := self.tpot_bound_s) is not None:  # the next steps' batch and the long run's within it
+                    within = np.maximum(step_h, step_s[near]) + self.mixed_step_surcharge() <= bound
+                if within.any():
+                    pick = int(np.argmax(np.where(within, tput_h * step_h, -1.0)))
+                    target = max(target, int(cands[near[pick]]))
         # stalls may wait for evictions up to the best split (the smallest of equals: a tie offloads no more), or
         # the TTFT target's; with nobody short the best is computed without a queue, so the last bound made under
         # pressure holds
