@@ -185,8 +185,7 @@ class PrefixCache:
             if alloc.free_mid_capacity(kind) >= target:
                 break
             if key in self._whole:  # an earlier drop may have emptied it already
-                for block in list(self._unref_blocks[key].values()):
-                    self._drop(block)
+                self.drop_unreferenced_in(key)
 
     # ------------------------------------------------------------------ KV compaction (engine/kv_compaction.py)
     def unreferenced_in(self, key: int) -> int:
