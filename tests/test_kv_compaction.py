@@ -132,16 +132,17 @@ def test_nothing_to_compact_moves_nothing() -> None:
     alloc.check_invariants()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("arch,device", [("qwen2_moe", "cpu"), ("qwen3_5_moe_text", "cpu"), pytest.param(
+    "qwen2_moe", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs a CUDA GPU")])])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_an_engine_that_compacts_every_step_gives_the_same_tokens(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch,
-                                                                  prefix_caching: bool, device: str) -> None:
+                                                                  prefix_caching: bool, arch: str, device: str) -> None:
     """The runtime is made to wait for two whole mid pages at every step, so every step moves the live KV pages of
     the emptiest mid pages (and the runner copies their bytes before the pass: on a GPU, behind the pass in flight
     with async scheduling, and before CUDA graph replays): greedy tokens are the ones of an engine that never
-    compacts, with shared prefixes, and no page is left held."""
-    path: Path = tiny_checkpoint()
+    compacts, with shared prefixes, and no page is left held. A hybrid model's state pages stay where they are."""
+    path: Path = tiny_checkpoint(arch)
     base = [[5, 9, 14, 3, 8, 21, 4, 17, 6, 11, 2, 30, 7, 19, 13, 12]]
     batch = [{"prompt_token_ids": base[0] + [40 + i] * (3 + 5 * i)} for i in range(6)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
