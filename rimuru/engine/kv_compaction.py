@@ -20,8 +20,8 @@ split into KV pages with the fewest live pages (held by requests, or by cached b
        pools. At the step's end the sources are released and the mid pages merge; the next plan's grows take them
        (a grow's copy on the loader's stream waits for the passes launched before, the pass fence's rule).
 
-A step moves at most `max_pages` KV pages (a D2D copy: 1,000 Qwen1.5 pages are 131 MB, ~60 us at the H200's
-bandwidth) and makes at most the mid pages asked for.
+A step moves at most `max_pages_moved` KV pages (8 mid pages' worth: a D2D copy of 46 MB for Qwen1.5-MoE shapes) and
+makes at most the mid pages asked for.
 """
 
 from __future__ import annotations
@@ -33,6 +33,14 @@ import numpy as np
 
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
 from rimuru.engine.request import Request
+from rimuru.memory.geometry import PageGeometry
+
+MAX_MID_PAGES_MOVED = 8  # a step moves at most this many mid pages' worth of KV pages (a few MB of device copies)
+
+
+def max_pages_moved(geometry: PageGeometry, mid_kind: str) -> int:
+    """The most KV pages one step's compaction moves (the engine's and the simulator's one bound)."""
+    return MAX_MID_PAGES_MOVED * geometry.smalls_per_mid(KV, mid_kind)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from rimuru.config import EngineConfig, format_bytes
 from rimuru.distributed.parallel_state import SINGLE, TensorParallel
 from rimuru.engine.cuda_graphs import capture_step_graphs
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
-from rimuru.engine.kv_compaction import KVMoves, compact_kv
+from rimuru.engine.kv_compaction import KVMoves, compact_kv, max_pages_moved
 from rimuru.engine.model_runner import HostBatch, ModelRunner, SampledTokens
 from rimuru.engine.output_processor import OutputProcessor, final_output
 from rimuru.engine.outputs import RequestOutput
@@ -211,8 +211,7 @@ class LLMEngine:
         self.forward_steps = 0
         self.peak_running = 0
         self.kv_pages_moved = 0  # by KV compaction (engine/kv_compaction.py)
-        # the most KV pages one step's compaction moves: 8 mid pages' worth (a few MB of device copies)
-        self._max_kv_moves = 8 * geometry.smalls_per_mid(KV, EXPERT) if EXPERT in geometry.mid_kinds else 0
+        self._max_kv_moves = max_pages_moved(geometry, EXPERT)
         self._sent_buffer_pages: list[int] | None = None  # the load-buffer pages the workers last got
         self.kernel_variants_built = 0  # Triton kernel variants steps built (kernels/kernel_builds.py)
         self.start_time = time.monotonic()

@@ -30,7 +30,7 @@ import torch
 
 from rimuru.config import OFFLOAD_ACCESS, EngineConfig, format_bytes
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
-from rimuru.engine.kv_compaction import compact_kv
+from rimuru.engine.kv_compaction import compact_kv, max_pages_moved
 from rimuru.engine.recent_tpot import recent_p99
 from rimuru.engine.request import Request, RequestStatus
 from rimuru.engine.sampling_params import SamplingParams
@@ -319,7 +319,7 @@ class Simulation:
                 grown, moved = len(moves.grow), bool(moves.evict or moves.grow)
                 if self.cfg.kv_compaction and out.scheduled and (awaited := core.mid_pages_awaited()) > 0:
                     kv_moves = compact_kv(self.kv, self.scheduler.running, EXPERT, awaited,
-                                          8 * self.mem.geometry.smalls_per_mid(KV, EXPERT))
+                                          max_pages_moved(self.mem.geometry, EXPERT))
                     result.kv_pages_moved += len(kv_moves) if kv_moves is not None else 0
             previous, in_flight = in_flight, None
             if previous is not None and not out.is_empty and self._pass_reads_routing():
