@@ -713,3 +713,39 @@ def test_a_queue_that_never_clears_settles_at_the_long_run_best() -> None:
     # admitting the head whatever it costs in the long run climbs to every expert the limits allow
     unbounded, _ = settle(replace(cfg, admission_max_loss=1.0))
     assert unbounded == L * E // 2
+
+
+def test_a_plan_that_moves_nothing_is_held_while_its_shape_lasts() -> None:
+    # One expert out (layer 0's coldest), its copies hidden behind 10 ms of compute, nobody short of pages and no
+    # free page to bring it home: the model says stay. The next replan_interval_steps - 1 plans of that shape
+    # answer the same without running the model (its host time is the costliest part of an elastic step).
+    a = adjuster(10 * MS)
+    runs: list[int] = []
+    model = a._model
+    a._model = lambda *args, **kwargs: runs.append(a.step) or model(*args, **kwargs)  # type: ignore[method-assign]
+    calm = state(R=0, F=0, running=100, waiting=0, kv=100, resident=[3, 4])
+    interval = BASE.replan_interval_steps
+    for _ in range(2 * interval + 1):
+        assert a.plan(calm).is_empty
+    assert sorted(set(runs)) == [1, 1 + interval, 1 + 2 * interval]
+    assert a.plans_held == 2 * (interval - 1) and a.stats()["cost_plans_held"] == 2 * (interval - 1)
+    # a queue short of pages changes the shape: the model runs at once and evicts for it
+    runs.clear()
+    plan = a.plan(state(R=4, F=0, running=100, waiting=50, kv=100, resident=[3, 4]))
+    assert runs and plan.evict
+    # nothing could be scheduled while short of pages: the hard rule evicts whatever a held plan said
+    b = adjuster(10 * MS)
+    assert b.plan(calm).is_empty and b.plan(calm).is_empty and b.plans_held == 1
+    stuck = state(R=4, F=0, running=100, waiting=0, kv=100, resident=[3, 4], tokens=0)
+    assert b.plan(stuck).evict == [ORDER[0], ORDER[2]]  # (0, 1) is out already
+
+
+def test_a_held_plan_keeps_its_grow_reserve() -> None:
+    # as in test_experts_come_home_through_a_reserve_while_requests_wait: the grows wait for 15 pages that
+    # admissions must leave; the plans held after it keep asking for them
+    a = CostAdjuster(BASE, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
+                     copy_overlap=lambda: 0.0)
+    short = state(R=4, F=0, running=100, waiting=50, kv=1000, resident=[3, 3])
+    for _ in range(BASE.replan_interval_steps):
+        assert a.plan(short).is_empty and a.grow_reserve() == 2 * 3 + 9
+    assert a.plans_held == BASE.replan_interval_steps - 1

@@ -330,7 +330,7 @@ def test_cost_stats_reach_metrics() -> None:
     from rimuru.experts.adjuster import AdjusterState, PaperAdjuster
     from rimuru.experts.cost_adjuster import CostAdjuster, CostAdjusterConfig
     from rimuru.experts.step_cost import StepCostTracker
-    from rimuru.server.metrics import ServerMetrics
+    from rimuru.server.metrics import COUNTERS, ServerMetrics
 
     tracker = StepCostTracker(alpha=1.0, copy_overlap=0.8)
     tracker.observe_forward(0.010, 0.0, tokens=8)  # a clean pass: 10 ms of compute
@@ -352,8 +352,9 @@ def test_cost_stats_reach_metrics() -> None:
     assert stats["cost_grow_reserve_mid_pages"] == 3 + 9
     assert core.admission_reserve_kv_pages() == 12 * 4  # mid pages -> KV pages
     text = ServerMetrics(lambda: stats, "m", 64).render().decode()
-    for name, value in stats.items():
-        assert f'rimuru:{name}{{model_name="m"}} {float(value)}' in text
+    for name, value in stats.items():  # gauges by their name, counters with _total
+        suffix = "_total" if name in COUNTERS else ""
+        assert f'rimuru:{name}{suffix}{{model_name="m"}} {float(value)}' in text
     assert _tiny_runtime(PaperAdjuster(), None).core.stats() == {}
 
 

@@ -160,6 +160,11 @@ class CostAdjusterConfig:
     evict_margin: int = 1  # hard shortfall of R pages -> free R + margin pages
     dense_candidates: int = 64  # up to this many candidate counts: all evaluated; beyond: near n_now + a grid
     reserve_patience_steps: int = 50  # most plans in a row that keep pages from admissions without a grow
+    # A model plan that moved nothing holds for this many steps while what it decided on keeps its shape (experts
+    # out, requests short of pages or waiting, TTFT pressure, a grow's room, the TPOT correction): the model is the
+    # costliest host work of an elastic step (~3 ms at Qwen1.5-MoE shapes on the H200 host, every step while one
+    # expert was out: 0.91x static's output at 60 req/s), and its inputs move over seconds, not steps
+    replan_interval_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.pcie_bandwidth <= 0:
@@ -187,6 +192,8 @@ class CostAdjusterConfig:
             raise ValueError("pages_per_expert must be >= 1 and evict_margin >= 0")
         if self.reserve_patience_steps < 1:
             raise ValueError(f"reserve_patience_steps must be >= 1, got {self.reserve_patience_steps}")
+        if self.replan_interval_steps < 1:
+            raise ValueError(f"replan_interval_steps must be >= 1, got {self.replan_interval_steps}")
         if self.dense_candidates < 8:
             raise ValueError(f"dense_candidates must be >= 8, got {self.dense_candidates}")
 
@@ -251,6 +258,10 @@ class CostAdjuster:
         self.last: CostEstimate | None = None
         self.tpot_correction = 1.0  # measured TPOT p99 over the SLO, accumulated (see tpot_feedback_requests)
         self._tpot_seen = 0  # finished requests observed when the correction was last updated
+        # the last model plan that moved nothing: (what it decided on, the step until which it holds, its grow
+        # reserve)
+        self._held: tuple[tuple, int, int] | None = None
+        self.plans_held = 0  # plans answered by a held one (replan_interval_steps)
 
     @property
     def tpot_bound_s(self) -> float | None:
@@ -288,7 +299,7 @@ class CostAdjuster:
     def stats(self) -> dict[str, float]:
         """The compute estimate of the last plan, the split it aims for and its stall bound, and the mid pages it
         keeps from admissions."""
-        out = {"cost_grow_reserve_mid_pages": float(self.grow_reserve())}
+        out = {"cost_grow_reserve_mid_pages": float(self.grow_reserve()), "cost_plans_held": float(self.plans_held)}
         last = self.last
         if last is not None:
             out["cost_target_offloaded"] = float(last.target)
@@ -303,12 +314,12 @@ class CostAdjuster:
     def plan(self, state: AdjusterState) -> AdjustPlan:
         cfg = self.config
         self.step += 1
-        self._reserve_mid = 0
         self._learn_tpot(state)
         P = cfg.pages_per_expert
         E = state.rankings.shape[1]
         n_now = sum(E - len(r) for r in state.resident)
         R, F = state.shortfall_mid_pages, state.free_mid_pages
+        self._reserve_mid = 0
         # stuck (nothing ran), or running requests stalled for pages: only evicting lets them go on. Stalls
         # happen only within max_offloaded (the scheduler preempts beyond), so these evictions stay in budget.
         if R > 0 and (state.num_batched_tokens == 0 or state.num_stalled > 0):
@@ -328,6 +339,12 @@ class CostAdjuster:
             self.last = CostEstimate(offloaded=0, target=0, best=0, compute_s=self.compute_time(state.num_running),
                                      max_allowed=bound)
             return AdjustPlan()
+        shape = self._decision_shape(state, n_now)
+        if self._held is not None and self._held[0] == shape and self.step < self._held[1]:
+            self.plans_held += 1
+            self._reserve_mid = self._held[2]  # the held plan's grow reserve (and its stall bound) stand
+            return AdjustPlan()
+        self._held = None
         compute = self.compute_time(state.num_running)  # a decode step of the running batch
         if compute is None or compute <= 0:
             self.last = CostEstimate(offloaded=n_now, target=n_now, best=n_now, compute_s=compute, max_allowed=n_now)
@@ -408,11 +425,11 @@ class CostAdjuster:
         if direction >= 0:
             self._reserve_since = None  # no grow wanted: a later wish for one starts its patience afresh
         if direction == 0:
-            return AdjustPlan()
+            return self._hold(shape)
         # a grow right after an eviction waits for the cooldown (no flapping); an eviction while requests wait
         # never does (after a grow, a queue that forms would otherwise wait the whole cooldown: seconds)
         if direction < 0 < self._last_direction and self.step - self._last_move_step < cfg.reverse_cooldown_steps:
-            return AdjustPlan()
+            return self._hold(shape, self._last_move_step + cfg.reverse_cooldown_steps)
         if direction > 0:
             return self._moved(AdjustPlan(evict=as_experts(evicts[:min(target - n_now, cfg.max_evict_per_step)], E)))
         room = max(0, (F - cfg.grow_reserve_mid) // P)
@@ -428,7 +445,33 @@ class CostAdjuster:
         waited = 0 if self._reserve_since is None else self.step - self._reserve_since
         if room < want and waited < cfg.reserve_patience_steps:
             self._reserve_mid = P * want + cfg.grow_reserve_mid
-        return self._moved(AdjustPlan(grow=as_experts(grows[:n], E))) if n > 0 else AdjustPlan()
+        return self._moved(AdjustPlan(grow=as_experts(grows[:n], E))) if n > 0 else self._hold(shape)
+
+    def _decision_shape(self, state: AdjusterState, n_now: int) -> tuple:
+        """What a model plan that moves nothing decided on, coarsely: while it stays the same the plan is held
+        (replan_interval_steps). Experts out, requests short of pages or waiting, a TTFT pressure, room for one grow
+        beside the reserve, the TPOT correction. (Stalls and steps with nothing scheduled take the hard-shortfall
+        rule before any held plan is looked at.)"""
+        cfg = self.config
+        R = state.shortfall_mid_pages
+        pressure = (cfg.ttft_slo_s is not None and R > 0
+                    and state.oldest_wait_s >= cfg.ttft_pressure_share * cfg.ttft_slo_s)
+        room = state.free_mid_pages - cfg.grow_reserve_mid >= cfg.pages_per_expert
+        return (n_now, R > 0, state.num_waiting > 0, pressure, room, self.tpot_correction)
+
+    def _hold(self, shape: tuple, until: int | None = None) -> AdjustPlan:
+        """A model plan moved nothing: the next `replan_interval_steps - 1` plans of the same shape answer the
+        same without running the model, up to step `until` (the end of a cooldown that held a grow back); a grow
+        reserve's patience ends a hold where it changes the reserve."""
+        cfg = self.config
+        end = self.step + cfg.replan_interval_steps
+        until = end if until is None else min(until, end)
+        if (since := self._reserve_since) is not None:
+            waited = self.step - since
+            until = min(until, since + (cfg.reserve_patience_steps if waited < cfg.reserve_patience_steps
+                                        else 2 * cfg.reserve_patience_steps))
+        self._held = (shape, until, self._reserve_mid)
+        return AdjustPlan()
 
     def grow_reserve(self) -> int:
         """Free mid pages the scheduler keeps from new admissions so that the last plan's grows can happen (the

@@ -65,6 +65,7 @@ COUNTERS = {
     "expert_grows": ("expert_grows", "Experts brought back into the pool."),
     "kv_pages_moved": ("kv_pages_moved", "KV pages moved by compaction to make whole mid pages for grows."),
     "expert_reranks": ("expert_reranks", "Times the resident expert set was re-ranked."),
+    "cost_plans_held": ("cost_plans_held", "Cost adjuster: steps whose plan was the last one held, its model not run."),
     "prefetch_hits": ("prefetch_hits", "Routed experts that the predictor had prefetched."),
     "prefetch_misses": ("prefetch_misses", "Routed experts loaded on demand."),
     "cpu_expert_tokens": ("cpu_expert_tokens", "Expert-token computations the host ran instead of the GPU."),
