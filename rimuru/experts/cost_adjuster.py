@@ -88,6 +88,12 @@ Rules, every step:
     pages sit out a step, waiting for evictions, only while evicting stays within the largest allowed n of the
     last plan; beyond it the request is preempted, as in static mode. Unbounded, stalls would drive experts out
     until every step copies them.
+  * Held plans: a model plan that moved nothing answers the next `replan_interval_steps - 1` plans whose decision
+    shape is the same (experts out, requests short of pages, waiting, TTFT pressure, room for one grow, the TPOT
+    correction), up to the end of a cooldown or of the grow reserve's patience; the hard shortfall is never held.
+    On the H200 the model took 3.1 ms of host time in every decode step at Qwen1.5-MoE shapes with one expert out,
+    and elastic served 0.906x static's output at 60 req/s with as many steps; held, 1.0 ms and 0.952x
+    (docs/benchmarks.md section 17).
   * Candidates: every n when there are at most `dense_candidates` of them, else every n within
     `dense_candidates // 4` of the current count plus a geometric grid over the rest, because the model costs
     O(candidates x offloadable experts) of host time per step (benchmarks/bench_adjuster_host.py; results in
