@@ -181,6 +181,9 @@ _TIMELINE = {  # timeline key -> metric names (first present wins)
     "cost_grow_reserve_mid_pages": ("rimuru:cost_grow_reserve_mid_pages",),
     "cost_tpot_correction": ("rimuru:cost_tpot_correction",),  # with a TPOT SLO: measured p99 over it, learned
     "expert_bytes_loaded": ("rimuru:expert_bytes_loaded",),
+    # beside expert_bytes_loaded and forward_steps (the reads a step made), what the adjuster's model expected
+    "cost_expected_reads": ("rimuru:cost_expected_reads",),
+    "forward_steps": ("rimuru:forward_steps",),
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
 }
 

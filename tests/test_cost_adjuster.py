@@ -728,6 +728,9 @@ def test_a_plan_that_moves_nothing_is_held_while_its_shape_lasts() -> None:
     for _ in range(2 * interval + 1):
         assert a.plan(calm).is_empty
     assert sorted(set(runs)) == [1, 1 + interval, 1 + 2 * interval]
+    # the reads the model expects of the split it holds: expert (0, 1), share 0.05, 100 tokens x top-2 picks
+    assert a.last is not None and a.last.expected_reads == pytest.approx(1 - 0.95**200)
+    assert a.stats()["cost_expected_reads"] == pytest.approx(1 - 0.95**200)
     assert a.plans_held == 2 * (interval - 1) and a.stats()["cost_plans_held"] == 2 * (interval - 1)
     # a queue short of pages changes the shape: the model runs at once and evicts for it
     runs.clear()

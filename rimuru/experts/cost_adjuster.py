@@ -217,6 +217,9 @@ class CostEstimate:
     step_s: list[float] = field(default_factory=list, repr=False)  # per candidate, modelled step time
     max_allowed: int | None = None  # the largest allowed candidate (None: no compute time measured yet)
     hard: bool = False
+    # offloaded experts a decode step of the running batch is expected to read (the model's act(n_now)): set
+    # beside the engine's measured reads, it shows whether the popularity estimate says what the batch routes
+    expected_reads: float | None = None
 
 
 def expected_activated(p: np.ndarray, tokens: float, top_k: int) -> np.ndarray:
@@ -313,6 +316,8 @@ class CostAdjuster:
                 out["cost_compute_ms"] = 1e3 * last.compute_s
             if last.max_allowed is not None:
                 out["cost_max_offloaded"] = float(last.max_allowed)
+            if last.expected_reads is not None:
+                out["cost_expected_reads"] = last.expected_reads
         if self.config.tpot_slo_s is not None:
             out["cost_tpot_correction"] = self.tpot_correction
         return out
@@ -424,9 +429,11 @@ class CostAdjuster:
             # experts home where that pays in the long run, even while requests wait (see _home_target); under
             # TTFT pressure the experts out stay out
             target = min(target, self._home_target(state, order, n_now, compute))
+        out = np.asarray(state.probabilities, dtype=np.float64).reshape(-1)[order[:n_now]]
+        reads = float(expected_activated(out, max(1, state.num_running), self.top_k).sum())
         self.last = CostEstimate(offloaded=n_now, target=target, best=best, compute_s=compute,
                                  candidates=cands.tolist(), throughput=np.where(allowed, tput, 0.0).tolist(),
-                                 step_s=step_s.tolist(), max_allowed=max_allowed)
+                                 step_s=step_s.tolist(), max_allowed=max_allowed, expected_reads=reads)
         direction = int(np.sign(target - n_now))
         if direction >= 0:
             self._reserve_since = None  # no grow wanted: a later wish for one starts its patience afresh

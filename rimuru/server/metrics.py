@@ -50,6 +50,8 @@ GAUGES = {
     "cost_copy_excess": ("cost_copy_excess", "Cost adjuster: experts copied per routed offloaded expert (>= 1)."),
     "cost_target_offloaded": ("cost_target_offloaded", "Cost adjuster: offloaded experts its last plan aims for."),
     "cost_max_offloaded": ("cost_max_offloaded", "Cost adjuster: most offloaded experts stalls may wait for."),
+    "cost_expected_reads": ("cost_expected_reads",
+                            "Cost adjuster: offloaded experts its model expects a decode step to read (last plan)."),
     "cost_tpot_correction": ("cost_tpot_correction",
                              "Cost adjuster, TPOT SLO: measured TPOT p99 over the SLO, accumulated (>= 1)."),
     "cost_grow_reserve_mid_pages": ("cost_grow_reserve_mid_pages",
