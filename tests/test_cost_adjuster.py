@@ -24,7 +24,8 @@ ORDER = [(1, 0), (0, 1), (0, 3), (1, 2)]
 MS = 1e-3
 # 52 MB per expert at 52 GB/s: an activated offloaded expert costs 1 ms of copy per step. Compute does not
 # grow with the batch (fixed share 1) unless a test says so; no hysteresis margin unless a test says so.
-BASE = CostAdjusterConfig(pcie_bandwidth=52e9, copy_overlap=0.8, compute_fixed_share=1.0, min_gain=0.0)
+BASE = CostAdjusterConfig(pcie_bandwidth=52e9, copy_overlap=0.8, compute_fixed_share=1.0, min_gain=0.0,
+                          home_min_gain=0.0)
 EXPERT_BYTES = 52_000_000
 
 
@@ -256,11 +257,11 @@ def test_plans_pay_for_the_buffer_slots_their_evictions_need() -> None:
 def test_min_gain_spares_grows_not_waiting_requests() -> None:
     # footprint 3 pages: each expert frees one request of 101, 4 experts gain 4 % (< min_gain 5 %). Requests wait
     # (R > 0): the adjuster still evicts towards the best split, since each eviction admits one
-    a = adjuster(10 * MS, replace(BASE, min_gain=0.05))
+    a = adjuster(10 * MS, replace(BASE, min_gain=0.05, home_min_gain=0.05))
     assert a.plan(state(R=4, F=3, running=100, waiting=50, kv=300)).evict == ORDER
     assert a.last is not None and (a.last.best, a.last.target) == (4, 4)
     # nobody waits and two are out: bringing them back costs < 5 %, so they come back (free pages allowing)
-    b = adjuster(10 * MS, replace(BASE, min_gain=0.05))
+    b = adjuster(10 * MS, replace(BASE, min_gain=0.05, home_min_gain=0.05))
     assert b.plan(state(R=0, F=40, running=100, waiting=0, kv=300, resident=[3, 3])).grow == [(0, 1), (1, 0)]
 
 
@@ -302,7 +303,8 @@ def test_no_flapping_over_a_scripted_sequence() -> None:
     # the queue flickers between long (short of pages) and empty every step: the adjuster evicts once, then
     # holds through the cooldown instead of growing back every other step; after the cooldown a drained
     # queue brings the experts back, at most max_grow_per_step at a time
-    cfg = replace(BASE, min_gain=0.05, reverse_cooldown_steps=50, max_grow_per_step=3)
+    cfg = replace(BASE, min_gain=0.05, home_min_gain=0.05, reverse_cooldown_steps=50,
+                  max_grow_per_step=3)
     a = adjuster(10 * MS, cfg)
     res = [4, 4]
     moves: list[tuple[int, str, int]] = []
@@ -424,7 +426,7 @@ def test_candidate_grid_finds_nearly_the_dense_optimum() -> None:
                           resident=[frozenset(ranks[layer, :keep].tolist()) for layer in range(24)],
                           probabilities=p, rankings=ranks, offload_limit=10, num_batched_tokens=64,
                           num_running=64, num_waiting=40, kv_mid_pages=400.0)
-        cfg = CostAdjusterConfig(compute_fixed_share=0.8, min_gain=0.0)
+        cfg = CostAdjusterConfig(compute_fixed_share=0.8, min_gain=0.0, home_min_gain=0.0)
         grid = CostAdjuster(cfg, expert_bytes=17_301_504, top_k=4, compute_time=lambda _: 12 * MS)
         dense = CostAdjuster(replace(cfg, dense_candidates=10_000), expert_bytes=17_301_504, top_k=4,
                              compute_time=lambda _: 12 * MS)
@@ -752,3 +754,16 @@ def test_a_held_plan_keeps_its_grow_reserve() -> None:
     for _ in range(BASE.replan_interval_steps):
         assert a.plan(short).is_empty and a.grow_reserve() == 2 * 3 + 9
     assert a.plans_held == BASE.replan_interval_steps - 1
+
+
+@pytest.mark.parametrize(("home_min_gain", "reserve"), [(0.02, 3 + 9), (0.05, 0)])
+def test_an_expert_read_more_than_expected_comes_home_past_home_min_gain(home_min_gain: float, reserve: int) -> None:
+    # Expert (0, 1) is out (share 0.05). Three running requests read it 1 - 0.95^6 = 0.265 times a decode step:
+    # 0.265 ms of a 10 ms step. Their footprint is 1000 mid pages, so its 3 pages hold 0.003 of a request: home
+    # serves ~2.6 % more tokens/s in the long run. Requests wait and no page is free, so a grow that pays asks the
+    # scheduler to keep its pages (3) and the margin (9) from admissions; below home_min_gain it stays out.
+    cfg = replace(BASE, copy_overlap=0.0, home_min_gain=home_min_gain)
+    a = CostAdjuster(cfg, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS)
+    assert a.plan(state(R=4, F=0, running=3, waiting=50, kv=3000, resident=[3, 4])).is_empty
+    assert a.last is not None and a.last.expected_reads == pytest.approx(1 - 0.95**6)
+    assert a.grow_reserve() == reserve

@@ -67,14 +67,15 @@ Rules, every step:
     mid pages against ~11 a request), hardly any expert goes. Experts out come home by `_home_target` as usual.
     In the simulator 1 % keeps the 59 GiB cells' TTFT p99 (0.13-0.44 s at zipf 8 and 16 req/s and uniform 10, as 3 %
     does; 11.5 and 14.9 s at zipf 16 and uniform 10 without admission) and loses 0.6 % of static's output at
-    Qwen1.5 zipf:1.5 40 req/s where 3 % loses 2.0 % (benchmarks/sim_admission_allowance.py); on the H200 3 % took 3
+    Qwen1.5 zipf:1.5 40 req/s where 3 % loses 2.0 % (benchmarks/sim_adjuster_setting.py); on the H200 3 % took 3
     experts out for the queue at Qwen1.5 30 and 60 req/s (docs/benchmarks.md section 16).
   * Direction: while requests wait for pages (R > 0) the adjuster evicts towards the best n, even when n_now is
     within `min_gain` of it (holding still there leaves requests waiting seconds for a split a few per cent
     better); when nobody is short it aims for the smallest n within `min_gain` of the best, so experts come home
     once that costs no throughput. Experts also come home, even while requests wait, when fewer offloaded serve
     more tokens per second in the long run with the pages they take counted as requests not admitted
-    (`_home_target`): that undoes evictions whose copies turned out to hide less than assumed. The free pages
+    (`_home_target`, by more than `home_min_gain`): that undoes evictions whose copies turned out to hide less, or
+    whose experts the batch turned out to route to more, than assumed. The free pages
     those grows need are kept from new admissions (`grow_reserve`), for at most `reserve_patience_steps` plans
     without a grow.
   * Pace: a grow waits `reverse_cooldown_steps` steps after an eviction (no flapping; evictions never wait), a
@@ -158,6 +159,12 @@ class CostAdjusterConfig:
     # measured 0.17-0.18 ms per routed expert, the model's bytes / bandwidth). The SLO bounds replace this rule.
     hide_copies_without_slo: bool = True
     min_gain: float = 0.05  # a candidate within this share of the best throughput is as good as the best
+    # Experts out come home (_home_target) where that serves more than this share more tokens/s in the long run.
+    # Twice the admission allowance: an expert let go for the queue at a modelled loss of up to 1 % comes back once
+    # it costs twice that. On the H200 (Qwen1.5-MoE shapes, 32 GiB, 60 req/s) the one expert admitted with was
+    # expected to be read 0.28 times a decode step and was read at every step 3 s later (the dummy router's shares
+    # move as steps turn from prefill to decode): ~3 % of the step, which a 5 % bar kept out until the queue drained.
+    home_min_gain: float = 0.02
     reverse_cooldown_steps: int = 50  # steps after an eviction before a grow
     max_evict_per_step: int = 8
     max_grow_per_step: int = 5
@@ -190,8 +197,9 @@ class CostAdjusterConfig:
         for name in ("ttft_pressure_share", "ttft_pressure_max_loss", "admission_max_loss"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.exposed_copy_share < 0 or self.min_gain < 0 or self.reverse_cooldown_steps < 0:
-            raise ValueError("exposed_copy_share, min_gain and reverse_cooldown_steps must be >= 0")
+        if (self.exposed_copy_share < 0 or self.min_gain < 0 or self.home_min_gain < 0
+                or self.reverse_cooldown_steps < 0):
+            raise ValueError("exposed_copy_share, min_gain, home_min_gain and reverse_cooldown_steps must be >= 0")
         if self.max_evict_per_step < 1 or self.max_grow_per_step < 0 or self.grow_reserve_mid < 0:
             raise ValueError("max_evict_per_step must be >= 1; max_grow_per_step, grow_reserve_mid >= 0")
         if self.pages_per_expert < 1 or self.evict_margin < 0:
@@ -492,18 +500,19 @@ class CostAdjuster:
         return self._reserve_mid
 
     def _home_target(self, state: AdjusterState, order: np.ndarray, n_now: int, compute: float) -> int:
-        """The fewest offloaded experts, down to `max_grow_per_step` fewer than now, that serve more than `min_gain`
-        more tokens per second than n_now in the long run (`_model(steady=True)`): concurrency is what KV, free
-        pages and the pages moved hold, (kv + F + P (n - n_now)) / footprint, up to every running and waiting
-        request, so a grow costs the requests its pages would have held. Measured copies that hide less than when
-        the experts were evicted make this pay; nominal ones, never (fewer copies then save no time)."""
+        """The fewest offloaded experts, down to `max_grow_per_step` fewer than now, that serve more than
+        `home_min_gain` more tokens per second than n_now in the long run (`_model(steady=True)`): concurrency is
+        what KV, free pages and the pages moved hold, (kv + F + P (n - n_now)) / footprint, up to every running and
+        waiting request, so a grow costs the requests its pages would have held. Measured copies that hide less
+        than when the experts were evicted make this pay, and experts out that the batch turned out to route to more
+        than the estimate said when they left; nominal, unchanged ones never (fewer copies then save no time)."""
         cfg = self.config
         if n_now == 0 or cfg.max_grow_per_step == 0:
             return n_now
         ks = np.arange(max(0, n_now - cfg.max_grow_per_step), n_now + 1)
         tput, _, _ = self._model(state, order, n_now, compute, ks, steady=True)
         i = int(np.argmax(tput))
-        return int(ks[i]) if tput[i] > (1.0 + cfg.min_gain) * tput[-1] else n_now
+        return int(ks[i]) if tput[i] > (1.0 + cfg.home_min_gain) * tput[-1] else n_now
 
     def _candidates(self, n_max: int, n_now: int, n_min: int = 0) -> np.ndarray:
         """The offloaded counts the model evaluates, all in [n_min, n_max]: every one when few, else a window

@@ -1,24 +1,28 @@
-"""The cost adjuster's admission allowance (`CostAdjusterConfig.admission_max_loss`) in the simulator: the elastic
-default's output throughput and TTFT / TPOT p99 for each allowance on the cells where it decides something: where
-KV room is scarce and cold experts cheap (Qwen3-30B-A3B at 59 GiB), and where an expert's pages hold a sliver of a
-request (Qwen1.5-MoE at 32 GiB, with a skewed router so that some experts are cold enough to be admitted with),
-static beside each cell. 400 ShareGPT requests a point, H200 hardware profile. CPU only, a few minutes.
+"""One setting of the cost adjuster (a `CostAdjusterConfig` field, e.g. `admission_max_loss`, `home_min_gain`) in
+the simulator: the elastic default's output throughput and TTFT / TPOT p99 for each value, on the cells where the
+admission and homecoming rules decide something: where KV room is scarce and cold experts cheap (Qwen3-30B-A3B at
+59 GiB), and where an expert's pages hold a sliver of a request (Qwen1.5-MoE at 32 GiB, with a skewed router so that
+some experts are cold enough to be admitted with), static beside each cell. 400 ShareGPT requests a point, H200
+hardware profile. CPU only, a few minutes.
 
-    PYTHONPATH=. python benchmarks/sim_admission_allowance.py --allowances 0,0.01,0.03 \\
+    PYTHONPATH=. python benchmarks/sim_adjuster_setting.py --setting admission_max_loss --values 0,0.01,0.03 \\
         --output-json benchmarks/results/DATE-sim-admission-allowance-h200.json
+    PYTHONPATH=. python benchmarks/sim_adjuster_setting.py --setting home_min_gain --values 0.05,0.02 \\
+        --output-json benchmarks/results/DATE-sim-home-min-gain-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import metadata, print_header, write_json  # noqa: E402
 from rimuru.config import parse_bytes  # noqa: E402
+from rimuru.experts.cost_adjuster import CostAdjusterConfig  # noqa: E402
 from rimuru.experts.runtime_builders import slo_config  # noqa: E402
 from rimuru.model_spec import load_model_spec  # noqa: E402
 from rimuru.sim.cli import dummy_router_popularity, load_requests, with_arrivals  # noqa: E402
@@ -37,15 +41,19 @@ CELLS = (
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--allowances", default="0,0.01,0.03")
+    ap.add_argument("--setting", default="admission_max_loss", help="a CostAdjusterConfig field")
+    ap.add_argument("--values", default="0,0.01,0.03", help="comma separated values of --setting")
     ap.add_argument("--num-prompts", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", type=Path)
     args = ap.parse_args()
-    allowances = [float(a) for a in args.allowances.split(",")]
+    if args.setting not in {f.name for f in fields(CostAdjusterConfig)}:
+        ap.error(f"--setting {args.setting!r} is not a CostAdjusterConfig field")
+    values = [float(a) for a in args.values.split(",")]
     pairs = load_requests("sharegpt", args.num_prompts, args.seed)
     rows = []
-    meta = metadata("sim_admission_allowance", hardware="h200 profile (simulated)", num_prompts=args.num_prompts,
+    meta = metadata("sim_adjuster_setting", setting=args.setting, hardware="h200 profile (simulated)",
+                    num_prompts=args.num_prompts,
                     note="rimuru simulate's engine objects on the CPU; no GPU measurement")
     print_header(meta)
     print(f"{'model':>18} {'budget':>6} {'routing':>9} {'req/s':>5} {'mode':>14} {'tok/s':>8} {'vs static':>9} "
@@ -57,16 +65,16 @@ def main() -> None:
         reqs = with_arrivals(pairs, rate, args.seed)
         static = Simulation(spec, pop, base).run(reqs).summary()
         runs = [("static", None, static)]
-        for a in allowances:
+        for a in values:
             cfg = replace(base, mode="elastic", adjuster_kind="cost",
-                          cost=slo_config(None, None, "direct", admission_max_loss=a))
+                          cost=slo_config(None, None, "direct", **{args.setting: a}))
             runs.append((f"elastic {a:g}", a, Simulation(spec, pop, cfg).run(reqs).summary()))
         for mode, a, s in runs:
             ratio = s["output_throughput_tok_s"] / static["output_throughput_tok_s"]
             print(f"{model:>18} {budget:>6} {routing:>9} {rate:5g} {mode:>14} {s['output_throughput_tok_s']:8.1f} "
                   f"{ratio:9.3f} {s['ttft_p99_s']:8.2f}s {1e3 * s['tpot_p99_s']:7.1f}ms {s['evictions']:9d}")
             rows.append({"model": model, "budget": budget, "routing": routing, "rate": rate, "mode": mode,
-                         "admission_max_loss": a, "vs_static": ratio,
+                         args.setting: a, "vs_static": ratio,
                          **{k: s[k] for k in ("output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
                                               "tpot_p99_s", "peak_running", "evictions", "grows", "kv_pages_moved",
                                               "pcie_bytes")}})
