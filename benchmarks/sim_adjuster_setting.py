@@ -49,7 +49,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.setting not in {f.name for f in fields(CostAdjusterConfig)}:
         ap.error(f"--setting {args.setting!r} is not a CostAdjusterConfig field")
-    values = [float(a) for a in args.values.split(",")]
+    try:
+        values = [float(a) for a in args.values.split(",")]
+    except ValueError:
+        ap.error(f"--values must be comma separated numbers, got {args.values!r}")
     pairs = load_requests("sharegpt", args.num_prompts, args.seed)
     rows = []
     meta = metadata("sim_adjuster_setting", setting=args.setting, hardware="h200 profile (simulated)",

@@ -333,12 +333,12 @@ class CostAdjuster:
     def plan(self, state: AdjusterState) -> AdjustPlan:
         cfg = self.config
         self.step += 1
+        self._reserve_mid = 0
         self._learn_tpot(state)
         P = cfg.pages_per_expert
         E = state.rankings.shape[1]
         n_now = sum(E - len(r) for r in state.resident)
         R, F = state.shortfall_mid_pages, state.free_mid_pages
-        self._reserve_mid = 0
         # stuck (nothing ran), or running requests stalled for pages: only evicting lets them go on. Stalls
         # happen only within max_offloaded (the scheduler preempts beyond), so these evictions stay in budget.
         if R > 0 and (state.num_batched_tokens == 0 or state.num_stalled > 0):
