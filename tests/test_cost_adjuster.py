@@ -720,24 +720,32 @@ def test_a_queue_that_never_clears_settles_at_the_long_run_best() -> None:
 def test_a_plan_that_moves_nothing_is_held_while_its_shape_lasts() -> None:
     # One expert out (layer 0's coldest), its copies hidden behind 10 ms of compute, nobody short of pages and no
     # free page to bring it home: the model says stay. The next replan_interval_steps - 1 plans of that shape
-    # answer the same without running the model (its host time is the costliest part of an elastic step).
+    # answer the same without running the model (its host time is the costliest part of an elastic step), and each
+    # model plan that holds again in that shape holds twice as long, up to max_replan_interval_steps.
     a = adjuster(10 * MS)
     runs: list[int] = []
     model = a._model
     a._model = lambda *args, **kwargs: runs.append(a.step) or model(*args, **kwargs)  # type: ignore[method-assign]
     calm = state(R=0, F=0, running=100, waiting=0, kv=100, resident=[3, 4])
-    interval = BASE.replan_interval_steps
-    for _ in range(2 * interval + 1):
+    interval, longest = BASE.replan_interval_steps, BASE.max_replan_interval_steps
+    assert (interval, longest) == (8, 32)
+    for _ in range(1 + 8 + 16 + 32 + 32):
         assert a.plan(calm).is_empty
-    assert sorted(set(runs)) == [1, 1 + interval, 1 + 2 * interval]
+    assert sorted(set(runs)) == [1, 9, 25, 57, 89]
     # the reads the model expects of the split it holds: expert (0, 1), share 0.05, 100 tokens x top-2 picks
     assert a.last is not None and a.last.expected_reads == pytest.approx(1 - 0.95**200)
     assert a.stats()["cost_expected_reads"] == pytest.approx(1 - 0.95**200)
-    assert a.plans_held == 2 * (interval - 1) and a.stats()["cost_plans_held"] == 2 * (interval - 1)
+    assert a.plans_held == 89 - 5 and a.stats()["cost_plans_held"] == 89 - 5
     # a queue short of pages changes the shape: the model runs at once and evicts for it
     runs.clear()
     plan = a.plan(state(R=4, F=0, running=100, waiting=50, kv=100, resident=[3, 4]))
     assert runs and plan.evict
+    # after a move, or in another shape, a hold is replan_interval_steps long again
+    runs.clear()
+    calm_two_out = state(R=0, F=0, running=100, waiting=0, kv=100, resident=[3, 3])
+    for _ in range(1 + 8):
+        assert a.plan(calm_two_out).is_empty
+    assert runs[0] == a.step - 8 and runs[-1] == a.step
     # nothing could be scheduled while short of pages: the hard rule evicts whatever a held plan said
     b = adjuster(10 * MS)
     assert b.plan(calm).is_empty and b.plan(calm).is_empty and b.plans_held == 1

@@ -66,12 +66,30 @@ def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(
     engine = llm.engine
     runtime = engine.runtime
     assert isinstance(runtime, DirectElasticRuntime) and runtime.loader.buffer_pages == []
+    # each pass's bytes read from host memory, against routed & absent as the tables stood when the pass ran
+    reads: list[tuple[int, int]] = []
+    absent_of_pass = runtime._absent_during_pass
+    read_of_pass = runtime._read_from_host
+    dense: list[torch.Tensor] = []
+
+    def absent_now() -> object:
+        dense.append(runtime.cache.host_tables[:, :, 0] < 0)
+        return absent_of_pass()
+
+    def read(counts, absent):  # type: ignore[no-untyped-def]
+        got = read_of_pass(counts, absent)
+        reads.append((got, int(((torch.from_numpy(counts) > 0) & dense.pop(0)).sum()) * runtime.store.expert_bytes))
+        return got
+
+    runtime._absent_during_pass = absent_now  # type: ignore[method-assign]
+    runtime._read_from_host = read  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     batches = [prompts(6, seed=1), prompts(2, seed=2)]
     got = [[o.outputs[0].token_ids for o in llm.generate(b, params)] for b in batches]
     st = llm.stats()
     assert st["expert_evictions"] > 0 and st["expert_grows"] > 0, st
     assert st["expert_bytes_direct"] > 0 and st["prefetch_hits"] + st["prefetch_misses"] == 0, st
+    assert reads and all(a == b for a, b in reads) and sum(a for a, _ in reads) == st["expert_bytes_direct"]
     expert_bytes = runtime.store.expert_bytes
     assert st["expert_bytes_direct"] % expert_bytes == 0
     assert st["expert_bytes_loaded"] == st["expert_bytes_direct"] + st["expert_grows"] * expert_bytes
@@ -80,6 +98,37 @@ def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(
     assert st["kv_pages_used"] == 0 and alloc.num_used(EXPERT) == 3 * runtime.cache.num_resident  # no page leaked
     static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cpu", max_num_batched_tokens=64)
     assert [[o.outputs[0].token_ids for o in static.generate(b, params)] for b in batches] == got
+
+
+def test_absent_mask_follows_every_table_write(ckpt: Path) -> None:
+    # the mask the runtimes read each pass is (host_tables < 0) as the tables are now, rebuilt only after a write
+    limit = 5
+    pool = tight_pool(ckpt, kv_blocks=10, limit=limit, load_buffers=False)
+    llm = LLM(str(ckpt), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", adjuster="paper",
+              expert_offload_limit=limit)
+    cache = llm.engine.runtime.cache
+    residency = cache.residency
+
+    def check() -> object:
+        mask = cache.absent_mask()
+        assert torch.equal(torch.from_numpy(mask.copy()), cache.host_tables[:, :, 0] < 0)
+        assert cache.absent_mask() is mask and not mask.flags.writeable
+        return mask
+
+    before = check()
+    layer, expert = next(iter(e for e, _ in residency.resident_items()))
+    residency.begin_eviction(layer, expert)
+    cache.clear_rows(residency.finish_evictions())
+    after = check()
+    assert after is not before and after[layer, expert] and not before[layer, expert]
+    pages = residency.reserve_grow(layer, expert)
+    assert pages is not None
+    cache.write_rows(residency.commit_grows())
+    back = check()
+    assert back is not after and not back[layer, expert]
+    cache.clear_rows([])
+    assert cache.absent_mask() is back  # nothing written, nothing rebuilt
+    llm.engine.pool.allocator.complete_forward()
 
 
 def test_bad_offload_access_is_refused_by_name() -> None:

@@ -133,3 +133,27 @@ def test_traffic_shift_reranks_after_decay() -> None:
     # n=9 (a=0.387): e2 = 46.76 > 1.25 * e0 = 1.25 * 33.24 -> [2, 0, 1]
     # n=22 (a=0.098): e1 = 20 > 1.25 * e0 = 1.25 * 15.91     -> [2, 1, 0], the shifted traffic's true order
     assert reranks == [(3, [0, 2, 1]), (9, [2, 0, 1]), (22, [2, 1, 0])]
+
+
+def test_observe_looks_for_stale_layers_every_rerank_interval_updates() -> None:
+    # expert 2 overtakes both others at the first update; the re-rank waits for the rerank_interval-th update
+    prior = ExpertPopularity("m", np.array([[0.5, 0.3, 0.2]]))
+    online = OnlinePopularity(prior, OnlinePopularityConfig(decay=1.0, prior_weight=100.0, rerank_interval=3))
+    hot = np.array([[0.0, 0.0, 100.0]])
+    assert online.observe(hot) == [] and online.observe(hot) == []
+    assert online.rankings[0].tolist() == [0, 1, 2] and online.stale_layers() == [0]
+    assert online.observe(hot) == [0] and online.rankings[0].tolist() == [2, 0, 1]
+    assert online.num_updates == 3 and online.num_reranks == 1
+    with pytest.raises(ValueError, match="rerank_interval must be >= 1"):
+        OnlinePopularityConfig(rerank_interval=0)
+
+
+def test_probabilities_are_kept_until_the_next_update() -> None:
+    online = OnlinePopularity(ExpertPopularity("m", np.array([[0.5, 0.3, 0.2]])),
+                              OnlinePopularityConfig(decay=0.5, prior_weight=10.0))
+    first = online.probabilities()
+    assert online.probabilities() is first and not first.flags.writeable
+    online.update(np.array([[0, 0, 10]]))
+    second = online.probabilities()
+    assert second is not first and np.allclose(second, [[2.5 / 15, 1.5 / 15, 11 / 15]])
+    assert np.allclose(first, [[0.5, 0.3, 0.2]])  # the earlier answer is not overwritten

@@ -230,3 +230,25 @@ def test_cli_lists_profile() -> None:
     args = build_parser().parse_args(["profile", "m", "--output", "r.json"])
     assert (args.dataset, args.num_prompts, args.max_tokens, args.seed, args.enforce_eager) == \
         ("sharegpt", 500, None, 0, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_snapshots_take_two_pinned_buffers_in_turn() -> None:
+    # each snapshot holds its own pass's counts until the next-but-one call; no host buffer is allocated per step
+    counter = RoutingCounter(2, 8, device="cuda")
+    snaps = []
+    for step in range(4):
+        counter.record(step % 2, torch.tensor([[step, 7]], device="cuda"))
+        host, done = counter.snapshot_and_reset_async()
+        assert done is not None and host.is_pinned()
+        done.synchronize()
+        snaps.append((host.data_ptr(), host.clone()))
+        if step:  # the previous snapshot is still intact while this one was taken
+            assert snaps[step - 1][1][(step - 1) % 2, step - 1] == 1 + (step - 1 == 7)
+    assert snaps[0][0] == snaps[2][0] and snaps[1][0] == snaps[3][0] and snaps[0][0] != snaps[1][0]
+    for step, (_, snap) in enumerate(snaps):
+        expected = torch.zeros(2, 8)
+        expected[step % 2, step] += 1
+        expected[step % 2, 7] += 1
+        assert torch.equal(snap, expected)

@@ -242,6 +242,7 @@ def apply_expert_tables(engine: LLMEngine, tables: np.ndarray) -> None:
         for j, page in enumerate(new[layer, expert].tolist()):
             cache.expert_view[page].copy_(src[j])
     cache.host_tables.copy_(new)
+    cache.tables_changed()
     cache.tables.copy_(new.to(cache.tables.device))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from rimuru.experts.host_store import HostExpertStore
@@ -69,6 +70,9 @@ class ExpertCache:
         self.host_rows: list[torch.Tensor] | None = None  # per layer [3E, f*d] views of the store (read_absent_from)
         # what an absent expert's row holds: -1, or its host-row codes [E, 3] (the same for every layer)
         self._absent = torch.full((self.num_experts, 3), -1, dtype=torch.int32)
+        # bumped by every write of host_tables (tables_changed): keys the absent mask derived from them
+        self._tables_version = 0
+        self._absent_mask: tuple[int, np.ndarray] | None = None
 
     @property
     def expert_page_bytes(self) -> int:
@@ -89,6 +93,23 @@ class ExpertCache:
     def all_resident(self) -> bool:
         return self.residency.all_resident()
 
+    def tables_changed(self) -> None:
+        """host_tables were written (every writer calls this): what was derived from them is recomputed."""
+        self._tables_version += 1
+
+    def absent_mask(self) -> np.ndarray:
+        """[L_moe, E] bool, True where the tables name no pool pages (the expert is not resident), as the tables
+        are now. Read-only for callers, and the same array until the tables change: a new one then, so a caller may
+        keep the array of a pass the tables have changed since (asked once or more per step; building it takes a
+        comparison and a copy of the whole table)."""
+        cached = self._absent_mask
+        if cached is not None and cached[0] == self._tables_version:
+            return cached[1]
+        mask = (self.host_tables[:, :, 0] < 0).numpy()
+        mask.setflags(write=False)
+        self._absent_mask = (self._tables_version, mask)
+        return mask
+
     # ------------------------------------------------------------------ start-up
     def read_absent_from(self, store: HostExpertStore) -> list[torch.Tensor]:
         """From now on an expert that is not resident is named in the tables by its rows in `store` (pinned on a
@@ -102,6 +123,7 @@ class ExpertCache:
         absent = self.host_tables[:, :, 0] < 0  # [L, E]
         codes = self._absent.expand(self.num_layers, E, 3)
         self.host_tables[absent] = codes[absent]
+        self.tables_changed()
         self.tables.copy_(self.host_tables.to(self.tables.device))
         return self.host_rows
 
@@ -115,6 +137,7 @@ class ExpertCache:
         idx = torch.tensor(experts, dtype=torch.int64).view(-1, 2)
         self.tables[idx[:, 0], idx[:, 1]] = pages.to(self.tables.device)
         self.host_tables[idx[:, 0], idx[:, 1]] = pages
+        self.tables_changed()
 
     def make_all_resident(self) -> None:
         self.make_resident(self.residency.prefix(self.num_experts))
@@ -164,6 +187,8 @@ class ExpertCache:
                 for j in range(3):
                     self.tables[layer, expert, j] = int(self._absent[expert, j])
             self.host_tables[layer, expert] = self._absent[expert]
+        if experts:
+            self.tables_changed()
 
     def write_rows(self, grown: Sequence[tuple[Expert, ExpertPages]]) -> None:
         """Grown experts (committed in the residency; their copies completed) enter the tables."""
@@ -173,3 +198,5 @@ class ExpertCache:
             src = row.pin_memory() if self.tables.is_cuda else row
             self.tables[layer, expert] = src.to(self.tables.device, non_blocking=True)
             self.host_tables[layer, expert] = row
+        if grown:
+            self.tables_changed()

@@ -92,6 +92,7 @@ Rules, every step:
   * Held plans: a model plan that moved nothing answers the next `replan_interval_steps - 1` plans whose decision
     shape is the same (experts out, requests short of pages, waiting, TTFT pressure, room for one grow, the TPOT
     correction), up to the end of a cooldown or of the grow reserve's patience; the hard shortfall is never held.
+    A model plan that holds again in the same shape holds twice as long, up to `max_replan_interval_steps`.
     On the H200 the model took 3.1 ms of host time in every decode step at Qwen1.5-MoE shapes with one expert out,
     and elastic served 0.906x static's output at 60 req/s with as many steps; held, 1.0 ms and 0.952x
     (docs/benchmarks.md section 17).
@@ -176,8 +177,11 @@ class CostAdjusterConfig:
     # A model plan that moved nothing holds for this many steps while what it decided on keeps its shape (experts
     # out, requests short of pages or waiting, TTFT pressure, a grow's room, the TPOT correction): the model is the
     # costliest host work of an elastic step (~3 ms at Qwen1.5-MoE shapes on the H200 host, every step while one
-    # expert was out: 0.91x static's output at 60 req/s), and its inputs move over seconds, not steps
+    # expert was out: 0.91x static's output at 60 req/s), and its inputs move over seconds, not steps. Each model
+    # plan that holds again in the same shape holds twice as long, up to max_replan_interval_steps (~0.3 s of
+    # ~10 ms steps); a change of shape or a move starts again from replan_interval_steps.
     replan_interval_steps: int = 8
+    max_replan_interval_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.pcie_bandwidth <= 0:
@@ -206,8 +210,9 @@ class CostAdjusterConfig:
             raise ValueError("pages_per_expert must be >= 1 and evict_margin >= 0")
         if self.reserve_patience_steps < 1:
             raise ValueError(f"reserve_patience_steps must be >= 1, got {self.reserve_patience_steps}")
-        if self.replan_interval_steps < 1:
-            raise ValueError(f"replan_interval_steps must be >= 1, got {self.replan_interval_steps}")
+        if not 1 <= self.replan_interval_steps <= self.max_replan_interval_steps:
+            raise ValueError(f"need 1 <= replan_interval_steps <= max_replan_interval_steps, got "
+                             f"{self.replan_interval_steps}, {self.max_replan_interval_steps}")
         if self.dense_candidates < 8:
             raise ValueError(f"dense_candidates must be >= 8, got {self.dense_candidates}")
 
@@ -279,6 +284,9 @@ class CostAdjuster:
         # reserve)
         self._held: tuple[tuple, int, int] | None = None
         self.plans_held = 0  # plans answered by a held one (replan_interval_steps)
+        # the shape the last model plans held in, one after another, and how long the last of them held
+        self._hold_shape: tuple | None = None
+        self._hold_interval = config.replan_interval_steps
 
     @property
     def tpot_bound_s(self) -> float | None:
@@ -481,11 +489,16 @@ class CostAdjuster:
         return (n_now, R > 0, state.num_waiting > 0, pressure, room, self.tpot_correction)
 
     def _hold(self, shape: tuple, until: int | None = None) -> AdjustPlan:
-        """A model plan moved nothing: the next `replan_interval_steps - 1` plans of the same shape answer the
-        same without running the model, up to step `until` (the end of a cooldown that held a grow back); a grow
-        reserve's patience ends a hold where it changes the reserve."""
+        """A model plan moved nothing: the next plans of the same shape answer the same without running the model,
+        `replan_interval_steps - 1` of them after a change, twice as many each time the model holds again in that
+        shape (up to `max_replan_interval_steps`), and never past step `until` (the end of a cooldown that held a
+        grow back); a grow reserve's patience ends a hold where it changes the reserve."""
         cfg = self.config
-        end = self.step + cfg.replan_interval_steps
+        if shape == self._hold_shape:
+            self._hold_interval = min(cfg.max_replan_interval_steps, 2 * self._hold_interval)
+        else:
+            self._hold_shape, self._hold_interval = shape, cfg.replan_interval_steps
+        end = self.step + self._hold_interval
         until = end if until is None else min(until, end)
         if (since := self._reserve_since) is not None:
             waited = self.step - since
@@ -529,6 +542,7 @@ class CostAdjuster:
         if not plan.is_empty:
             self._last_move_step = self.step
             self._last_direction = 1 if plan.evict else -1
+            self._hold_shape = None  # the next hold starts from replan_interval_steps
         return plan
 
     def _model(self, state: AdjusterState, order: np.ndarray, n_now: int, compute: float,

@@ -70,6 +70,7 @@ class DirectElasticRuntime(ElasticRuntime):
                  async_steps: bool) -> None:
         super().__init__(core, cache, store, loader, provider, counter, pcie_bandwidth, async_steps)
         self.direct_bytes = 0  # bytes passes read from host memory so far (routing counts x offloaded experts)
+        self._absent_ids: tuple[np.ndarray, np.ndarray | None] | None = None  # (absent mask, its flat ids)
 
     def graph_plan(self) -> GraphPlan:
         return GraphPlan(counter=self.counter)
@@ -83,12 +84,17 @@ class DirectElasticRuntime(ElasticRuntime):
             self._forward_start = None
 
     def _absent_during_pass(self) -> np.ndarray | None:
-        return (self.cache.host_tables[:, :, 0] < 0).numpy()  # [L, E]
+        # the flat ids of the offloaded experts the pass reads in host memory (None: every expert resident); cached
+        # with the tables' absent mask, so a step with nothing moving builds nothing
+        mask = self.cache.absent_mask()  # [L, E]
+        if self._absent_ids is None or self._absent_ids[0] is not mask:
+            self._absent_ids = (mask, np.flatnonzero(mask) if mask.any() else None)
+        return self._absent_ids[1]
 
     def _read_from_host(self, counts: np.ndarray, absent: np.ndarray | None) -> int:
         if absent is None:
             return 0
-        read = int(np.count_nonzero((counts > 0) & absent)) * self.store.expert_bytes
+        read = int(np.count_nonzero(counts.reshape(-1)[absent] > 0)) * self.store.expert_bytes
         self.direct_bytes += read
         return read
 

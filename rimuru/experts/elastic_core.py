@@ -156,6 +156,8 @@ class ElasticCore:
         self.buffer_pages: list[int] = []  # the load buffers' pages: 6 per slot, the owner of their lifetime
         self.counters = ElasticCounters()
         self.launched_offloaded = False  # the pass planned last: some expert out of the tables
+        g = self.allocator.geometry
+        self._state_kinds = [k for k in (SSM, CONV) if k in g.mid_kinds or k in g.small_kinds]  # hybrid models
         # the last answer of _reclaimable_pages, keyed by everything it reads that changes between steps
         self._reclaimable: tuple[tuple[int, int, int, int | None], int] | None = None
 
@@ -277,9 +279,10 @@ class ElasticCore:
     def _state_mid_pages(self) -> float:
         """Hybrid models' per-request state pages (ssm and conv kinds) in use, in expert mid pages: part of each
         running request's footprint, as its KV is (0 for other models)."""
+        if not self._state_kinds:
+            return 0.0
         a, g = self.allocator, self.allocator.geometry
-        kinds = [k for k in (SSM, CONV) if k in g.mid_kinds or k in g.small_kinds]
-        return sum(a.num_used(k) * g.size(k) for k in kinds) / g.size(EXPERT)
+        return sum(a.num_used(k) * g.size(k) for k in self._state_kinds) / g.size(EXPERT)
 
     def after_pass(self) -> PassEnd:
         """The pass planned last has been launched (and, for a page that becomes free, finished by the time
@@ -296,8 +299,7 @@ class ElasticCore:
 
     def observe_routing(self, routed: np.ndarray) -> None:
         """Routing counts [L, E] of recent passes: the online popularity estimate, re-ranking stale layers."""
-        self.popularity.update(routed)
-        self.counters.reranks += len(self.popularity.maybe_rerank())
+        self.counters.reranks += len(self.popularity.observe(routed))
 
     def stats(self) -> dict[str, float]:
         """The adjuster's view and the measured copy costs, for /metrics and the sweeps' timelines."""

@@ -146,11 +146,13 @@ class ElasticRuntime(OffloadRuntime):
 
     def _absent_during_pass(self) -> np.ndarray | None:
         """Which experts the pass just launched found offloaded, where the kernel reads them from host memory
-        (DirectElasticRuntime); None here: every offloaded expert the pass read was copied, and counted so."""
+        (DirectElasticRuntime: their flat ids l * E + e, None when none is); None here: every offloaded expert the
+        pass read was copied, and counted so."""
         return None
 
     def _read_from_host(self, counts: np.ndarray, absent: np.ndarray | None) -> int:
-        """Bytes a pass with routing `counts` [L, E] read from host memory without a copy (DirectElasticRuntime)."""
+        """Bytes a pass with routing `counts` [L, E] read from host memory without a copy (DirectElasticRuntime;
+        `absent` as _absent_during_pass gave it for that pass)."""
         return 0
 
     def _after_pass_async(self, absent: np.ndarray | None) -> None:

@@ -77,7 +77,7 @@ class OffloadExpertProvider:
     def plan_streaming(self, num_tokens: int) -> tuple[list[bool], list[bool]]:
         """(streaming, offloaded) per MoE layer for a pass of `num_tokens` real tokens, from the tables as they
         are now (they do not change within a pass). Pure: nothing is copied or recorded."""
-        absent = (self.cache.host_tables[:, :, 0] < 0).numpy()  # [L, E]
+        absent = self.cache.absent_mask()  # [L, E]
         L, E = absent.shape
         probs = self.popularity()
         hit = np.clip(self.top_k * probs, 0.0, 1.0)

@@ -181,12 +181,17 @@ class OnlinePopularityConfig:
     decay: float = 0.99  # EMA factor per update (one update per engine step): half-life ~69 steps
     prior_weight: float = 1000.0  # the prior counts as this many routed assignments per layer
     rerank_margin: float = 0.25  # re-rank only if an expert beats one ranked above it by > 25 %
+    # `observe` looks for stale layers every this many updates: the counts move over tens of steps (the half-life
+    # above), and the check is the costliest host work of an update (a gather and a running minimum over [L, E])
+    rerank_interval: int = 8
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
         if self.prior_weight < 0 or self.rerank_margin < 0:
             raise ValueError("prior_weight and rerank_margin must be >= 0")
+        if self.rerank_interval < 1:
+            raise ValueError(f"rerank_interval must be >= 1, got {self.rerank_interval}")
 
 
 class OnlinePopularity:
@@ -202,9 +207,12 @@ class OnlinePopularity:
     def __init__(self, prior: ExpertPopularity, config: OnlinePopularityConfig | None = None) -> None:
         self.config = config or OnlinePopularityConfig()
         self.model = prior.model
-        self.counts = prior.probabilities * self.config.prior_weight  # [L, E]
+        self.counts = prior.probabilities * self.config.prior_weight  # [L, E]; written by update() alone
         self.rankings = np.array(prior.rankings)  # committed order, [L, E]
         self.num_reranks = 0
+        self.num_updates = 0
+        self._totals = self.counts.sum(axis=1, keepdims=True)  # [L, 1] per-layer sums of counts, kept with them
+        self._probabilities: tuple[int, np.ndarray] | None = None  # probabilities() as of update num_updates
 
     def update(self, routed: np.ndarray) -> None:
         """`routed[l, e]`: (token, expert) assignments of layer l to expert e in one step."""
@@ -213,12 +221,33 @@ class OnlinePopularity:
             raise ValueError(f"routed counts have shape {routed.shape}, expected {self.counts.shape}")
         self.counts *= self.config.decay
         self.counts += routed
+        self._totals *= self.config.decay
+        self._totals += routed.sum(axis=1, keepdims=True)
+        self.num_updates += 1
+
+    def observe(self, routed: np.ndarray) -> list[int]:
+        """One step's routing (`update`), and every `rerank_interval` updates the stale layers re-ranked (returned;
+        [] in between)."""
+        self.update(routed)
+        if self.num_updates % self.config.rerank_interval:
+            return []
+        return self.maybe_rerank()
 
     def probabilities(self) -> np.ndarray:
-        """[L, E] the estimated routing probabilities (each row sums to 1)."""
-        totals = self.counts.sum(axis=1, keepdims=True)
-        E = self.counts.shape[1]
-        return np.where(totals > 0, self.counts / np.where(totals > 0, totals, 1.0), 1.0 / E)
+        """[L, E] the estimated routing probabilities (each row sums to 1). Read-only, and the same array until
+        the next update (asked several times per step)."""
+        cached = self._probabilities
+        if cached is not None and cached[0] == self.num_updates:
+            return cached[1]
+        totals = self._totals
+        if (totals > 0).all():
+            probs = self.counts / totals
+        else:
+            E = self.counts.shape[1]
+            probs = np.where(totals > 0, self.counts / np.where(totals > 0, totals, 1.0), 1.0 / E)
+        probs.setflags(write=False)
+        self._probabilities = (self.num_updates, probs)
+        return probs
 
     def estimate(self) -> ExpertPopularity:
         return ExpertPopularity(self.model, self.probabilities(), date=_now())

@@ -3,6 +3,7 @@
     counts [L_moe, E] float32 on the model's device
     record(l, topk_ids)     counts[l][e] += number of times e appears in topk_ids   (no host sync)
     snapshot_and_reset()    copies counts to the host and zeroes them                (one sync; rare)
+    snapshot_and_reset_async()  the same without a host wait, into one of two pinned host buffers (every step)
 
 `record` is a single `scatter_add_` of a stride-0 view of one constant `1.0` into a fixed-size row,
 so it allocates nothing, never reads a value back and has no data-dependent shape (`torch.bincount`
@@ -32,6 +33,9 @@ class RoutingCounter:
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)  # [L_moe, E]
         self._one = torch.ones(1, dtype=torch.float32, device=device)  # expanded, never materialised
         self.row_mask: Tensor | None = None  # [T] bool while a padded (CUDA-graph) batch runs, else None
+        # snapshot_and_reset_async's pinned host buffers and their copies' events, used in turn (made on first use)
+        self._host_buffers: list[tuple[Tensor, torch.cuda.Event]] = []
+        self._next_buffer = 0
 
     @property
     def device(self) -> torch.device:
@@ -54,12 +58,19 @@ class RoutingCounter:
     def snapshot_and_reset_async(self) -> tuple[Tensor, torch.cuda.Event | None]:
         """Starts copying the counts so far to the host (pinned, non-blocking) and zeroes the device counts,
         both in the compute stream's order. Returns (host tensor, event): read the tensor after
-        `event.synchronize()` (no event on the CPU: it is ready). For loops that must not wait for the GPU."""
+        `event.synchronize()` (no event on the CPU: it is ready). For loops that must not wait for the GPU.
+
+        The host tensor is one of two pinned buffers taken in turn (no allocation per step): it holds this
+        snapshot until the next-but-one call overwrites it, so read it before taking two more."""
         if self.counts.device.type != "cuda":
             return self.snapshot_and_reset(), None
-        host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
+        if len(self._host_buffers) < 2:
+            host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
+            self._host_buffers.append((host, torch.cuda.Event()))
+        host, done = self._host_buffers[self._next_buffer]
+        self._next_buffer = (self._next_buffer + 1) % 2
+        # the buffer's last snapshot was read (the rule above), and its copy was awaited then: it is free to refill
         host.copy_(self.counts, non_blocking=True)
-        done = torch.cuda.Event()
         done.record()
         self.counts.zero_()
         return host, done
