@@ -177,6 +177,7 @@ _TIMELINE = {  # timeline key -> metric names (first present wins)
     "cost_copy_overlap": ("rimuru:cost_copy_overlap",),
     "cost_copy_slowdown": ("rimuru:cost_copy_slowdown",),
     "cost_copy_excess": ("rimuru:cost_copy_excess",),
+    "cost_read_excess": ("rimuru:cost_read_excess",),  # direct access: measured reads over the estimate's
     "cost_target_offloaded": ("rimuru:cost_target_offloaded",),
     "cost_grow_reserve_mid_pages": ("rimuru:cost_grow_reserve_mid_pages",),
     "cost_tpot_correction": ("rimuru:cost_tpot_correction",),  # with a TPOT SLO: measured p99 over it, learned

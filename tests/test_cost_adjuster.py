@@ -775,3 +775,17 @@ def test_an_expert_read_more_than_expected_comes_home_past_home_min_gain(home_mi
     assert a.plan(state(R=4, F=0, running=3, waiting=50, kv=3000, resident=[3, 4])).is_empty
     assert a.last is not None and a.last.expected_reads == pytest.approx(1 - 0.95**6)
     assert a.grow_reserve() == reserve
+
+
+def test_an_expert_measured_to_be_read_more_than_estimated_comes_home() -> None:
+    # As above with home_min_gain 0.05: by the estimate (share 0.05) expert (0, 1) is read 0.265 times a decode
+    # step, ~2.6 % of the step, so it stays out. The engine measured 3x the reads the estimate expected of it
+    # (read_excess, direct access): 7.9 % of the step, and it comes home (through the grow reserve: no page free).
+    cfg = replace(BASE, copy_overlap=0.0, home_min_gain=0.05)
+    short = state(R=4, F=0, running=3, waiting=50, kv=3000, resident=[3, 4])
+    estimated = CostAdjuster(cfg, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS)
+    assert estimated.plan(short).is_empty and estimated.grow_reserve() == 0
+    measured = CostAdjuster(cfg, expert_bytes=EXPERT_BYTES, top_k=2, compute_time=lambda _: 10 * MS,
+                            copy_excess=lambda: 3.0)
+    assert measured.plan(short).is_empty and measured.grow_reserve() == 3 + 9
+    assert measured.last is not None and measured.last.target == 0

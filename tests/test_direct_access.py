@@ -76,9 +76,10 @@ def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(
         dense.append(runtime.cache.host_tables[:, :, 0] < 0)
         return absent_of_pass()
 
-    def read(counts, absent):  # type: ignore[no-untyped-def]
-        got = read_of_pass(counts, absent)
-        reads.append((got, int(((torch.from_numpy(counts) > 0) & dense.pop(0)).sum()) * runtime.store.expert_bytes))
+    def read(counts, absent, decode):  # type: ignore[no-untyped-def]
+        mask = dense.pop(0)
+        got = read_of_pass(counts, absent, decode)
+        reads.append((got, int(((torch.from_numpy(counts) > 0) & mask).sum()) * runtime.store.expert_bytes))
         return got
 
     runtime._absent_during_pass = absent_now  # type: ignore[method-assign]
@@ -98,6 +99,42 @@ def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(
     assert st["kv_pages_used"] == 0 and alloc.num_used(EXPERT) == 3 * runtime.cache.num_resident  # no page leaked
     static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cpu", max_num_batched_tokens=64)
     assert [[o.outputs[0].token_ids for o in static.generate(b, params)] for b in batches] == got
+
+
+def test_decode_passes_feed_the_read_excess_with_the_models_expected_reads(ckpt: Path) -> None:
+    # the cost adjuster's runtime: each decode pass with experts out reports the offloaded experts its routing read
+    # beside the reads the model's formula expected of them (recomputed here expert by expert, from the estimate
+    # as it stood before the pass's counts joined it)
+    limit = 5
+    pool = tight_pool(ckpt, kv_blocks=10, limit=limit, load_buffers=False)
+    llm = LLM(str(ckpt), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", adjuster="cost",
+              expert_offload_limit=limit, max_num_batched_tokens=64)
+    runtime = llm.engine.runtime
+    assert isinstance(runtime, DirectElasticRuntime)
+    costs = runtime.core.step_cost
+    assert costs is not None
+    observed: list[tuple[float, int]] = []
+    wanted: list[tuple[float, int]] = []
+    observe_reads, read_of_pass = costs.observe_reads, runtime._read_from_host
+    costs.observe_reads = lambda e, m: observed.append((e, m)) or observe_reads(e, m)  # type: ignore[method-assign]
+
+    def read(counts, absent, decode):  # type: ignore[no-untyped-def]
+        if decode and absent is not None:
+            E = counts.shape[1]
+            probs = runtime.core.popularity.probabilities()
+            ids = [(int(i) // E, int(i) % E) for i in absent]
+            wanted.append((sum(1.0 - (1.0 - float(probs[layer, e])) ** float(counts[layer].sum()) for layer, e in ids),
+                           sum(int(counts[layer, e] > 0) for layer, e in ids)))
+        return read_of_pass(counts, absent, decode)
+
+    runtime._read_from_host = read  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts(8, seed=1), params)
+    st = llm.stats()
+    assert st["expert_evictions"] > 0 and observed, st
+    assert len(observed) == len(wanted)
+    assert all(m == wm and e == pytest.approx(we, rel=1e-9) for (e, m), (we, wm) in zip(observed, wanted, strict=True))
+    assert st["cost_read_excess"] >= 1.0 and st["kv_pages_used"] == 0
 
 
 def test_absent_mask_follows_every_table_write(ckpt: Path) -> None:

@@ -347,7 +347,7 @@ def test_cost_stats_reach_metrics() -> None:
     stats = core.stats()
     assert stats["cost_compute_ms"] == pytest.approx(10.0)
     assert (stats["cost_copy_overlap"], stats["cost_copy_slowdown"]) == (0.0, pytest.approx(1.25))
-    assert stats["cost_copy_excess"] == 1.0  # no loads seen
+    assert stats["cost_copy_excess"] == 1.0 and stats["cost_read_excess"] == 1.0  # no loads, no reads seen
     assert (stats["cost_target_offloaded"], stats["cost_max_offloaded"]) == (0.0, 1.0)  # home; stalls: 1
     assert stats["cost_grow_reserve_mid_pages"] == 3 + 9
     assert core.admission_reserve_kv_pages() == 12 * 4  # mid pages -> KV pages

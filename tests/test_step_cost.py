@@ -203,3 +203,26 @@ def test_decode_estimate_ignores_a_burst_of_slow_passes_and_grows_with_the_batch
     assert t(300) == pytest.approx(11 * MS)  # beyond every measured bucket: the nearest below
     with pytest.raises(ValueError, match="decode_window"):
         StepCostTracker(decode_window=0)
+
+
+def test_read_excess_is_measured_reads_per_expected_read_over_a_window() -> None:
+    t = StepCostTracker(read_window=4, max_excess=10.0)
+    assert t.read_excess() == 1.0  # no pass with experts out yet
+    # one expert out, expected 0.28 reads a decode pass, read at every pass (the H200's Qwen1.5 cell)
+    for _ in range(4):
+        t.observe_reads(0.28, 1)
+    assert t.read_excess() == pytest.approx(5.0 / 2.12)
+    for _ in range(4):  # the window forgets: the estimate caught up
+        t.observe_reads(1.0, 1)
+    assert t.read_excess() == pytest.approx(1.0)
+    for _ in range(4):  # read less than expected: never below the estimate
+        t.observe_reads(3.0, 1)
+    assert t.read_excess() == 1.0
+    for _ in range(4):
+        t.observe_reads(0.0, 30)
+    assert t.read_excess() == 10.0  # the cap
+    assert t.offload_cost_factor() == 10.0  # no copies, no host tier: the reads' factor alone
+    with pytest.raises(ValueError, match="expected >= 0"):
+        t.observe_reads(-0.1, 1)
+    with pytest.raises(ValueError, match="read_window"):
+        StepCostTracker(read_window=0)

@@ -19,7 +19,9 @@ candidate number n of offloaded experts (all layers; the n least popular the lim
     copy(n)     = act(n) expert_bytes / pcie_bandwidth x slowdown x excess
                                                          slowdown >= 1: copies slower than the link, measured;
                                                          excess >= 1: experts copied per routed one (wasted
-                                                         prefetches), measured (step_cost.py)
+                                                         prefetches), and under direct access offloaded experts
+                                                         read per read the popularity estimate expected (its
+                                                         lag behind the traffic), measured (step_cost.py)
     step(n)     = compute(n) + max(0, copy(n) - overlap compute(n)) + [n > 0] piecewise_overhead
     tput(n)     = conc(n) / step(n)                      decode tokens per second
 

@@ -12,7 +12,8 @@ through evictions and grows (the tables change in place between passes).
                                     their host rows instead of leaving the tables
 
 Bytes read from host memory are counted from the routing counts (elastic: the counter it keeps anyway); fixed mode
-keeps no counter, and counts none.
+keeps no counter, and counts none. In elastic mode each decode pass's reads also go to the step-cost tracker beside the
+reads the adjuster's model expected of the same experts (`StepCostTracker.read_excess`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from rimuru.experts.cache import ExpertCache
+from rimuru.experts.cost_adjuster import expected_activated
 from rimuru.experts.elastic_core import ElasticCore
 from rimuru.experts.elastic_runtime import ElasticRuntime
 from rimuru.experts.host_store import HostExpertStore
@@ -91,11 +93,20 @@ class DirectElasticRuntime(ElasticRuntime):
             self._absent_ids = (mask, np.flatnonzero(mask) if mask.any() else None)
         return self._absent_ids[1]
 
-    def _read_from_host(self, counts: np.ndarray, absent: np.ndarray | None) -> int:
+    def _read_from_host(self, counts: np.ndarray, absent: np.ndarray | None, decode: bool) -> int:
         if absent is None:
             return 0
-        read = int(np.count_nonzero(counts.reshape(-1)[absent] > 0)) * self.store.expert_bytes
+        measured = int(np.count_nonzero(counts.reshape(-1)[absent] > 0))
+        read = measured * self.store.expert_bytes
         self.direct_bytes += read
+        step_cost = self.core.step_cost
+        if decode and step_cost is not None:
+            # the reads the adjuster's model expected of these experts for this batch: its formula, the popularity
+            # estimate before these counts join it, and the batch's picks per layer (tokens x top_k, real rows)
+            E = counts.shape[1]
+            picks = counts.sum(axis=1)[absent // E]
+            p = self.core.popularity.probabilities().reshape(-1)[absent]
+            step_cost.observe_reads(float(expected_activated(p, picks, 1).sum()), measured)
         return read
 
     @property

@@ -307,7 +307,7 @@ class ElasticCore:
         if self.step_cost is not None:
             out |= {"cost_copy_overlap": self.step_cost.copy_overlap_share(),
                     "cost_copy_slowdown": self.step_cost.copy_slowdown(),
-                    "cost_copy_excess": self.step_cost.copy_excess()}
+                    "cost_copy_excess": self.step_cost.copy_excess(), "cost_read_excess": self.step_cost.read_excess()}
         return out | self.adjuster.stats()
 
     def _take_slots(self, slots: int) -> list[int]:

@@ -133,7 +133,7 @@ class ElasticRuntime(OffloadRuntime):
             self._after_pass_async(absent)
             return
         counts = self.counter.snapshot_and_reset().numpy()
-        read = self._read_from_host(counts, absent)
+        read = self._read_from_host(counts, absent, self._decode and self._forward_start is not None)
         step_cost = self.core.step_cost
         if step_cost is not None and self._forward_start is not None:
             t0, bytes0, host0 = self._forward_start
@@ -150,9 +150,9 @@ class ElasticRuntime(OffloadRuntime):
         pass read was copied, and counted so."""
         return None
 
-    def _read_from_host(self, counts: np.ndarray, absent: np.ndarray | None) -> int:
+    def _read_from_host(self, counts: np.ndarray, absent: np.ndarray | None, decode: bool) -> int:
         """Bytes a pass with routing `counts` [L, E] read from host memory without a copy (DirectElasticRuntime;
-        `absent` as _absent_during_pass gave it for that pass)."""
+        `absent` as _absent_during_pass gave it for that pass; `decode`: one token per sequence)."""
         return 0
 
     def _after_pass_async(self, absent: np.ndarray | None) -> None:
@@ -168,7 +168,7 @@ class ElasticRuntime(OffloadRuntime):
             if done is not None:
                 done.synchronize()  # the pass before the one in flight: finished
             counts = host.numpy()
-            read = self._read_from_host(counts, absent_then)
+            read = self._read_from_host(counts, absent_then, self._decode_in_flight)
         ran = self._forward_start is not None
         step_cost = self.core.step_cost
         if ran and self._last_after_pass is not None:

@@ -49,13 +49,23 @@ scales the modelled copies. With a working predictor it stays near 1 (~1.2 on th
 skewed router's bias copies the cold experts every step (67 copied against 4 routed per decode step on the H200),
 and without this factor the model would offload experts to save copies it believes are few.
 
+Reads. Under direct access nothing is copied for a pass, so the excess above stays 1, but the model's expected
+reads of the offloaded experts, 1 - (1 - p)^(tokens x top_k) with p from the popularity estimate, can still miss:
+on the H200 (Qwen1.5-MoE shapes, 32 GiB, 60 req/s) an expert let go at 0.28 expected reads a decode step was read
+at every step 3 s later, while the estimate followed over seconds (0.18 -> 0.74). `observe_reads` takes, per decode
+pass with experts out, the reads the estimate expected of them and the reads the routing counts show, and
+`read_excess` = (measured + 1) / (expected + 1) over the last `read_window` such passes, kept in [1, max_excess]: a
+measured miss makes every offloaded expert costlier in the model until the estimate catches up, never cheaper
+than the estimate says (reads below it mostly mean a batch whose tokens route alike, which the next batch need not).
+
 Host tier. Where the host computes some routed offloaded experts instead of copying them (host_tier.py), the
 start-up measurement (host_profile.py) and the PCIe probe are handed here (`use_host_tier`), and `observe_loads`
 also counts the experts the host computed and the host seconds they took. Passes are timed without their host
 seconds (`observe_forward(host_s=...)`: counted as exposed, so the compute estimate reads low, the safe side), and
 `offload_cost_factor` gives what a routed offloaded expert costs in expert copies: the copied share at
 `copy_excess`, the host share at its measured host time over one expert's copy time. The cost adjuster multiplies
-its modelled copies by it (runtime_builders.build_adjuster); without host computations it is `copy_excess`.
+its modelled copies by it (runtime_builders.build_adjuster); without host computations it is `copy_excess` times
+`read_excess` (the host tier acts on the copy path, the reads are counted under direct access: one of the two is 1).
 """
 
 from __future__ import annotations
@@ -72,15 +82,15 @@ if TYPE_CHECKING:
 class StepCostTracker:
     def __init__(self, alpha: float = 0.1, copy_overlap: float = 0.8, min_copy_share: float = 0.25,
                  max_slowdown: float = 10.0, noise_share: float = 0.05, max_excess: float = 100.0,
-                 initial_overlap: float | None = None, decode_window: int = 32) -> None:
+                 initial_overlap: float | None = None, decode_window: int = 32, read_window: int = 64) -> None:
         if not 0.0 < alpha <= 1.0 or not 0.0 <= copy_overlap <= 1.0:
             raise ValueError(f"need 0 < alpha <= 1 and 0 <= copy_overlap <= 1, got {alpha}, {copy_overlap}")
         if initial_overlap is None:
             initial_overlap = copy_overlap
         if not 0.0 <= initial_overlap <= copy_overlap:
             raise ValueError(f"need 0 <= initial_overlap <= copy_overlap, got {initial_overlap}, {copy_overlap}")
-        if decode_window < 1:
-            raise ValueError(f"decode_window must be >= 1, got {decode_window}")
+        if decode_window < 1 or read_window < 1:
+            raise ValueError(f"decode_window and read_window must be >= 1, got {decode_window}, {read_window}")
         if min_copy_share <= 0 or max_slowdown < 1 or noise_share < 0 or max_excess < 1:
             raise ValueError(f"need min_copy_share > 0, max_slowdown >= 1, noise_share >= 0 and max_excess >= 1, "
                              f"got {min_copy_share}, {max_slowdown}, {noise_share}, {max_excess}")
@@ -112,6 +122,8 @@ class StepCostTracker:
         self.expert_copy_s: float | None = None  # one expert's copy time at the measured PCIe bandwidth
         self._host: float | None = None  # EMA: routed offloaded experts the host computed, per observation
         self._host_s: float | None = None  # EMA: host seconds they took, per observation
+        # the last read_window decode passes with experts out: (reads the estimate expected, reads measured)
+        self._reads: deque[tuple[float, int]] = deque(maxlen=read_window)
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -214,6 +226,22 @@ class StepCostTracker:
             return 1.0
         return min(self.max_excess, max(1.0, (self._copied + 1.0) / (self._routed + 1.0)))
 
+    def observe_reads(self, expected: float, measured: int) -> None:
+        """A decode pass that read offloaded experts in host memory: `expected` reads of them by the model's formula
+        and the popularity estimate the adjuster held, `measured` offloaded experts its routing counts name."""
+        if expected < 0 or measured < 0:
+            raise ValueError(f"need expected >= 0 and measured >= 0, got {expected}, {measured}")
+        self._reads.append((expected, measured))
+
+    def read_excess(self) -> float:
+        """Offloaded experts read per read the estimate expected, (measured + 1) / (expected + 1) summed over the
+        window (>= 1, <= max_excess; 1 before any pass): one read of prior keeps a few passes from setting it."""
+        if not self._reads:
+            return 1.0
+        expected = sum(e for e, _ in self._reads)
+        measured = sum(m for _, m in self._reads)
+        return min(self.max_excess, max(1.0, (measured + 1.0) / (expected + 1.0)))
+
     def host_share(self) -> float:
         """Share of the routed offloaded experts the host tier computed (EMAs; 0 without it)."""
         if not self._host or self._routed is None:
@@ -222,10 +250,11 @@ class StepCostTracker:
 
     def offload_cost_factor(self) -> float:
         """Expert copies' worth of time per routed offloaded expert: the copied share at copy_excess, the host share
-        at (host seconds per host-computed expert) / expert_copy_s. copy_excess without host computations."""
+        at (host seconds per host-computed expert) / expert_copy_s. copy_excess x read_excess without host
+        computations."""
         share = self.host_share()
         if share == 0.0 or self.expert_copy_s is None or self._host_s is None or not self._host:
-            return self.copy_excess()
+            return self.copy_excess() * self.read_excess()
         host_per_expert = self._host_s / self._host
         return (1.0 - share) * self.copy_excess() + share * host_per_expert / self.expert_copy_s
 

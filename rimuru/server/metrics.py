@@ -48,6 +48,8 @@ GAUGES = {
     "cost_copy_overlap": ("cost_copy_overlap", "Cost adjuster: measured share of compute the copies hide behind."),
     "cost_copy_slowdown": ("cost_copy_slowdown", "Cost adjuster: measured copy time over nominal (>= 1)."),
     "cost_copy_excess": ("cost_copy_excess", "Cost adjuster: experts copied per routed offloaded expert (>= 1)."),
+    "cost_read_excess": ("cost_read_excess",
+                         "Cost adjuster: offloaded experts read per read its estimate expected (>= 1; direct access)."),
     "cost_target_offloaded": ("cost_target_offloaded", "Cost adjuster: offloaded experts its last plan aims for."),
     "cost_max_offloaded": ("cost_max_offloaded", "Cost adjuster: most offloaded experts stalls may wait for."),
     "cost_expected_reads": ("cost_expected_reads",
