@@ -89,6 +89,35 @@ def test_counter_counts_exactly_as_bincount() -> None:
         RoutingCounter(0, 8)
 
 
+def test_counter_with_a_row_mask_counts_real_rows_in_one_launch_a_layer() -> None:
+    # a padded graph batch: every layer routes the same [T, k] rows, the last two are padding
+    from rimuru.testing.op_count import OpCounter
+
+    g = torch.Generator().manual_seed(1)
+    L, E, T, k = 4, 16, 6, 2
+    mask = torch.tensor([True, True, True, True, False, False])
+    ids = [torch.randint(0, E, (T, k), generator=g) for _ in range(L)]
+    counter = RoutingCounter(L, E)
+    ops = OpCounter()
+    counter.row_mask = mask
+    with ops.counting():
+        for layer in range(L):
+            counter.record(layer, ids[layer])
+    counter.row_mask = None
+    launches = sum(c.launches for c in ops.regions.values())
+    assert launches <= L + 3  # one scatter a layer; the mask's weights (copy, view, cast) built once
+    expected = torch.stack([torch.bincount(ids[layer][:4].flatten(), minlength=E) for layer in range(L)])
+    assert torch.equal(counter.snapshot_and_reset().long(), expected)
+    # another mask (another pass's padding) is honoured, not the first one's weights
+    counter.row_mask = torch.tensor([True, False, False, False, False, False])
+    counter.record(0, ids[0])
+    counter.row_mask = None
+    counter.record(1, ids[1])  # no mask: every row counts
+    snap = counter.snapshot_and_reset().long()
+    assert torch.equal(snap[0], torch.bincount(ids[0][:1].flatten(), minlength=E))
+    assert torch.equal(snap[1], torch.bincount(ids[1].flatten(), minlength=E))
+
+
 def test_counter_writes_into_one_fixed_tensor() -> None:
     # graph-capture friendly: record() never replaces the counts tensor (a captured graph keeps its address)
     counter = RoutingCounter(2, 8)

@@ -10,7 +10,9 @@ so it allocates nothing, never reads a value back and has no data-dependent shap
 would: its output length depends on the largest id). It can therefore run inside a captured CUDA graph,
 provided the graph was captured with this counter attached (a graph replays the tensors it recorded).
 Padded rows of a CUDA graph's batch route too: the graph sets `row_mask` ([T] bool, True = a real token) for
-the duration of its forward pass, and `record` then counts real rows only.
+the duration of its forward pass, and `record` then counts real rows only. The mask's weights per assignment
+([T * k] float32: 1 for a real row's picks, 0 for padding's) are built by the pass's first `record` and reused by
+every later layer, so a counted layer costs one kernel (the scatter) in the pass, not three.
 
 Counts are exact while every entry stays below 2**24 (float32 integers); callers that count for long
 take `snapshot_and_reset()` at least every `exact_limit // assignments_per_step` steps and sum on the host.
@@ -32,7 +34,9 @@ class RoutingCounter:
         self.num_experts = num_experts
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)  # [L_moe, E]
         self._one = torch.ones(1, dtype=torch.float32, device=device)  # expanded, never materialised
-        self.row_mask: Tensor | None = None  # [T] bool while a padded (CUDA-graph) batch runs, else None
+        self._row_mask: Tensor | None = None  # [T] bool while a padded (CUDA-graph) batch runs, else None
+        # the mask's weights per assignment, built by the first record() after the mask was set: (topk shape, [T*k])
+        self._mask_weights: tuple[torch.Size, Tensor] | None = None
         # snapshot_and_reset_async's pinned host buffers and their copies' events, used in turn (made on first use)
         self._host_buffers: list[tuple[Tensor, torch.cuda.Event]] = []
         self._next_buffer = 0
@@ -40,6 +44,15 @@ class RoutingCounter:
     @property
     def device(self) -> torch.device:
         return self.counts.device
+
+    @property
+    def row_mask(self) -> Tensor | None:
+        return self._row_mask
+
+    @row_mask.setter
+    def row_mask(self, mask: Tensor | None) -> None:
+        self._row_mask = mask
+        self._mask_weights = None  # weights of another mask (or of none)
 
     def record(self, moe_layer: int, topk_ids: Tensor) -> None:
         """Adds one count per entry of `topk_ids` [T, k] (expert ids in [0, E)) to row `moe_layer`.
@@ -49,11 +62,21 @@ class RoutingCounter:
         flat = topk_ids.reshape(-1)
         if flat.dtype != torch.int64:
             flat = flat.long()
-        if self.row_mask is None:
+        if self._row_mask is None:
             src = self._one.expand(flat.numel())
         else:  # padding rows add 0
-            src = self.row_mask[:, None].expand(topk_ids.shape).reshape(-1).to(torch.float32)
+            src = self._weights_of_mask(topk_ids.shape)
         self.counts[moe_layer].scatter_add_(0, flat, src)
+
+    def _weights_of_mask(self, shape: torch.Size) -> Tensor:
+        """[T * k] float32: 1 where the assignment's row is real, 0 for padding (every layer of a pass routes the
+        same [T, k] rows, so the first layer's weights serve the rest; inside a capture they are a graph tensor)."""
+        cached = self._mask_weights
+        if cached is None or cached[0] != shape:
+            assert self._row_mask is not None
+            weights = self._row_mask[:, None].expand(shape).reshape(-1).to(torch.float32)
+            self._mask_weights = cached = (shape, weights)
+        return cached[1]
 
     def snapshot_and_reset_async(self) -> tuple[Tensor, torch.cuda.Event | None]:
         """Starts copying the counts so far to the host (pinned, non-blocking) and zeroes the device counts,
