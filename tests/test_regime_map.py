@@ -81,3 +81,30 @@ def test_plan_without_defines_predicts_the_sweeps_own_configurations(monkeypatch
     assert [line.split(":")[0] for line in out.splitlines()] == list(regime_map.DEFAULT_PLAN_CONFIGS)
     assert seen[0] == ["--offload-mode", "static"] and "--slo-ttft-p99-ms" in seen[-1]
     assert "predicted SLO capacity 8.0 req/s" in out
+
+
+def test_dummy_ranking_makes_fixed_mode_keep_the_routers_most_popular_experts(tiny_checkpoint, tmp_path) -> None:
+    """benchmarks/dummy_ranking.py writes the skewed dummy router's ranking: fixed mode given it keeps each layer's
+    most popular experts resident; without it fixed mode keeps the first by index, whatever the router favours."""
+    import numpy as np
+
+    from benchmarks.dummy_ranking import main as write_ranking
+    from rimuru import LLM
+    from rimuru.experts.popularity import ExpertPopularity
+
+    path = str(tiny_checkpoint("qwen3_moe", num_experts=16))
+    ranking = tmp_path / "ranking.json"
+    write_ranking(["--model", path, "--routing", "zipf:1.0", "--seed", "5", "--output", str(ranking)])
+
+    def resident_sets(**kwargs: object) -> list[set[int]]:
+        llm = LLM(path, load_format="dummy", dummy_routing="zipf:1.0", seed=5, device="cpu", offload_mode="fixed",
+                  resident_experts=4, gpu_memory_budget="64MiB", **kwargs)
+        absent = llm.engine.runtime.cache.absent_mask()  # [L, E]
+        llm.shutdown()
+        return [set(np.flatnonzero(~row).tolist()) for row in absent]
+
+    shares = ExpertPopularity.zipf(path, 2, 16, 1.0, seed=5).probabilities  # what the dummy router is built from
+    most_popular = [set(np.argsort(-row, kind="stable")[:4].tolist()) for row in shares]
+    assert resident_sets(expert_ranking=str(ranking)) == most_popular
+    unranked = resident_sets()
+    assert unranked == [{0, 1, 2, 3}] * len(shares) and unranked != most_popular

@@ -4,7 +4,7 @@
 #   regime_cell.sh CELL CONFIGS RATES
 #   CELL     qwen3-59gib-zipf | qwen3-59gib-uniform | qwen3-62gib-zipf | qwen3-48gib-zipf | qwen1.5-32gib-uniform
 #   CONFIGS  comma separated: static, elastic (the defaults), elastic-slo (TTFT p99 2 s, TPOT p99 50 ms), fixedN (N
-#            experts of each layer resident)
+#            experts of each layer resident: in a zipf cell the N most popular, by the router's ranking)
 #   RATES    comma separated req/s
 # e.g. regime_cell.sh qwen3-62gib-zipf static,elastic-slo 8,10,12
 # SWEEP_ARGS adds serve_sweep flags: a point longer than one command (the 48 GiB cell at 1 req/s: 400 s of arrivals
@@ -21,9 +21,19 @@ budget=$(echo "$cell" | sed -E 's/^[^-]+-([0-9]+)gib-.*/\1/')GiB
 routing=${cell##*-}
 args=(); label=uniform
 if [ "$routing" = zipf ]; then args=(--rimuru-args="--dummy-routing zipf:1.0"); label=zipf1.0; fi
+# fixed splits keep the first N of each layer's ranking resident: under the skewed dummy router, the ranking a
+# profile of the traffic finds (benchmarks/dummy_ranking.py), so that a split is the best fixed mode offers
+ranking=()
+if [ "$routing" = zipf ] && [[ ",$configs," == *,fixed[0-9]* ]]; then
+  file="$OUT/$D-ranking-$model-zipf1.0.json"
+  python3 benchmarks/dummy_ranking.py --model $model --routing zipf:1.0 --output "$file" || exit
+  ranking=(--expert-ranking "$file")
+fi
 defines=()
 for c in ${configs//,/ }; do
-  case "$c" in fixed[0-9]*) defines+=(--define "$c=rimuru:--offload-mode fixed --resident-experts ${c#fixed}") ;; esac
+  case "$c" in
+    fixed[0-9]*) defines+=(--define "$c=rimuru:--offload-mode fixed --resident-experts ${c#fixed} ${ranking[*]}") ;;
+  esac
 done
 # TIMEOUT_S (default 580) bounds the sweep, so that two cells can share one device command
 t=${TIMEOUT_S:-580}
