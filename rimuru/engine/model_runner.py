@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from rimuru.engine.cuda_graphs import StepGraphs
+from rimuru.engine.host_wait import wait_for
 from rimuru.engine.kv_compaction import KVMoves
 from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs, logprob_rows, unpack_logprobs
 from rimuru.engine.penalties import PenaltyHistory
@@ -108,7 +109,7 @@ class InputStager:
         self._turn ^= 1
         done = self._done[i]
         if done is not None:
-            done.synchronize()  # the copy of two steps ago: long finished in a running loop
+            wait_for(done)  # the copy of two steps ago: long finished in a running loop
         buf = self._host[i]
         if buf is None or buf.numel() < nbytes:
             size = max(nbytes, 2 * (buf.numel() if buf is not None else 0), 1 << 16)
@@ -163,7 +164,7 @@ class SampledTokens:
 
     def tolist(self) -> list[int]:
         if self._event is not None:
-            self._event.synchronize()
+            wait_for(self._event)
         if self._host is None:
             return []
         out = self._host.tolist()
@@ -176,7 +177,7 @@ class SampledTokens:
         if self._prompt is None or self._prompt_rows is None:
             return None
         if self._event is not None:
-            self._event.synchronize()  # already passed in `tolist`
+            wait_for(self._event)  # already passed in `tolist`
         return unpack_prompt_logprobs(self._prompt, self._prompt_rows)
 
     def logprobs(self) -> list[TokenLogprobs | None] | None:
@@ -184,7 +185,7 @@ class SampledTokens:
         if self._logprobs is None or self._rows is None:
             return None
         if self._event is not None:
-            self._event.synchronize()  # already passed in `tolist`: no second wait
+            wait_for(self._event)  # already passed in `tolist`: no second wait
         return unpack_logprobs(self._logprobs, self._rows)
 
 

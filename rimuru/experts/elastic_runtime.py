@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from rimuru.engine.host_wait import wait_for
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.elastic_core import ElasticCore
@@ -166,7 +167,7 @@ class ElasticRuntime(OffloadRuntime):
         if previous is not None:
             host, done, absent_then = previous
             if done is not None:
-                done.synchronize()  # the pass before the one in flight: finished
+                wait_for(done)  # the pass before the one in flight: finished (a query, no GIL handover)
             counts = host.numpy()
             read = self._read_from_host(counts, absent_then, self._decode_in_flight)
         ran = self._forward_start is not None
