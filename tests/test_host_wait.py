@@ -1,11 +1,11 @@
-"""engine/host_wait.py: the engine thread blocks on a device event (and gives the GIL away) only while the work
+"""memory/host_wait.py: the engine thread blocks on a device event (and gives the GIL away) only while the work
 behind it is still running."""
 
 from __future__ import annotations
 
 import pytest
 
-from rimuru.engine.host_wait import wait_for
+from rimuru.memory.host_wait import wait_for
 
 
 class _Event:

@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from rimuru.engine.cuda_graphs import StepGraphs
-from rimuru.engine.host_wait import wait_for
 from rimuru.engine.kv_compaction import KVMoves
 from rimuru.engine.logprobs import LogprobRows, TokenLogprobs, compute_logprobs, logprob_rows, unpack_logprobs
 from rimuru.engine.penalties import PenaltyHistory
@@ -48,6 +47,7 @@ from rimuru.engine.scheduler import ScheduledRequest, SchedulerOutput
 from rimuru.engine.state_cache_manager import StateCopy
 from rimuru.engine.step_profiler import StepTrace
 from rimuru.kernels.paged_attention import q_tile_starts, tile_map_block_q
+from rimuru.memory.host_wait import wait_for
 from rimuru.models.causal_lm import MoECausalLM
 from rimuru.models.forward_batch import ForwardBatch, StepLayout
 

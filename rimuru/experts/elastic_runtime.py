@@ -26,7 +26,6 @@ import time
 import numpy as np
 import torch
 
-from rimuru.engine.host_wait import wait_for
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.elastic_core import ElasticCore
@@ -38,6 +37,7 @@ from rimuru.experts.residency import EXPERT
 from rimuru.experts.routing_counter import RoutingCounter
 from rimuru.experts.runtime import GraphPlan, StepDemand
 from rimuru.experts.static_provider import StaticExpertProvider
+from rimuru.memory.host_wait import wait_for
 
 
 class ElasticRuntime(OffloadRuntime):
