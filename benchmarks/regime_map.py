@@ -5,9 +5,10 @@ A cell is (model, budget, routing). serve_sweep.py measures each mode (a sweep c
 elastic with its defaults, elastic with an SLO, vLLM) at several request rates; this script reads those files and:
 
     build   one row per measured point (the fields below), each with `rimuru simulate`'s prediction for the same
-            configuration, requests and rate; per cell and mode the SLO capacity, measured and predicted: the
-            highest measured rate such that it and every lower measured rate hold TTFT p99 <= 2 s and
-            TPOT p99 <= 50 ms (None when the lowest misses); a plot of throughput and TTFT p99 against rate
+            configuration, requests and rate on the profile of the GPU the files were measured on (one GPU a
+            map); per cell and mode the SLO capacity, measured and predicted: the highest measured rate such
+            that it and every lower measured rate hold TTFT p99 <= 2 s and TPOT p99 <= 50 ms (None when the
+            lowest misses); a plot of throughput and TTFT p99 against rate
     plan    before any GPU time: the simulator's capacity of each mode on a grid of rates, and the rates to
             measure around each predicted knee (10 % steps), as serve_sweep.py arguments
 
@@ -69,6 +70,31 @@ def routing_of(flags: list[str]) -> str:
 def server_flags(doc: dict[str, Any], config: str) -> list[str]:
     command = (doc.get("servers") or {}).get(config, {}).get("command", "")
     return shlex.split(command)
+
+
+def hardware_of(device: str | None) -> str | None:
+    """The simulator profile (rimuru/sim/cost_model.HARDWARE) of a result file's `device`, e.g. "NVIDIA H100 80GB
+    HBM3" -> "h100"; None for a device without a fitted profile."""
+    from rimuru.sim.cost_model import HARDWARE
+
+    name = (device or "").lower()
+    found = [h for h in HARDWARE if h in name.replace(" ", "")]
+    return found[0] if len(found) == 1 else None
+
+
+def hardware_of_files(docs: dict[str, dict[str, Any]], override: str | None) -> str:
+    """The one profile that predicts every file's rows: `override` when given, else the files' devices, which must
+    all be one GPU with a fitted profile (rows of two GPUs in one map would compare different machines)."""
+    if override:
+        return override
+    by = {name: hardware_of(doc.get("device")) for name, doc in docs.items()}
+    if None in by.values():
+        unknown = ", ".join(f"{n} ({docs[n].get('device')!r})" for n, h in by.items() if h is None)
+        raise SystemExit(f"regime_map: no simulator profile for the device of {unknown}; pass --hardware")
+    if len(set(by.values())) > 1:
+        raise SystemExit("regime_map: the files were measured on different GPUs (" +
+                         ", ".join(f"{n}: {h}" for n, h in sorted(by.items())) + "); build one map per GPU")
+    return next(iter(by.values()))
 
 
 def rows_from_sweep(doc: dict[str, Any], source: str) -> list[dict[str, Any]]:
@@ -171,10 +197,11 @@ def simulate(model: str, routing: str, flags: list[str], budget_bytes: int, rate
             "expert_bytes_pcie": s["pcie_bytes"]}
 
 
-def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str]) -> list[dict[str, Any]]:
+def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str],
+                     hardware: str = "h200") -> list[dict[str, Any]]:
     """Each Rimuru row gets `predicted` (the simulator on the same configuration, requests, rate and start-up
-    workspace, H200 profile); `model_of` maps a row's model name to what load_model_spec reads (a preset name or a
-    model directory)."""
+    workspace, on the `hardware` profile); `model_of` maps a row's model name to what load_model_spec reads (a preset
+    name or a model directory)."""
     from rimuru.model_spec import load_model_spec
 
     out = []
@@ -186,7 +213,7 @@ def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str]) -> li
                 budget = int(r["budget_gib"] * 2**30)
                 workspace = measured_workspace(r, load_model_spec(model), budget)
                 predicted = simulate(model, r["routing"], r["server_flags"], budget, float(r["rate"]),
-                                     int(r["num_prompts"]), workspace_bytes=workspace)
+                                     int(r["num_prompts"]), workspace_bytes=workspace, hardware=hardware)
             except (ValueError, RuntimeError) as e:  # a configuration the simulator refuses: say so in the row
                 predicted = {"error": str(e)[:300]}
         out.append({**r, "predicted": predicted})
@@ -196,19 +223,20 @@ def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str]) -> li
 # ---------------------------------------------------------------------------------------------- commands
 
 def build(args: argparse.Namespace) -> None:
-    rows = []
-    for path in args.files:
-        rows += rows_from_sweep(json.loads(Path(path).read_text()), Path(path).name)
+    docs = {path: json.loads(Path(path).read_text()) for path in args.files}
+    rows = [row for path, doc in docs.items() for row in rows_from_sweep(doc, Path(path).name)]
+    hardware = None
     if not args.no_predictions:
-        rows = with_predictions(rows, dict(m.split("=", 1) for m in args.model_path))
+        hardware = hardware_of_files(docs, args.hardware)
+        rows = with_predictions(rows, dict(m.split("=", 1) for m in args.model_path), hardware)
     measured = capacities(rows)
     predicted = {tuple(c[k] for k in ("model", "budget_gib", "routing", "mode")): c["predicted_slo_capacity"]
                  for c in capacities([r for r in rows if isinstance(r.get("predicted"), dict)
                                       and "error" not in r["predicted"]], key="predicted_")}
     for c in measured:
         c["predicted_slo_capacity"] = predicted.get(tuple(c[k] for k in ("model", "budget_gib", "routing", "mode")))
-    meta = metadata("regime_map",
-                    slo={"p99_ttft_ms": TTFT_P99_SLO_MS, "p99_tpot_ms": TPOT_P99_SLO_MS}, capacities=measured)
+    meta = metadata("regime_map", slo={"p99_ttft_ms": TTFT_P99_SLO_MS, "p99_tpot_ms": TPOT_P99_SLO_MS},
+                    simulator_hardware=hardware, capacities=measured)
     for c in measured:
         print(f"{c['model']:>20} {c['budget_gib']:>6} GiB {c['routing']:>9} {c['mode']:>18}  capacity "
               f"{c['slo_capacity']} req/s (predicted {c['predicted_slo_capacity']}), rates {c['rates']}")
@@ -236,7 +264,7 @@ def plan(args: argparse.Namespace) -> None:
         points = {}
         for rate in grid:
             points[rate] = simulate(args.model, args.routing, shlex.split(flags), budget, rate, args.num_prompts,
-                                    workspace_bytes=workspace)
+                                    workspace_bytes=workspace, hardware=args.hardware)
             if not meets_slo(points[rate]):
                 break
         knee = slo_capacity(points)
@@ -281,6 +309,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rimuru.sim.cost_model import HARDWARE
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="regime rows and SLO capacities from serve_sweep files")
@@ -290,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--no-predictions", action="store_true", help="skip the simulator (no predicted fields)")
     b.add_argument("--model-path", action="append", default=[], metavar="NAME=PATH",
                    help="what the simulator loads for a row's model name (default: the name, a preset)")
+    b.add_argument("--hardware", choices=sorted(HARDWARE),
+                   help="the simulator's GPU profile (default: the one of the files' device; all files one GPU)")
     p = sub.add_parser("plan", help="the simulator's capacity per configuration, and the rates to measure")
     p.add_argument("--model", required=True)
     p.add_argument("--gpu-memory-budget", required=True)
@@ -298,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"a configuration to predict (default: serve_sweep's {', '.join(DEFAULT_PLAN_CONFIGS)})")
     p.add_argument("--num-prompts", type=int, default=400)
     p.add_argument("--grid", default="1,2,4,6,8,10,12,16,20,24,32,40,48,64")
+    p.add_argument("--hardware", default="h200", choices=sorted(HARDWARE), help="the simulator's GPU profile")
     p.add_argument("--workspace", help="the workspace the engine measured at start-up for this model and budget, "
                                        "e.g. 1468MB (a served row's workspace_bytes; default: the simulator's bound)")
     args = ap.parse_args(argv)

@@ -71,7 +71,7 @@ def test_plan_without_defines_predicts_the_sweeps_own_configurations(monkeypatch
     seen: list[list[str]] = []
 
     def fake_simulate(model: str, routing: str, flags: list[str], budget: int, rate: float, num_prompts: int,
-                      workspace_bytes: int | None = None) -> dict[str, float]:
+                      workspace_bytes: int | None = None, hardware: str = "h200") -> dict[str, float]:
         seen.append(flags)  # a point that meets both SLOs at every rate
         return {"p99_ttft_ms": 100.0, "p99_tpot_ms": 10.0}
 
@@ -108,3 +108,25 @@ def test_dummy_ranking_makes_fixed_mode_keep_the_routers_most_popular_experts(ti
     assert resident_sets(expert_ranking=str(ranking)) == most_popular
     unranked = resident_sets()
     assert unranked == [{0, 1, 2, 3}] * len(shares) and unranked != most_popular
+
+
+def test_predictions_use_the_profile_of_the_files_gpu_and_one_map_holds_one_gpu(tmp_path: Path) -> None:
+    assert regime_map.hardware_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert regime_map.hardware_of("NVIDIA H200") == "h200"
+    assert regime_map.hardware_of("NVIDIA A10G") is None and regime_map.hardware_of(None) is None
+    h100, h200 = ({"device": "NVIDIA H100 80GB HBM3"}, {"device": "NVIDIA H200"})
+    assert regime_map.hardware_of_files({"a.json": h100, "b.json": h100}, None) == "h100"
+    assert regime_map.hardware_of_files({"a.json": h100, "b.json": h200}, "h200") == "h200"  # said by the user
+    with pytest.raises(SystemExit, match="different GPUs"):
+        regime_map.hardware_of_files({"a.json": h100, "b.json": h200}, None)
+    with pytest.raises(SystemExit, match="no simulator profile for the device of c.json"):
+        regime_map.hardware_of_files({"c.json": {"device": "NVIDIA A10G"}}, None)
+    # a build over files of two GPUs stops with that message before it simulates anything
+    first, second = tmp_path / "one", tmp_path / "two"
+    first.mkdir(), second.mkdir()
+    for folder, device in ((first, "NVIDIA H100 80GB HBM3"), (second, "NVIDIA H200")):
+        doc = json.loads(sweep(folder).read_text())
+        (folder / "sweep.json").write_text(json.dumps({**doc, "device": device}))
+    with pytest.raises(SystemExit, match="different GPUs"):
+        regime_map.main(["build", str(first / "sweep.json"), str(second / "sweep.json")])
+

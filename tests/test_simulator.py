@@ -204,18 +204,20 @@ def test_step_time_fit_recovers_the_profile_that_made_the_passes() -> None:
         fit_step_time(samples[:2], HardwareConfig())
 
 
-def test_the_h200_profile_is_the_committed_fit() -> None:
-    """The simulator's H200 step time is the fit benchmarks/calibrate_simulator.py wrote from measured passes."""
+@pytest.mark.parametrize("hardware, fit_file", [("h200", "2026-12-01-sim-calibration-static-steps-h200.json"),
+                                                ("h100", "2026-12-06-sim-calibration-static-steps-h100.json")])
+def test_the_gpu_profiles_are_the_committed_fits(hardware: str, fit_file: str) -> None:
+    """The simulator's step time on each GPU is the fit benchmarks/calibrate_simulator.py wrote from passes measured
+    on that GPU."""
     import json
     from pathlib import Path
 
     from rimuru.sim.cost_model import HARDWARE
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-12-01-sim-calibration-static-steps-h200.json"
-    fit = json.loads(path.read_text())["fit"]
-    h200 = HARDWARE["h200"]
-    assert h200.compute_plus_memory and fit["compute_plus_memory"]
-    assert (h200.flops_efficiency, h200.bandwidth_efficiency, h200.layer_overhead_s) == pytest.approx(
+    fit = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results" / fit_file).read_text())["fit"]
+    hw = HARDWARE[hardware]
+    assert hw.name == hardware and hw.compute_plus_memory and fit["compute_plus_memory"]
+    assert (hw.flops_efficiency, hw.bandwidth_efficiency, hw.layer_overhead_s) == pytest.approx(
         (fit["flops_efficiency"], fit["bandwidth_efficiency"], fit["layer_overhead_s"]), rel=1e-3)
 
 
