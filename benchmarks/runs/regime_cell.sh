@@ -7,6 +7,7 @@
 #            experts of each layer resident: in a zipf cell the N most popular, by the router's ranking)
 #   RATES    comma separated req/s
 # e.g. regime_cell.sh qwen3-62gib-zipf static,elastic-slo 8,10,12
+#      RANKING=profile regime_cell.sh qwen3-59gib-zipf fixed126 8,12,16   (fixed ranked by a measured profile)
 # SWEEP_ARGS adds serve_sweep flags: a point longer than one command (the 48 GiB cell at 1 req/s: 400 s of arrivals
 # after a start of minutes) takes two calls, one configuration each: SWEEP_ARGS=--detach (starts the server, measures
 # nothing), then the same command with SWEEP_ARGS=--attach (measures on it and stops it).
@@ -21,12 +22,21 @@ budget=$(echo "$cell" | sed -E 's/^[^-]+-([0-9]+)gib-.*/\1/')GiB
 routing=${cell##*-}
 args=(); label=uniform
 if [ "$routing" = zipf ]; then args=(--rimuru-args="--dummy-routing zipf:1.0"); label=zipf1.0; fi
-# fixed splits keep the first N of each layer's ranking resident: under the skewed dummy router, the ranking a
-# profile of the traffic finds (benchmarks/dummy_ranking.py), so that a split is the best fixed mode offers
+# fixed splits keep the first N of each layer's ranking resident: under the skewed dummy router, by default the
+# router's promised shares (benchmarks/dummy_ranking.py, no GPU time); RANKING=profile measures the ranking as a
+# user of fixed mode would, `rimuru profile` on this cell's model and budget (static, eager, NP_PROFILE ShareGPT
+# requests, greedy as the sweep's client): the shares the router realises, which differ from the promised ones
+# expert by expert (docs/benchmarks.md section 10)
 ranking=()
 if [ "$routing" = zipf ] && [[ ",$configs," == *,fixed[0-9]* ]]; then
-  file="$OUT/$D-ranking-$model-zipf1.0.json"
-  python3 benchmarks/dummy_ranking.py --model $model --routing zipf:1.0 --output "$file" || exit
+  if [ "${RANKING:-promised}" = profile ]; then
+    file="$OUT/$D-profile-ranking-$model-$budget-zipf1.0-$C-$G.json"
+    python3 -m rimuru.cli profile $model --load-format dummy --dummy-routing zipf:1.0 --gpu-memory-budget "$budget" \
+      --num-prompts "${NP_PROFILE:-200}" --max-tokens 128 --temperature 0 --no-progress --output "$file" || exit
+  else
+    file="$OUT/$D-ranking-$model-zipf1.0.json"
+    python3 benchmarks/dummy_ranking.py --model $model --routing zipf:1.0 --output "$file" || exit
+  fi
   ranking=(--expert-ranking "$file")
 fi
 defines=()
