@@ -28,7 +28,10 @@ call's sweep with the same flags and `--attach` measures on it and stops it.
 Configurations (add more with `--define NAME=rimuru:FLAGS` or `NAME=vllm:FLAGS`):
     static, fixed, elastic-paper, elastic-cost   rimuru serve --offload-mode ... [--adjuster paper|cost]
     elastic, elastic-slo                         elastic's defaults; with --slo-ttft-p99-ms 2000 --slo-tpot-p99-ms 50
-    vllm, vllm-unlimited                         vLLM's OpenAI server, --gpu-memory-utilization 0.229 | 0.9
+    vllm, vllm-unlimited                         vLLM's OpenAI server at --gpu-memory-budget | at 0.9 of the GPU
+A vLLM configuration that does not set --gpu-memory-utilization gets the budget as a share of the GPU's memory (what
+CUDA reports, the figure vLLM multiplies): 32 GiB is 0.229 of an H200 and about 0.40 of an H100 80GB, so both
+engines hold the same memory on whichever card the run gets.
 `--plot-from A.json [B.json ...] --plot out.png` only draws (throughput and TTFT p50 against rate).
 Beside it: sweep_processes.py (starting, detaching, adopting and stopping servers), sweep_plots.py (the
 plots), result_files.py (the run, i.e. the code, a committed result file measured).
@@ -90,7 +93,7 @@ BUILTIN_CONFIGS: dict[str, tuple[str, list[str]]] = {
     # the targets the serving benchmarks judge by (a rate's SLO: TTFT p99 and TPOT p99, benchmarks/common.py)
     "elastic-slo": ("rimuru", ["--offload-mode", "elastic", "--slo-ttft-p99-ms", f"{TTFT_P99_SLO_MS:g}",
                                "--slo-tpot-p99-ms", f"{TPOT_P99_SLO_MS:g}"]),
-    "vllm": ("vllm", ["--gpu-memory-utilization", "0.229"]),  # 0.229 x 139.8 GiB = 32 GiB
+    "vllm": ("vllm", []),  # --gpu-memory-utilization from --gpu-memory-budget (vllm_memory_flags)
     "vllm-unlimited": ("vllm", ["--gpu-memory-utilization", "0.9"]),
 }
 
@@ -304,6 +307,7 @@ class Sweep:
     servers: dict[str, dict[str, Any]] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     start_s_seen: list[float] = field(default_factory=list)
+    _gpu_total: int | None = None  # bytes, gpu_total_bytes()
     tail_s_seen: list[float] = field(default_factory=list)
 
     # -- output
@@ -374,9 +378,27 @@ class Sweep:
                     "--gpu-memory-budget", a.gpu_memory_budget, "--device", a.device, *cfg.flags,
                     *shlex.split(a.rimuru_args), "--host", "127.0.0.1", "--port", str(port),
                     "--served-model-name", a.served_model_name, "--log-level", "warning"]
+        extra = shlex.split(a.vllm_args)
+        memory = [] if sets_vllm_memory([*cfg.flags, *extra]) else \
+            vllm_memory_flags(budget_bytes(a.gpu_memory_budget), self.gpu_total_bytes())
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model, "--load-format",
-                a.load_format, *cfg.flags, "--max-model-len", str(a.vllm_max_model_len), *shlex.split(a.vllm_args),
+                a.load_format, *memory, *cfg.flags, "--max-model-len", str(a.vllm_max_model_len), *extra,
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", a.served_model_name]
+
+    def gpu_total_bytes(self) -> int:
+        """The memory of the GPU the servers see (CUDA_VISIBLE_DEVICES as set), as CUDA reports it; read once, in a
+        child process, so that this process never holds a CUDA context beside the servers."""
+        if self._gpu_total is None:
+            probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info()[1])"],
+                                   env=self.env_for("rimuru", client=True), capture_output=True, text=True,
+                                   timeout=300)
+            if probe.returncode != 0 or not probe.stdout.strip():
+                why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+                raise SystemExit(f"serve_sweep: cannot read the GPU's memory, which vLLM's --gpu-memory-utilization "
+                                 f"is a share of ({why}); give the vLLM configuration its own "
+                                 f"--gpu-memory-utilization")
+            self._gpu_total = int(probe.stdout.strip().splitlines()[-1])
+        return self._gpu_total
 
     def client_command(self, base_url: str, rate: float, num_prompts: int, seed: int, out_dir: Path) -> list[str]:
         a = self.args
@@ -699,6 +721,30 @@ def sweep_metadata(args: argparse.Namespace, command: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
+def budget_bytes(budget: str) -> int:
+    """`--gpu-memory-budget` in bytes, read as Rimuru's servers read it."""
+    if str(REPO) not in sys.path:
+        sys.path.append(str(REPO))
+    from rimuru.config import parse_bytes
+
+    return parse_bytes(budget)
+
+
+def sets_vllm_memory(flags: list[str]) -> bool:
+    """Whether vLLM flags size its memory themselves (a share of the GPU, or the KV cache's bytes)."""
+    own = ("--gpu-memory-utilization", "--kv-cache-memory", "--kv-cache-memory-bytes")
+    return any(f in own or f.split("=", 1)[0] in own for f in flags)
+
+
+def vllm_memory_flags(budget_bytes: int, gpu_total_bytes: int) -> list[str]:
+    """`--gpu-memory-utilization` for a budget: the budget's share of the GPU's memory, rounded down to four digits
+    (vLLM's server then holds at most the budget)."""
+    if not 0 < budget_bytes <= gpu_total_bytes:
+        raise SystemExit(f"serve_sweep: a budget of {budget_bytes / 2**30:.2f} GiB does not fit this GPU's "
+                         f"{gpu_total_bytes / 2**30:.2f} GiB")
+    return ["--gpu-memory-utilization", f"{math.floor(budget_bytes / gpu_total_bytes * 1e4) / 1e4:.4f}"]
+
+
 def parse_configs(names: str, defines: list[str]) -> list[Config]:
     table = dict(BUILTIN_CONFIGS)
     for d in defines:
@@ -744,7 +790,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset-path", default=str(ANCHOR_DATA) if ANCHOR_DATA.exists() else None,
                    help="ShareGPT JSON (default: the vllm-anchor one if present, else our packaged dataset)")
     p.add_argument("--load-format", default="dummy")
-    p.add_argument("--gpu-memory-budget", default="32GiB", help="Rimuru servers' budget")
+    p.add_argument("--gpu-memory-budget", default="32GiB",
+                   help="Rimuru servers' budget; vLLM servers' too, as --gpu-memory-utilization, unless they set it")
     p.add_argument("--device", default="auto", help="Rimuru servers' device (auto | cuda | cpu)")
     p.add_argument("--rimuru-args", default="", help="more flags for every Rimuru server (one string)")
     p.add_argument("--server-root", default=str(REPO),

@@ -32,6 +32,8 @@ from sweep_processes import (  # noqa: E402
 
 from benchmarks.serve_sweep import (  # noqa: E402
     ROW_FIELDS,
+    Sweep,
+    build_parser,
     counter_deltas,
     normalise_result,
     parse_configs,
@@ -39,6 +41,8 @@ from benchmarks.serve_sweep import (  # noqa: E402
     point_error,
     prompt_format_args,
     running_waiting,
+    sets_vllm_memory,
+    vllm_memory_flags,
 )
 
 
@@ -317,3 +321,25 @@ def test_prefix_caching_workloads_hit_with_caching_on_and_not_off(tiny_checkpoin
         assert on["median_ttft_first_turn_ms"] > 0 and on["median_ttft_later_turns_ms"] > 0
     else:
         assert on["median_ttft_first_turn_ms"] is None
+
+
+def test_a_vllm_server_gets_the_budget_as_its_share_of_the_gpu() -> None:
+    h200, h100 = 139.81 * 2**30, 79.19 * 2**30  # what CUDA reports as the cards' totals
+    assert vllm_memory_flags(32 * 2**30, int(h200)) == ["--gpu-memory-utilization", "0.2288"]
+    assert vllm_memory_flags(32 * 2**30, int(h100)) == ["--gpu-memory-utilization", "0.4040"]
+    assert float(vllm_memory_flags(72 * 2**30, int(h100))[1]) * h100 <= 72 * 2**30  # rounded down: never above
+    with pytest.raises(SystemExit, match="does not fit this GPU"):
+        vllm_memory_flags(100 * 2**30, int(h100))
+    assert sets_vllm_memory(["--gpu-memory-utilization", "0.9"]) and sets_vllm_memory(["--kv-cache-memory=8G"])
+    assert not sets_vllm_memory(["--enforce-eager"])
+
+    args = build_parser().parse_args(["--gpu-memory-budget", "32GiB", "--configs", "vllm,vllm-unlimited",
+                                      "--rates", "1", "--vllm-args=--enforce-eager"])
+    sweep = Sweep(args=args, meta={})
+    sweep._gpu_total = int(h100)  # as gpu_total_bytes() would read it on an H100
+    vllm, unlimited = parse_configs("vllm,vllm-unlimited", [])
+    cmd = sweep.server_command(vllm, 8000)
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.4040" and "--enforce-eager" in cmd
+    cmd = sweep.server_command(unlimited, 8000)  # a configuration that sizes itself keeps its own share
+    assert cmd.count("--gpu-memory-utilization") == 1 and cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
+

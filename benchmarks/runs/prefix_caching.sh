@@ -20,7 +20,7 @@ case "${2:-}" in
       --define "pc-off=rimuru:--offload-mode elastic --no-enable-prefix-caching --enable-prompt-tokens-details" \
       --configs pc-on,pc-off --output-json "$OUT/$D-prefix-$label-qwen1.5-32gib-rimuru-$C-$G.json" ;;
   vllm) timeout 560 $SWEEP --model "$ANCHOR/qwen15moe" --vllm-site "$VLLM_SITE" "${common[@]}" \
-      --define "vllm-pc=vllm:--gpu-memory-utilization 0.229 --enable-prefix-caching --enable-prompt-tokens-details" \
+      --define "vllm-pc=vllm:--enable-prefix-caching --enable-prompt-tokens-details" \
       --configs vllm-pc --save-metrics-text "$OUT" \
       --output-json "$OUT/$D-prefix-$label-qwen1.5-32gib-vllm-beside-$C-$G.json" ;;
   *) echo "usage: prefix_caching.sh shared|multiturn rimuru|vllm" >&2; exit 2 ;;

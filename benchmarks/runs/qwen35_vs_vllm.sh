@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Qwen3.5-35B-A3B shapes (dummy weights, uniform routing) beside vLLM 0.26, text only, the same model folder, client
-# and data (vLLM's client, ShareGPT), at a budget where the weights just fit (72 GiB; vLLM: 72 GiB of the H200's
-# 140.4 GiB, --language-model-only so its vision tower takes nothing) and below it (60 GiB: static cannot start):
+# and data (vLLM's client, ShareGPT), at a budget where the weights just fit (72 GiB; vLLM the same 72 GiB as its
+# share of the card, --language-model-only so its vision tower takes nothing) and below it (60 GiB: static cannot
+# start):
 #   qwen35_vs_vllm.sh rimuru72   static, fixed, elastic at 72 GiB   (fla-core must be importable)
 #   qwen35_vs_vllm.sh rimuru60   fixed, elastic at 60 GiB
 #   qwen35_vs_vllm.sh vllm72     vLLM at 72 GiB
@@ -16,8 +17,8 @@ case "${1:-}" in
       --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-rimuru-$C-$G.json" ;;
   rimuru60) timeout 560 $SWEEP "${common[@]}" --gpu-memory-budget 60GiB --configs fixed,elastic \
       --output-json "$OUT/$D-serve-qwen3.5-35b-60gib-uniform-rimuru-$C-$G.json" ;;
-  vllm72) timeout 560 $SWEEP "${common[@]}" --vllm-max-model-len 4096 \
-      --define "vllm72=vllm:--gpu-memory-utilization 0.5128 --language-model-only" --configs vllm72 \
+  vllm72) timeout 560 $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --vllm-max-model-len 4096 \
+      --define "vllm72=vllm:--language-model-only" --configs vllm72 \
       --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-vllm-beside-$C-$G.json" ;;
   *) echo "usage: qwen35_vs_vllm.sh rimuru72|rimuru60|vllm72" >&2; exit 2 ;;
 esac

@@ -6,7 +6,7 @@
 #                            (closer to two consumer cards on PCIe); `nvidia-smi topo -m` beside the results
 #   two_gpus.sh rimuru CONFIGS RATES   Qwen3-30B-A3B shapes at 2 x 32 GiB, --tensor-parallel-size 2, uniform
 #                            routing (ROUTING=zipf for zipf 1.0), 400 ShareGPT requests a point, vLLM's client
-#   two_gpus.sh vllm RATES   vLLM 0.26 --tensor-parallel-size 2 --gpu-memory-utilization 0.229, the same client
+#   two_gpus.sh vllm RATES   vLLM 0.26 --tensor-parallel-size 2 at 32 GiB a GPU, the same client
 # e.g. two_gpus.sh rimuru static,elastic,elastic-slo 2,4,8,12 ; two_gpus.sh vllm 2,4,8,12
 . "$(dirname "$0")/common.sh"
 dir=/tmp/models/qwen3moe
@@ -29,7 +29,7 @@ case "${1:-}" in
         --output-json "$OUT/$D-serve-qwen3-2x32gib-tp2-$label-${configs//,/-}-${rates//,/-}rps-$C-${G}x2.json"
     else
       rates=${2:?RATES}
-      timeout 580 $SWEEP "${common[@]}" --define "vllm-tp2=vllm:--tensor-parallel-size 2 --gpu-memory-utilization 0.229" \
+      timeout 580 $SWEEP "${common[@]}" --gpu-memory-budget 32GiB --define "vllm-tp2=vllm:--tensor-parallel-size 2" \
         --configs vllm-tp2 --rates "$rates" --label uniform \
         --output-json "$OUT/$D-serve-qwen3-2x32gib-tp2-uniform-vllm-${rates//,/-}rps-${G}x2.json"
     fi ;;
