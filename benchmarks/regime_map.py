@@ -180,15 +180,20 @@ def measured_workspace(row: dict[str, Any], spec: Any, budget_bytes: int) -> int
 
 
 def simulate(model: str, routing: str, flags: list[str], budget_bytes: int, rate: float, num_prompts: int,
-             seed: int = 0, workspace_bytes: int | None = None, hardware: str = "h200") -> dict[str, Any]:
+             seed: int = 0, workspace_bytes: int | None = None, hardware: str = "h200",
+             routing_file: str | None = None) -> dict[str, Any]:
     """`rimuru simulate`'s prediction of one point (the H200 profile by default): the row fields it predicts, in ms.
-    `workspace_bytes`: what the server measured at start-up (None: the simulator's bound)."""
+    `workspace_bytes`: what the server measured at start-up (None: the simulator's bound). `routing_file`: a
+    `rimuru profile` ranking of the served router, whose measured shares the simulation routes with instead of
+    those `routing` promises (the dummy router does not realise its promised shares expert by expert)."""
+    from rimuru.experts.popularity import ExpertPopularity
     from rimuru.model_spec import load_model_spec
     from rimuru.sim.cli import dummy_router_popularity, load_requests, with_arrivals
     from rimuru.sim.simulator import Simulation
 
     spec = load_model_spec(model)
-    pop = dummy_router_popularity(model, routing, spec, seed)
+    pop = ExpertPopularity.load(routing_file, spec.num_moe_layers, spec.num_experts) if routing_file \
+        else dummy_router_popularity(model, routing, spec, seed)
     s = Simulation(spec, pop, sim_config_of(flags, budget_bytes, hardware, workspace_bytes)).run(
         with_arrivals(load_requests("sharegpt", num_prompts, seed), rate, seed)).summary()
     return {"output_throughput": s["output_throughput_tok_s"], "median_ttft_ms": 1e3 * s["ttft_p50_s"],
@@ -197,11 +202,12 @@ def simulate(model: str, routing: str, flags: list[str], budget_bytes: int, rate
             "expert_bytes_pcie": s["pcie_bytes"]}
 
 
-def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str],
-                     hardware: str = "h200") -> list[dict[str, Any]]:
+def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str], hardware: str = "h200",
+                     routing_files: dict[tuple[str, str], str] | None = None) -> list[dict[str, Any]]:
     """Each Rimuru row gets `predicted` (the simulator on the same configuration, requests, rate and start-up
     workspace, on the `hardware` profile); `model_of` maps a row's model name to what load_model_spec reads (a preset
-    name or a model directory)."""
+    name or a model directory); `routing_files` maps (model, routing) to a measured routing profile to simulate
+    those rows with (`simulate`'s routing_file; the prediction names it)."""
     from rimuru.model_spec import load_model_spec
 
     out = []
@@ -212,11 +218,31 @@ def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str],
                 model = model_of.get(r["model"], r["model"])
                 budget = int(r["budget_gib"] * 2**30)
                 workspace = measured_workspace(r, load_model_spec(model), budget)
+                routing_file = (routing_files or {}).get((r["model"], r["routing"]))
                 predicted = simulate(model, r["routing"], r["server_flags"], budget, float(r["rate"]),
-                                     int(r["num_prompts"]), workspace_bytes=workspace, hardware=hardware)
+                                     int(r["num_prompts"]), workspace_bytes=workspace, hardware=hardware,
+                                     routing_file=routing_file)
+                if routing_file:
+                    predicted["routing_file"] = Path(routing_file).name
             except (ValueError, RuntimeError) as e:  # a configuration the simulator refuses: say so in the row
                 predicted = {"error": str(e)[:300]}
         out.append({**r, "predicted": predicted})
+    return out
+
+
+def routing_profiles(specs: list[str]) -> dict[tuple[str, str], str]:
+    """`--routing-profile MODEL:ROUTING=FILE` arguments as {(model, routing): file}; a missing file or a malformed
+    argument stops with its name."""
+    out = {}
+    for spec in specs:
+        key, sep, path = spec.partition("=")
+        model, sep2, routing = key.partition(":")
+        if not sep or not sep2 or not model or not routing or not path:
+            raise SystemExit(f"regime_map: bad --routing-profile {spec!r}: use MODEL:ROUTING=FILE, e.g. "
+                             "qwen3-30b-a3b:zipf:1.0=ranking.json")
+        if not Path(path).is_file():
+            raise SystemExit(f"regime_map: --routing-profile {spec!r}: no file {path}")
+        out[(model, routing)] = path
     return out
 
 
@@ -225,10 +251,10 @@ def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str],
 def build(args: argparse.Namespace) -> None:
     docs = {path: json.loads(Path(path).read_text()) for path in args.files}
     rows = [row for path, doc in docs.items() for row in rows_from_sweep(doc, Path(path).name)]
-    hardware = None
+    hardware, routing_files = None, routing_profiles(args.routing_profile)
     if not args.no_predictions:
         hardware = hardware_of_files(docs, args.hardware)
-        rows = with_predictions(rows, dict(m.split("=", 1) for m in args.model_path), hardware)
+        rows = with_predictions(rows, dict(m.split("=", 1) for m in args.model_path), hardware, routing_files)
     measured = capacities(rows)
     predicted = {tuple(c[k] for k in ("model", "budget_gib", "routing", "mode")): c["predicted_slo_capacity"]
                  for c in capacities([r for r in rows if isinstance(r.get("predicted"), dict)
@@ -236,7 +262,9 @@ def build(args: argparse.Namespace) -> None:
     for c in measured:
         c["predicted_slo_capacity"] = predicted.get(tuple(c[k] for k in ("model", "budget_gib", "routing", "mode")))
     meta = metadata("regime_map", slo={"p99_ttft_ms": TTFT_P99_SLO_MS, "p99_tpot_ms": TPOT_P99_SLO_MS},
-                    simulator_hardware=hardware, capacities=measured)
+                    simulator_hardware=hardware, routing_profiles={f"{m}:{r}": Path(f).name
+                                                                   for (m, r), f in routing_files.items()},
+                    capacities=measured)
     for c in measured:
         print(f"{c['model']:>20} {c['budget_gib']:>6} GiB {c['routing']:>9} {c['mode']:>18}  capacity "
               f"{c['slo_capacity']} req/s (predicted {c['predicted_slo_capacity']}), rates {c['rates']}")
@@ -320,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--no-predictions", action="store_true", help="skip the simulator (no predicted fields)")
     b.add_argument("--model-path", action="append", default=[], metavar="NAME=PATH",
                    help="what the simulator loads for a row's model name (default: the name, a preset)")
+    b.add_argument("--routing-profile", action="append", default=[], metavar="MODEL:ROUTING=FILE",
+                   help="simulate the rows of MODEL served with --dummy-routing ROUTING with the shares a `rimuru "
+                        "profile` of that server measured (e.g. qwen3-30b-a3b:zipf:1.0=ranking.json)")
     b.add_argument("--hardware", choices=sorted(HARDWARE),
                    help="the simulator's GPU profile (default: the one of the files' device; all files one GPU)")
     p = sub.add_parser("plan", help="the simulator's capacity per configuration, and the rates to measure")

@@ -130,3 +130,47 @@ def test_predictions_use_the_profile_of_the_files_gpu_and_one_map_holds_one_gpu(
     with pytest.raises(SystemExit, match="different GPUs"):
         regime_map.main(["build", str(first / "sweep.json"), str(second / "sweep.json")])
 
+
+
+def test_rows_of_a_profiled_router_are_simulated_with_the_measured_shares(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = tmp_path / "ranking.json"
+    profile.write_text("{}")
+    files = regime_map.routing_profiles([f"qwen3-30b-a3b:zipf:1.0={profile}"])
+    assert files == {("qwen3-30b-a3b", "zipf:1.0"): str(profile)}
+    for bad in ("qwen3-30b-a3b=x.json", f"zipf:1.0{profile}", "qwen3-30b-a3b:zipf:1.0="):
+        with pytest.raises(SystemExit, match="bad --routing-profile"):
+            regime_map.routing_profiles([bad])
+    with pytest.raises(SystemExit, match="no file"):
+        regime_map.routing_profiles([f"qwen3-30b-a3b:zipf:1.0={tmp_path / 'missing.json'}"])
+
+    seen: dict[str, str | None] = {}
+
+    def fake_simulate(model, routing, flags, budget, rate, num_prompts, workspace_bytes=None, hardware="h200",
+                      routing_file=None):
+        seen[f"{model} {routing}"] = routing_file
+        return {"p99_ttft_ms": 100.0, "p99_tpot_ms": 10.0}
+
+    monkeypatch.setattr(regime_map, "simulate", fake_simulate)
+    monkeypatch.setattr(regime_map, "measured_workspace", lambda row, spec, budget: None)
+    rows = regime_map.rows_from_sweep(json.loads(sweep(tmp_path).read_text()), "sweep.json")
+    uniform = {**rows[0], "routing": "uniform", "rate": 99}
+    out = regime_map.with_predictions([*rows, uniform], {}, "h100", files)
+    assert seen == {"qwen3-30b-a3b zipf:1.0": str(profile), "qwen3-30b-a3b uniform": None}
+    assert {r["predicted"].get("routing_file") for r in out if r["predicted"]} == {"ranking.json", None}
+
+
+@pytest.mark.slow
+def test_a_routing_profile_replaces_the_promised_shares_in_the_simulation(tmp_path: Path) -> None:
+    from rimuru.experts.popularity import ExpertPopularity
+    from rimuru.model_spec import load_model_spec
+
+    spec = load_model_spec("qwen1.5-moe-a2.7b")
+    flat = tmp_path / "uniform.json"
+    ExpertPopularity.uniform("qwen1.5-moe-a2.7b", spec.num_moe_layers, spec.num_experts).save(flat)
+    flags = ["--offload-mode", "fixed", "--resident-experts", "40"]
+    args = ("qwen1.5-moe-a2.7b", "zipf:1.5", flags, 32 * 2**30, 4.0, 12)
+    promised, measured = regime_map.simulate(*args), regime_map.simulate(*args, routing_file=str(flat))
+    # 20 of 60 experts out: the promised zipf 1.5 router rarely routes them, uniform shares route them a third of
+    # the time, so the profiled run reads more over PCIe
+    assert measured["expert_bytes_pcie"] > 1.5 * promised["expert_bytes_pcie"] > 0
