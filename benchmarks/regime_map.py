@@ -72,22 +72,27 @@ def server_flags(doc: dict[str, Any], config: str) -> list[str]:
     return shlex.split(command)
 
 
-def hardware_of(device: str | None) -> str | None:
-    """The simulator profile (rimuru/sim/cost_model.HARDWARE) of a result file's `device`, e.g. "NVIDIA H100 80GB
-    HBM3" -> "h100"; None for a device without a fitted profile."""
-    from rimuru.sim.cost_model import HARDWARE
+# The cards whose passes a simulator profile was fitted to (rimuru/sim/cost_model.HARDWARE), by the name CUDA gives
+# them. Others (an H100 PCIe, a GH200, an RTX 5090 with CUDA graphs) have no profile: a map of their files names one.
+FITTED_CARDS = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100"}
 
-    name = (device or "").lower()
-    found = [h for h in HARDWARE if h in name.replace(" ", "")]
-    return found[0] if len(found) == 1 else None
+
+def hardware_of(device: str | None, file_name: str = "") -> str | None:
+    """The simulator profile fitted to a result file's `device`, e.g. "NVIDIA H100 80GB HBM3" -> "h100"; for a file
+    that records no device, the card its name carries (the run scripts end names in -h100 / -h200); None for a card
+    without a fitted profile."""
+    if device:
+        return FITTED_CARDS.get(device.strip())
+    card = [h for h in FITTED_CARDS.values() if f"-{h}." in file_name or f"-{h}-" in file_name]
+    return card[0] if len(card) == 1 else None
 
 
 def hardware_of_files(docs: dict[str, dict[str, Any]], override: str | None) -> str:
     """The one profile that predicts every file's rows: `override` when given, else the files' devices, which must
-    all be one GPU with a fitted profile (rows of two GPUs in one map would compare different machines)."""
+    all be one card with a fitted profile (rows of two cards in one map would compare different machines)."""
     if override:
         return override
-    by = {name: hardware_of(doc.get("device")) for name, doc in docs.items()}
+    by = {name: hardware_of(doc.get("device"), Path(name).name) for name, doc in docs.items()}
     if None in by.values():
         unknown = ", ".join(f"{n} ({docs[n].get('device')!r})" for n, h in by.items() if h is None)
         raise SystemExit(f"regime_map: no simulator profile for the device of {unknown}; pass --hardware")

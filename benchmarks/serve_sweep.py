@@ -30,8 +30,8 @@ Configurations (add more with `--define NAME=rimuru:FLAGS` or `NAME=vllm:FLAGS`)
     elastic, elastic-slo                         elastic's defaults; with --slo-ttft-p99-ms 2000 --slo-tpot-p99-ms 50
     vllm, vllm-unlimited                         vLLM's OpenAI server at --gpu-memory-budget | at 0.9 of the GPU
 A vLLM configuration that does not set --gpu-memory-utilization gets the budget as a share of the GPU's memory (what
-CUDA reports, the figure vLLM multiplies): 32 GiB is 0.229 of an H200 and about 0.40 of an H100 80GB, so both
-engines hold the same memory on whichever card the run gets.
+CUDA reports, the figure vLLM multiplies, recorded as gpu_total_bytes): 32 GiB is 0.2288 of an H200 and about 0.40 of an
+H100 80GB, so both engines hold the same memory on whichever card the run gets.
 `--plot-from A.json [B.json ...] --plot out.png` only draws (throughput and TTFT p50 against rate).
 Beside it: sweep_processes.py (starting, detaching, adopting and stopping servers), sweep_plots.py (the
 plots), result_files.py (the run, i.e. the code, a committed result file measured).
@@ -389,15 +389,22 @@ class Sweep:
         """The memory of the GPU the servers see (CUDA_VISIBLE_DEVICES as set), as CUDA reports it; read once, in a
         child process, so that this process never holds a CUDA context beside the servers."""
         if self._gpu_total is None:
-            probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info()[1])"],
-                                   env=self.env_for("rimuru", client=True), capture_output=True, text=True,
-                                   timeout=300)
-            if probe.returncode != 0 or not probe.stdout.strip():
-                why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+            why = ""
+            try:
+                probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info()[1])"],
+                                       env=self.env_for("rimuru", client=True), capture_output=True, text=True,
+                                       timeout=300)
+                lines = probe.stdout.strip().splitlines()
+                if probe.returncode == 0 and lines and lines[-1].isdigit():
+                    self._gpu_total = int(lines[-1])
+                else:
+                    why = (probe.stderr.strip().splitlines() or lines or ["no output"])[-1]
+            except subprocess.TimeoutExpired:
+                why = "the probe did not answer in 300 s"
+            if self._gpu_total is None:
                 raise SystemExit(f"serve_sweep: cannot read the GPU's memory, which vLLM's --gpu-memory-utilization "
                                  f"is a share of ({why}); give the vLLM configuration its own "
                                  f"--gpu-memory-utilization")
-            self._gpu_total = int(probe.stdout.strip().splitlines()[-1])
         return self._gpu_total
 
     def client_command(self, base_url: str, rate: float, num_prompts: int, seed: int, out_dir: Path) -> list[str]:
@@ -733,7 +740,7 @@ def budget_bytes(budget: str) -> int:
 def sets_vllm_memory(flags: list[str]) -> bool:
     """Whether vLLM flags size its memory themselves (a share of the GPU, or the KV cache's bytes)."""
     own = ("--gpu-memory-utilization", "--kv-cache-memory", "--kv-cache-memory-bytes")
-    return any(f in own or f.split("=", 1)[0] in own for f in flags)
+    return any(f.split("=", 1)[0].replace("_", "-") in own for f in flags if f.startswith("--"))
 
 
 def vllm_memory_flags(budget_bytes: int, gpu_total_bytes: int) -> list[str]:
@@ -891,6 +898,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--client vllm: vLLM is not importable (PYTHONPATH + --vllm-site {args.vllm_site})")
         sweep.meta = sweep_metadata(args, command)
         sweep.meta.update(configs={c.name: {"server": c.server, "flags": c.flags} for c in configs}, rates=rates)
+        if not args.attach and any(c.server == "vllm" and not sets_vllm_memory([*c.flags, *shlex.split(args.vllm_args)])
+                                   for c in configs):
+            # before any server starts: a budget the card cannot hold, or a GPU that cannot be read, stops here
+            vllm_memory_flags(budget_bytes(args.gpu_memory_budget), sweep.gpu_total_bytes())
+            sweep.meta["gpu_total_bytes"] = sweep.gpu_total_bytes()
         sweep.run(configs, rates)
     if args.detach:
         if not sweep.servers:

@@ -113,7 +113,10 @@ def test_dummy_ranking_makes_fixed_mode_keep_the_routers_most_popular_experts(ti
 def test_predictions_use_the_profile_of_the_files_gpu_and_one_map_holds_one_gpu(tmp_path: Path) -> None:
     assert regime_map.hardware_of("NVIDIA H100 80GB HBM3") == "h100"
     assert regime_map.hardware_of("NVIDIA H200") == "h200"
-    assert regime_map.hardware_of("NVIDIA A10G") is None and regime_map.hardware_of(None) is None
+    for other in ("NVIDIA A10G", "NVIDIA GH200 480GB", "NVIDIA H100 PCIe", "NVIDIA GeForce RTX 5090"):
+        assert regime_map.hardware_of(other) is None, other  # no profile was fitted to these cards
+    assert regime_map.hardware_of(None) is None
+    assert regime_map.hardware_of(None, "2026-12-06-serve-qwen3-59gib-zipf-static-8rps-c084964-h100.json") == "h100"
     h100, h200 = ({"device": "NVIDIA H100 80GB HBM3"}, {"device": "NVIDIA H200"})
     assert regime_map.hardware_of_files({"a.json": h100, "b.json": h100}, None) == "h100"
     assert regime_map.hardware_of_files({"a.json": h100, "b.json": h200}, "h200") == "h200"  # said by the user
@@ -149,6 +152,7 @@ def test_rows_of_a_profiled_router_are_simulated_with_the_measured_shares(tmp_pa
     def fake_simulate(model, routing, flags, budget, rate, num_prompts, workspace_bytes=None, hardware="h200",
                       routing_file=None):
         seen[f"{model} {routing}"] = routing_file
+        seen["hardware"] = hardware
         return {"p99_ttft_ms": 100.0, "p99_tpot_ms": 10.0}
 
     monkeypatch.setattr(regime_map, "simulate", fake_simulate)
@@ -156,8 +160,16 @@ def test_rows_of_a_profiled_router_are_simulated_with_the_measured_shares(tmp_pa
     rows = regime_map.rows_from_sweep(json.loads(sweep(tmp_path).read_text()), "sweep.json")
     uniform = {**rows[0], "routing": "uniform", "rate": 99}
     out = regime_map.with_predictions([*rows, uniform], {}, "h100", files)
-    assert seen == {"qwen3-30b-a3b zipf:1.0": str(profile), "qwen3-30b-a3b uniform": None}
+    assert seen == {"qwen3-30b-a3b zipf:1.0": str(profile), "qwen3-30b-a3b uniform": None, "hardware": "h100"}
     assert {r["predicted"].get("routing_file") for r in out if r["predicted"]} == {"ranking.json", None}
+
+    # a build over an H100's file predicts on the h100 profile and says so
+    seen.clear()
+    h100_file = tmp_path / "one-h100.json"
+    h100_file.write_text(json.dumps({**json.loads(sweep(tmp_path).read_text()), "device": "NVIDIA H100 80GB HBM3"}))
+    regime_map.main(["build", str(h100_file), "--output-json", str(tmp_path / "map.json")])
+    assert seen["hardware"] == "h100"
+    assert json.loads((tmp_path / "map.json").read_text())["simulator_hardware"] == "h100"
 
 
 @pytest.mark.slow

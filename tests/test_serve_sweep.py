@@ -331,6 +331,7 @@ def test_a_vllm_server_gets_the_budget_as_its_share_of_the_gpu() -> None:
     with pytest.raises(SystemExit, match="does not fit this GPU"):
         vllm_memory_flags(100 * 2**30, int(h100))
     assert sets_vllm_memory(["--gpu-memory-utilization", "0.9"]) and sets_vllm_memory(["--kv-cache-memory=8G"])
+    assert sets_vllm_memory(["--gpu_memory_utilization=0.5"])  # vLLM's parser takes the underscore spelling too
     assert not sets_vllm_memory(["--enforce-eager"])
 
     args = build_parser().parse_args(["--gpu-memory-budget", "32GiB", "--configs", "vllm,vllm-unlimited",
@@ -342,4 +343,20 @@ def test_a_vllm_server_gets_the_budget_as_its_share_of_the_gpu() -> None:
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.4040" and "--enforce-eager" in cmd
     cmd = sweep.server_command(unlimited, 8000)  # a configuration that sizes itself keeps its own share
     assert cmd.count("--gpu-memory-utilization") == 1 and cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
+
+
+def test_a_budget_the_card_cannot_hold_stops_the_sweep_before_any_server_starts(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Sweep, "gpu_total_bytes", lambda self: 80 * 2**30)
+    started: list[object] = []
+    monkeypatch.setattr(Sweep, "run", lambda self, configs, rates: started.append(configs))
+    from benchmarks import serve_sweep
+
+    with pytest.raises(SystemExit, match="does not fit this GPU"):
+        serve_sweep.main(["--configs", "vllm", "--rates", "1", "--gpu-memory-budget", "100GiB",
+                          "--output-json", str(tmp_path / "out.json")])
+    assert not started
+    serve_sweep.main(["--configs", "vllm", "--rates", "1", "--gpu-memory-budget", "32GiB",
+                      "--output-json", str(tmp_path / "out.json")])
+    assert started  # (Sweep.run stubbed: nothing is served)
 

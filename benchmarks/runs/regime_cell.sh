@@ -26,13 +26,28 @@ if [ "$routing" = zipf ]; then args=(--rimuru-args="--dummy-routing zipf:1.0"); 
 # router's promised shares (benchmarks/dummy_ranking.py, no GPU time); RANKING=profile measures the ranking as a
 # user of fixed mode would, `rimuru profile` on this cell's model and budget (static, eager, NP_PROFILE ShareGPT
 # requests, greedy as the sweep's client): the shares the router realises, which differ from the promised ones
-# expert by expert (docs/benchmarks.md section 10)
+# expert by expert (docs/benchmarks.md section 10). The profile (~2 min for Qwen3 at 59 GiB, at most PROFILE_S)
+# comes out of the sweep's TIMEOUT_S; it is kept in /tmp/regime-profiles, so a later call on the warm machine
+# reuses it (an --attach call must: a second engine would not fit beside the detached server)
 ranking=()
+profile_s=0
 if [ "$routing" = zipf ] && [[ ",$configs," == *,fixed[0-9]* ]]; then
   if [ "${RANKING:-promised}" = profile ]; then
-    file="$OUT/$D-profile-ranking-$model-$budget-zipf1.0-$C-$G.json"
-    python3 -m rimuru.cli profile $model --load-format dummy --dummy-routing zipf:1.0 --gpu-memory-budget "$budget" \
-      --num-prompts "${NP_PROFILE:-200}" --max-tokens 128 --temperature 0 --no-progress --output "$file" || exit
+    name="$D-profile-ranking-$model-$budget-zipf1.0-$C-$G.json"
+    kept=/tmp/regime-profiles/$name
+    if [ ! -s "$kept" ]; then
+      if [[ " ${SWEEP_ARGS:-} " == *" --attach "* ]]; then
+        echo "no profile $kept to attach with: run the --detach call first on this machine" >&2; exit 2
+      fi
+      mkdir -p /tmp/regime-profiles
+      start=$SECONDS
+      timeout "${PROFILE_S:-240}" python3 -m rimuru.cli profile $model --load-format dummy --dummy-routing zipf:1.0 \
+        --gpu-memory-budget "$budget" --num-prompts "${NP_PROFILE:-200}" --max-tokens 128 --temperature 0 \
+        --no-progress --output "$kept.tmp" && mv "$kept.tmp" "$kept" || exit
+      profile_s=$((SECONDS - start))
+    fi
+    file="$OUT/$name"
+    cp "$kept" "$file" || exit
   else
     file="$OUT/$D-ranking-$model-zipf1.0.json"
     python3 benchmarks/dummy_ranking.py --model $model --routing zipf:1.0 --output "$file" || exit
@@ -46,7 +61,7 @@ for c in ${configs//,/ }; do
   esac
 done
 # TIMEOUT_S (default 580) bounds the sweep, so that two cells can share one device command
-t=${TIMEOUT_S:-580}
+t=$(( ${TIMEOUT_S:-580} - profile_s ))
 timeout "$t" $SWEEP --model $model --gpu-memory-budget "$budget" "${args[@]}" "${defines[@]}" --configs "$configs" \
   --rates "$rates" --num-prompts "${NP:-400}" --label "$label" --time-budget-s $((t - 10)) ${SWEEP_ARGS:-} \
   --output-json "$OUT/$D-serve-$cell-${configs//,/-}-${rates//,/-}rps-$C-$G.json"
