@@ -345,8 +345,8 @@ def test_a_vllm_server_gets_the_budget_as_its_share_of_the_gpu() -> None:
     assert cmd.count("--gpu-memory-utilization") == 1 and cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.9"
 
 
-def test_a_budget_the_card_cannot_hold_stops_the_sweep_before_any_server_starts(tmp_path: Path,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_budget_the_card_cannot_hold_stops_the_sweep_before_a_server_starts(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Sweep, "gpu_total_bytes", lambda self: 80 * 2**30)
     started: list[object] = []
     monkeypatch.setattr(Sweep, "run", lambda self, configs, rates: started.append(configs))
