@@ -106,7 +106,8 @@ ROW_FIELDS = (
     "prefetch_misses", "prefetch_hit_rate", "preemptions", "forward_steps", "kernel_variants_built",
     "kernel_warmup_s", "kernel_warmup_variants",
     "expert_evictions", "expert_grows", "kv_pages_moved",
-    "piecewise_overhead_ms", "kv_tokens_max", "workspace_bytes", "prefix_cache_queries", "prefix_cache_hits",
+    "piecewise_overhead_ms", "expert_copy_bandwidth", "kv_tokens_max", "workspace_bytes", "prefix_cache_queries",
+    "prefix_cache_hits",
     "prefix_cache_hit_rate", "total_input_tokens", "total_cached_tokens", "median_ttft_first_turn_ms",
     "median_ttft_later_turns_ms", "p99_ttft_first_turn_ms", "p99_ttft_later_turns_ms", "point_wall_s", "timeline",
 )
@@ -274,6 +275,7 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "kv_pages_moved": delta("rimuru:kv_pages_moved"),  # KV compaction for experts coming home
         # elastic with graphs: what the engine measured at start-up (a level, not a delta)
         "piecewise_overhead_ms": metric(after, "rimuru:piecewise_overhead_ms"),
+        "expert_copy_bandwidth": metric(after, "rimuru:expert_copy_bytes_per_second"),  # bytes/s, elastic
         "kv_tokens_max": metric(after, "rimuru:kv_tokens_max"),
         "workspace_bytes": metric(after, "rimuru:workspace_bytes"),
         "kernel_warmup_s": metric(after, "rimuru:kernel_warmup_seconds"),  # levels fixed at start

@@ -408,6 +408,14 @@ def test_load_buffers_are_held_only_while_an_expert_is_offloaded(tiny_checkpoint
     got_heavy = [o.outputs[0].token_ids for o in llm.generate(heavy, params)]
     st = llm.stats()
     assert st["expert_evictions"] > 0 and st["expert_bytes_loaded"] > 0, st
+    # the copy bandwidth it reckons with is reported (measured at start-up on a GPU, the nominal figure on the CPU)
+    assert st["expert_copy_bandwidth"] == llm.engine.runtime.pcie_bandwidth > 0
+    from rimuru.server.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: {"expert_copy_bandwidth": st["expert_copy_bandwidth"]}, "m", 64).render().decode()
+    exported = [float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith('rimuru:expert_copy_bytes_per_second{model_name="m"}')]
+    assert exported == [st["expert_copy_bandwidth"]]
     assert expert_pages_accounted()
     # whole slots, never more than the limit (the next step attaches what the last evictions need)
     slots = loader.slots

@@ -72,9 +72,11 @@ def test_prometheus_parsing_and_deltas() -> None:
     assert d["expert_bytes_pcie"] == 200.0 and d["prefetch_hits"] == 6.0 and d["prefetch_hit_rate"] == 0.75
     assert counter_deltas({}, {})["prefetch_hit_rate"] is None
     # evictions are a delta over the point, the start-up piecewise overhead a level read at its end
-    moved = dict(after, **{"rimuru:expert_evictions_total": 7.0, "rimuru:piecewise_overhead_ms": 1.5})
+    moved = dict(after, **{"rimuru:expert_evictions_total": 7.0, "rimuru:piecewise_overhead_ms": 1.5,
+                           "rimuru:expert_copy_bytes_per_second": 5.3e10})
     d = counter_deltas(dict(m, **{"rimuru:expert_evictions_total": 2.0}), moved)
     assert d["expert_evictions"] == 5.0 and d["piecewise_overhead_ms"] == 1.5 and d["expert_grows"] is None
+    assert d["expert_copy_bandwidth"] == 5.3e10
     vllm = normalise_result({"completed": 9, "duration": 2.0, "p50_ttft_ms": 5.0, "p99_ttft_ms": 9.0}, 10)
     assert vllm["failed"] == 1 and vllm["duration_s"] == 2.0 and vllm["median_ttft_ms"] == 5.0
     assert vllm["client_errors"] == [] and point_error(vllm) == "no request completed"

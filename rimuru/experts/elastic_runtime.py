@@ -210,4 +210,4 @@ class ElasticRuntime(OffloadRuntime):
     def stats(self) -> dict[str, float]:
         c = self.core.counters
         return {**super().stats(), "expert_evictions": c.evictions, "expert_grows": c.grows,
-                "expert_reranks": c.reranks, **self.core.stats()}
+                "expert_reranks": c.reranks, "expert_copy_bandwidth": self.pcie_bandwidth, **self.core.stats()}

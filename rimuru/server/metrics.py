@@ -44,6 +44,8 @@ GAUGES = {
     "kernel_warmup_s": ("kernel_warmup_seconds", "Start-up's kernel warm-up (passes building Triton kernel variants)."),
     "kernel_warmup_variants": ("kernel_warmup_variants", "Triton kernel variants the start-up warm-up built."),
     "piecewise_overhead_ms": ("piecewise_overhead_ms", "Elastic: measured extra time of a piecewise-graph pass."),
+    "expert_copy_bandwidth": ("expert_copy_bytes_per_second",
+                              "Elastic: host-to-device expert copy bandwidth measured at start-up (bytes/s)."),
     "cost_compute_ms": ("cost_compute_ms", "Cost adjuster: compute estimate of its last plan (copy-free passes)."),
     "cost_copy_overlap": ("cost_copy_overlap", "Cost adjuster: measured share of compute the copies hide behind."),
     "cost_copy_slowdown": ("cost_copy_slowdown", "Cost adjuster: measured copy time over nominal (>= 1)."),
