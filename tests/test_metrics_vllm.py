@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,15 +23,20 @@ from tests.test_server_fake_engine import FakeEngine, FakeTokenizer
 MODEL = "tiny-moe"
 LABELS = {"model_name": MODEL, "engine": "0"}
 
-# vLLM 0.26's default /metrics (PrometheusStatLogger, no LoRA, speculative decoding, KV connector, MFU or KV
-# residency flags), as exposed: counters with `_total`, histograms by family name.
+# vLLM 0.26's default /metrics (PrometheusStatLogger, no LoRA, speculative decoding, KV connector or KV residency
+# flags), as exposed: counters with `_total`, histograms by family name. VLLM_DUMP is such a /metrics of a real
+# vLLM 0.26 server (Qwen1.5-MoE shapes, prefix caching on, after a serving point), and these lists are checked
+# against it.
+VLLM_DUMP = (Path(__file__).resolve().parents[1] / "benchmarks/results"
+             / "2026-12-06-vllm-0.26-metrics-shared-prefix-20rps-h100.txt")
 VLLM_GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason",
                "vllm:kv_cache_usage_perc", "vllm:engine_sleep_state", "vllm:cache_config_info"}
 VLLM_COUNTERS = {"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
                  "vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:prompt_tokens_total", "vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_cached_total",
-                 "vllm:generation_tokens_total", "vllm:request_success_total"}
+                 "vllm:generation_tokens_total", "vllm:request_success_total", "vllm:estimated_flops_per_gpu_total",
+                 "vllm:estimated_read_bytes_per_gpu_total", "vllm:estimated_write_bytes_per_gpu_total"}
 VLLM_HISTOGRAMS = {"vllm:iteration_tokens_total", "vllm:time_to_first_token_seconds",
                    "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds",
                    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
@@ -46,6 +52,10 @@ NOT_EXPOSED = {
     "vllm:external_prefix_cache_hits_total": "no KV connector",
     "vllm:mm_cache_queries_total": "no multimodal inputs",
     "vllm:mm_cache_hits_total": "no multimodal inputs",
+    "vllm:estimated_flops_per_gpu_total": "vLLM's analytic per-step performance model; the rimuru: expert and "
+                                          "pool metrics count the bytes the engine really moves",
+    "vllm:estimated_read_bytes_per_gpu_total": "as estimated_flops_per_gpu",
+    "vllm:estimated_write_bytes_per_gpu_total": "as estimated_flops_per_gpu",
 }
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -53,9 +63,13 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 def scrape(url: str) -> tuple[dict[str, str], Samples]:
     """{exposed name: type} of the vllm: families, and every sample by (name, sorted labels)."""
+    return parse(httpx.get(url + "/metrics").text)
+
+
+def parse(text: str) -> tuple[dict[str, str], Samples]:
     types: dict[str, str] = {}
     samples: Samples = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    for fam in text_string_to_metric_families(text):
         if fam.name.startswith("vllm:") and not fam.name.endswith("_created"):
             types[fam.name + "_total" if fam.type == "counter" else fam.name] = fam.type
         for s in fam.samples:
@@ -188,6 +202,25 @@ def test_names_types_and_labels_are_vllms(url: str) -> None:
     # the rimuru: figures vLLM also has stay, beside vLLM's
     assert ("rimuru:num_requests_running", (("model_name", MODEL),)) in samples
     assert ("rimuru:num_preemptions_total", (("model_name", MODEL),)) in samples
+
+
+def test_the_reference_is_what_a_real_vllm_exposes() -> None:
+    """The lists above against the committed /metrics of vLLM 0.26: every vllm: family, its type and its labels."""
+    types, samples = parse(VLLM_DUMP.read_text())
+    reference = ({n: "gauge" for n in VLLM_GAUGES} | {n: "counter" for n in VLLM_COUNTERS}
+                 | {n: "histogram" for n in VLLM_HISTOGRAMS})
+    assert types == reference
+    for (name, labels), _ in samples.items():
+        if name.startswith("vllm:") and not name.startswith("vllm:cache_config_info"):
+            keys = {k for k, _ in labels} - {"le", "finished_reason", "reason", "source", "sleep_state"}
+            assert keys == {"model_name", "engine"}, (name, labels)
+    # the label values our families take are vLLM's
+    reasons = {dict(labels)["finished_reason"] for (name, labels) in samples if name == "vllm:request_success_total"}
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}
+    sources = {dict(labels)["source"] for (name, labels) in samples if name == "vllm:prompt_tokens_by_source_total"}
+    assert sources == {"local_compute", "local_cache_hit", "external_kv_transfer"}
+    waiting = {dict(labels)["reason"] for (name, labels) in samples if name == "vllm:num_requests_waiting_by_reason"}
+    assert waiting == {"capacity", "deferred"}
 
 
 def test_buckets_1_2_5() -> None:
