@@ -5,14 +5,18 @@ step a model could reach with the tier at a budget.
     python benchmarks/bench_host_experts.py --threads 1 2 4 8 16 --output-json benchmarks/results/host_experts.json
 
 1. Bandwidth: a STREAM-like read (a sum over 256 MiB), the bound of decode on the host.
-2. One expert (the engine's host compute: experts/host_compute.py) at 1, 2, 4, 8, 16 tokens for each thread
-   count, over a scratch layer of random experts (up to 8, 512 MiB) so the weights come from memory; dispatch and
-   combine included. Achieved GB/s at 1 token against the read bandwidth.
-3. Ceiling of a decode step at each budget, for uniform and zipf routing, at batch 1 and the given batch:
+2. One expert alone (the engine's host compute: experts/host_compute.py) at 1, 2, 4, 8, 16 tokens for each
+   thread count, over a scratch layer of random experts (up to 16, 512 MiB) so the weights come from memory;
+   dispatch and combine included. Achieved GB/s at 1 token against the read bandwidth.
+3. The spread: m = 1, 2, 4, 8, 16 experts in one call on every thread (the compute deals them to min(m, threads)
+   workers), one token each: the call's time, the GB/s it reads and S(m), its speedup over m one-expert calls.
+4. Ceiling of a decode step at each budget, for uniform and zipf routing, at batch 1 and the given batch:
    resident experts per layer = what 90 % of (budget - non-expert weights - workspace) holds (the elastic start
    leaves 10 % to KV), the least popular offloaded. Per offloaded expert, routed with probability
-   q = 1 - (1 - p)^(B k), by n = B k p / q tokens when routed; the tier takes min(host(n), copy) per expert
-   (experts/expert_tiers.py). step = copies + max(GPU step, host part + layers x round trip); tokens/s = B / step.
+   q = 1 - (1 - p)^(B k), by n = B k p / q tokens when routed; the tier's choice (experts/expert_tiers.py, with
+   the measured spread) for the typical routed set of each layer, whose host part is the sum of its experts'
+   times alone over S(expected host experts). step = copies + max(GPU step, host part + layers x round trip);
+   tokens/s = B / step.
    Without the tier: step = GPU step + every routed offloaded expert's copy (copies not hidden).
    The GPU step (--gpu-step-ms) and the round trip are inputs: measure them on the GPU machine.
 """
@@ -31,11 +35,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rimuru.experts.expert_tiers import TierCosts, choose_host_experts  # noqa: E402
+from rimuru.experts.host_compute import HostExpertCompute  # noqa: E402
 from rimuru.experts.host_profile import (  # noqa: E402
+    NO_SPREAD,
     HostExpertTimes,
+    HostSpread,
     cpu_matrix_isa,
     measure_expert_times,
     measure_host_bandwidth,
+    measure_spread,
     numa_nodes,
     scratch_compute,
 )
@@ -59,14 +67,15 @@ def expert_times_by_threads(f: int, d: int, dtype: torch.dtype, threads: list[in
 
 
 def ceiling(spec, dtype: torch.dtype, budget: float, probs: np.ndarray, batch: int, times: HostExpertTimes,
-            pcie: float, gpu_step_s: float, layer_fixed_s: float, workspace: float) -> dict[str, float]:
+            pcie: float, gpu_step_s: float, layer_fixed_s: float, workspace: float,
+            spread: HostSpread = NO_SPREAD) -> dict[str, float]:
     """The decode step of the module docstring at `budget` bytes with routing `probs` [L, E]."""
     L, E, k = spec.num_moe_layers, spec.num_experts, spec.num_experts_per_tok
     expert_bytes = 3 * spec.moe_intermediate_size * spec.hidden_size * torch.empty((), dtype=dtype).element_size()
     pool = budget - spec.non_expert_bytes(dtype) - workspace
     resident = int(min(E, max(0, 0.9 * pool // expert_bytes // L)))
     copy_s = expert_bytes / pcie
-    costs = TierCosts(copy_s=copy_s, host_s=times, layer_fixed_s=layer_fixed_s)
+    costs = TierCosts(copy_s=copy_s, host_s=times, layer_fixed_s=layer_fixed_s, spread=spread)
     host_total = copies_tier = copies_none = host_experts = 0.0
     layers_with_host = 0
     for layer in range(L):
@@ -77,9 +86,10 @@ def ceiling(spec, dtype: torch.dtype, budget: float, probs: np.ndarray, batch: i
         # expected per-step cost: the tier's choice for the typical routed set of this layer
         cand = [(i, max(1, round(float(t)))) for i, t in enumerate(n)]
         on_host = set(choose_host_experts(cand, costs))
-        host_part = sum(float(q[i]) * times(n[i]) for i in on_host)
+        routed_on_host = sum(float(q[i]) for i in on_host)
+        host_part = sum(float(q[i]) * times(n[i]) for i in on_host) / spread(routed_on_host)
         host_total += host_part
-        host_experts += sum(float(q[i]) for i in on_host)
+        host_experts += routed_on_host
         layers_with_host += bool(on_host)
         copies_tier += sum(float(q[i]) * copy_s for i in range(len(p)) if i not in on_host)
     host_s = host_total + layers_with_host * layer_fixed_s
@@ -121,6 +131,21 @@ def main() -> None:
         gbs = expert_bytes / times.seconds[0] / 1e9
         print(f"{n:7d} " + " ".join(f"{1e3 * s:8.3f}" for s in times.seconds) + f"   {gbs:6.1f}")
     best = min(by_threads.values(), key=lambda t: t.seconds[0])
+    # a call spreads its experts over every core
+    compute = HostExpertCompute(scratch_compute(spec.moe_intermediate_size, spec.hidden_size, dtype).store, cores)
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        spread = measure_spread(compute)
+    finally:
+        torch.set_num_threads(before)
+    print(f"experts in one call on {cores} threads, 1 token each:")
+    print("experts   call ms   GB/s   speedup over one at a time")
+    spread_rows = []
+    for m, sp, call_s in zip(spread.experts, spread.speedup, spread.call_seconds, strict=True):
+        spread_rows.append({"experts": m, "call_ms": 1e3 * call_s, "gbps": m * expert_bytes / call_s / 1e9,
+                            "speedup": sp})
+        print(f"{m:7d} {1e3 * call_s:9.3f} {m * expert_bytes / call_s / 1e9:6.1f}   {sp:5.2f}")
     routings = {"uniform": ExpertPopularity.uniform(args.model, spec.num_moe_layers, spec.num_experts).probabilities,
                 "zipf:1.0": ExpertPopularity.zipf(args.model, spec.num_moe_layers, spec.num_experts, 1.0,
                                                   seed=0).probabilities}
@@ -129,7 +154,7 @@ def main() -> None:
         for name, probs in routings.items():
             for batch in (1, args.batch):
                 c = ceiling(spec, dtype, budget * 2**30, probs, batch, best, args.pcie_gbps * 1e9,
-                            args.gpu_step_ms / 1e3, args.layer_fixed_ms / 1e3, args.workspace_gib * 2**30)
+                            args.gpu_step_ms / 1e3, args.layer_fixed_ms / 1e3, args.workspace_gib * 2**30, spread)
                 rows.append({"budget_gib": budget, "routing": name, "batch": batch, **c})
                 print(f"{budget:5.0f} GiB {name:9s} batch {batch:3d}: {c['offloaded_per_layer']:3d} offloaded/layer, "
                       f"{c['host_experts_per_step']:6.0f} host experts/step ({1e3 * c['host_s']:6.2f} ms), copies "
@@ -139,7 +164,7 @@ def main() -> None:
         args.output_json.write_text(json.dumps({
             "model": args.model, "dtype": args.dtype, "cores": cores, "numa_nodes": numa_nodes(),
             "matrix_isa": cpu_matrix_isa(), "read_bandwidth": bandwidth, "expert_bytes": expert_bytes,
-            "expert_ms": {n: [1e3 * s for s in t.seconds] for n, t in by_threads.items()},
+            "expert_ms": {n: [1e3 * s for s in t.seconds] for n, t in by_threads.items()}, "spread": spread_rows,
             "tokens": list(best.tokens), "inputs": {k: v for k, v in vars(args).items() if k != "output_json"},
             "ceilings": rows}, indent=2, default=str))
 

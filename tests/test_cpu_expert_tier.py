@@ -18,7 +18,15 @@ from rimuru import LLM, SamplingParams
 from rimuru.config import EngineConfig, add_engine_args
 from rimuru.experts.expert_tiers import TierCosts, choose_host_experts, layer_time, resolve_cpu_expert_compute
 from rimuru.experts.host_compute import HostAssignments, HostExpertCompute
-from rimuru.experts.host_profile import HostExpertTimes, measure_expert_times, profile_host, scratch_compute
+from rimuru.experts.host_profile import (
+    NO_SPREAD,
+    HostExpertTimes,
+    HostSpread,
+    measure_expert_times,
+    measure_spread,
+    profile_host,
+    scratch_compute,
+)
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.residency import EXPERT
@@ -116,6 +124,36 @@ def test_host_compute_equals_the_paged_reference_and_completes_its_kernel() -> N
     assert not torch.allclose(HostExpertCompute(swapped).compute(layer, hidden, every), want, atol=1e-4)
 
 
+def test_host_compute_spread_over_threads_equals_the_paged_reference() -> None:
+    """A call's experts dealt to min(m, T) workers of T // m threads each: any thread count gives the reference's
+    result, every expert is computed once (a dropped or doubled one differs), and the caller's threads stay."""
+    store = _store(E=6)
+    layer = 0
+    view, table = _paged(store, layer)
+    T, k = 9, 4
+    hidden = torch.randn(T, store.d, generator=torch.Generator().manual_seed(3))
+    ids, weights = _routing(T, k, store.num_experts, seed=4)
+    want = fused_moe_reference(hidden, weights, ids, view, table, store.f)
+    every = HostAssignments.select(ids, weights, torch.arange(store.num_experts))
+    caller = torch.get_num_threads()
+    for threads in (1, 2, 3, 5, 8):
+        compute = HostExpertCompute(store, threads=threads)
+        got = compute.compute(layer, hidden, every)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compute.compute(layer, hidden, every), got, rtol=0, atol=0)  # no timing in it
+        assert torch.get_num_threads() == caller
+    assert HostExpertCompute(store, threads=5).worker_threads(3) == [2, 2, 1]
+    assert HostExpertCompute(store, threads=5).worker_threads(1) == [5]
+    assert HostExpertCompute(store, threads=4).worker_threads(10) == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="at least one thread"):
+        HostExpertCompute(store, threads=0)
+    # teeth: one expert's assignments twice differs from the reference
+    doubled = HostAssignments(rows=torch.cat([every.rows, every.rows[:1]]),
+                              experts=torch.cat([every.experts, every.experts[:1]]),
+                              weights=torch.cat([every.weights, every.weights[:1]]))
+    assert not torch.allclose(HostExpertCompute(store, threads=3).compute(layer, hidden, doubled), want, atol=1e-4)
+
+
 def test_host_compute_gathered_rows_and_bad_input() -> None:
     """The tier hands the host only the routed tokens' rows (rows index them); bad input names the problem."""
     store = _store(E=4)
@@ -170,16 +208,31 @@ def test_expert_times_interpolate_and_extrapolate() -> None:
         HostExpertTimes((1, 2), (1.0,))
 
 
+def test_spread_interpolates_and_refuses_bad_counts() -> None:
+    s = HostSpread(experts=(1, 2, 4), speedup=(1.0, 1.8, 3.0))
+    assert [s(m) for m in (0, 1, 2, 3, 4, 16)] == [1.0, 1.0, 1.8, 2.4, 3.0, 3.0]
+    assert NO_SPREAD(8) == 1.0
+    with pytest.raises(ValueError, match="the first count 1"):
+        HostSpread((2, 4), (1.0, 2.0))
+    with pytest.raises(ValueError, match="ascending"):
+        HostSpread((1, 4, 2), (1.0, 2.0, 1.5))
+
+
 def test_host_profile_measures_this_machine() -> None:
     compute = scratch_compute(16, 32, torch.float32, experts=3)
     assert compute.store.num_experts == 3
     times = measure_expert_times(compute, tokens=(1, 4), experts=3, reps=1)
     assert times.tokens == (1, 4) and all(s > 0 for s in times.seconds)
+    spread = measure_spread(compute, reps=1)
+    assert spread.experts == (1, 2) and spread.speedup[0] == 1.0 and spread.speedup[1] > 0
+    with pytest.raises(ValueError, match="from one expert up"):
+        measure_spread(compute, counts=(2, 4))
     profile = profile_host(16, 32, torch.float32)
     assert profile.bandwidth > 1e8 and profile.threads == torch.get_num_threads()
     assert profile.expert_times.tokens == (1, 2, 4, 8, 16) and profile.expert_bytes == 3 * 16 * 32 * 4
+    assert profile.spread.experts == (1, 2, 4, 8, 16)
     text = profile.describe()
-    assert "GB/s read" in text and "1 tok" in text and "16 tok" in text and "NUMA" in text
+    assert "GB/s read" in text and "1 tok" in text and "16 tok" in text and "NUMA" in text and "16: " in text
 
 
 # ---------------------------------------------------------------- the tier choice, from given costs
@@ -209,6 +262,17 @@ def test_choice_amortises_the_layers_fixed_cost() -> None:
     assert choose_host_experts([(0, 1), (1, 1), (2, 1)], costs) == [0, 1, 2]  # 2.3 against 3.0
     # ties go to copying (the fewest host experts among equals)
     assert choose_host_experts([(0, 1)], TierCosts(copy_s=1.3, host_s=lambda n: 0.5, layer_fixed_s=0.8)) == []
+
+
+def test_choice_counts_the_hosts_spread_over_experts() -> None:
+    """Three experts that take 1.5 each alone cost 4.5 one after another (more than three copies of 1.0), 2.25
+    at a speedup of 2 for three together: the host takes them only with the spread."""
+    alone = TierCosts(copy_s=1.0, host_s=lambda n: 1.5)
+    assert choose_host_experts([(0, 1), (1, 1), (2, 1)], alone) == []
+    spread = TierCosts(copy_s=1.0, host_s=lambda n: 1.5, spread=lambda m: min(m, 2.0))
+    assert choose_host_experts([(0, 1), (1, 1), (2, 1)], spread) == [0, 1, 2]
+    assert layer_time([1, 1, 1], 3, spread) == pytest.approx(2.25)
+    assert choose_host_experts([(0, 1)], spread) == []  # one expert is alone: 1.5 against 1.0
 
 
 def test_choice_bad_input_and_the_setting() -> None:

@@ -10,11 +10,13 @@ The three tiers of an expert in one step:
 For one MoE layer, given the routed tokens of each candidate (routed, not resident, not prefetched), the layer
 is modelled as
 
-    time(H) = copy_s x |C - H|  +  max(overlap_s, [H non-empty] layer_fixed_s + sum over e in H of host_s(n_e))
+    time(H) = copy_s x |C - H|  +  max(overlap_s, [H non-empty] layer_fixed_s + sum over e in H of host_s(n_e) / S(|H|))
 
 copies on demand come before the kernel; the host part runs beside the GPU's kernel (`overlap_s` of GPU work
 hides it; 0 counts none hidden, the safe side) and pays, once per layer, the activations' round trip and its
-syncs (`layer_fixed_s`). For a given |H| the experts with the fewest tokens are the cheapest on the host, so the
+syncs (`layer_fixed_s`). host_s is one expert alone on every host thread; the host computes a layer's experts
+together, spread over its threads, S(m) times faster than one after another (`spread`, measured at start-up;
+1 where not measured). For a given |H| the experts with the fewest tokens are the cheapest on the host, so the
 best H is a prefix of the candidates sorted by tokens: every prefix is evaluated and the fastest one is taken
 (the smallest on a tie). So a decode step's experts with one or two tokens go to the host, and a prefill chunk's,
 routed by hundreds of tokens, are copied: at n tokens an expert's host time grows with n while its copy does not.
@@ -36,6 +38,7 @@ class TierCosts:
     copy_s: float  # one expert host -> device: expert bytes / measured PCIe bandwidth (0 on the CPU: no link)
     host_s: Callable[[float], float]  # one expert on the host at n routed tokens (HostExpertTimes)
     layer_fixed_s: float = 0.0  # once per layer with host work: activations device -> host -> device, two syncs
+    spread: Callable[[float], float] = lambda m: 1.0  # S(m): m experts in one call, speedup (HostSpread)
 
     def __post_init__(self) -> None:
         if self.copy_s < 0 or self.layer_fixed_s < 0:
@@ -60,7 +63,8 @@ def layer_time(tokens: Sequence[int], host: int, costs: TierCosts, overlap_s: fl
     """time(H) of the module docstring, H = the first `host` of `tokens` (routed tokens per candidate)."""
     if not 0 <= host <= len(tokens):
         raise ValueError(f"host experts must be in [0, {len(tokens)}], got {host}")
-    host_part = 0.0 if host == 0 else costs.layer_fixed_s + sum(costs.host_s(n) for n in tokens[:host])
+    host_part = 0.0 if host == 0 else (costs.layer_fixed_s
+                                       + sum(costs.host_s(n) for n in tokens[:host]) / costs.spread(host))
     return costs.copy_s * (len(tokens) - host) + max(overlap_s, host_part)
 
 
@@ -82,7 +86,8 @@ def choose_host_experts(candidates: Sequence[tuple[int, int]], costs: TierCosts,
     host = np.fromiter((costs.host_s(n) for n in tokens), dtype=np.float64, count=len(tokens))
     # time(prefix of h) for h = 0..m, vectorised: copies of the rest + max(overlap, fixed + host times so far)
     h = np.arange(len(tokens) + 1)
-    host_part = np.concatenate([[0.0], costs.layer_fixed_s + np.cumsum(host)])
+    spread = np.fromiter((costs.spread(m) for m in h[1:]), dtype=np.float64, count=len(tokens))
+    host_part = np.concatenate([[0.0], costs.layer_fixed_s + np.cumsum(host) / spread])
     times = costs.copy_s * (len(tokens) - h) + np.maximum(overlap_s, host_part)
     best = int(np.argmin(times))  # the first minimum: the fewest host experts among equals
     return sorted(e for e, _ in ranked[:best])

@@ -11,13 +11,20 @@ weighted sum over its host-computed experts:
 Weights are read in place from the store (`layers[l][e]` = [3, f*d]: W1 and W3 are adjacent rows, so
 `[2, f*d] -> [2f, d]` is one gate/up GEMM over a view, no copy); the matmuls run in the store's dtype, where
 oneDNN uses AVX-512 BF16 / AMX when the CPU has them (host_profile.py reports which); the combine accumulates in
-float32, as the paged kernel's reference does. Each expert's matmuls are split over the intra-op threads
-(`torch.set_num_threads`, set once by the engine from `--cpu-expert-threads`), so a GEMV streams its weights
-through every core's share of the memory bandwidth.
+float32, as the paged kernel's reference does.
+
+Threads: a call's experts are spread over the host's T intra-op threads (`torch.get_num_threads()` when the
+compute is made; the engine sets it from `--cpu-expert-threads`): w = min(m, T) workers for m experts, each with
+T // w threads (the first T % w one more), the experts dealt to them by tokens, largest first, each to the least
+loaded. One expert's GEMV split over all T threads reaches a fraction of the host's read bandwidth (a fifth on a
+16-core host); several experts at once, a few threads each, read in parallel. Each worker sums its experts into a
+float32 buffer of its own; the buffers are added in worker order, so a call's result does not depend on timing.
+With one expert (or T = 1) the call runs on the calling thread, as a single GEMV over every thread.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -57,9 +64,20 @@ class HostAssignments:
 
 
 class HostExpertCompute:
-    def __init__(self, store: HostExpertStore) -> None:
+    def __init__(self, store: HostExpertStore, threads: int | None = None) -> None:
+        """`threads`: the host threads a call spreads its experts over (default: torch's intra-op threads now)."""
         self.store = store
         self.f, self.d = store.f, store.d
+        self.threads = threads if threads is not None else torch.get_num_threads()
+        if self.threads < 1:
+            raise ValueError(f"host expert compute needs at least one thread, got {self.threads}")
+        self._pool: ThreadPoolExecutor | None = None  # made at the first call with several experts
+
+    def worker_threads(self, experts: int) -> list[int]:
+        """Threads of each worker of a call with `experts` experts: min(experts, T) workers sharing the T threads."""
+        w = max(1, min(experts, self.threads))
+        base, extra = divmod(self.threads, w)
+        return [base + (i < extra) for i in range(w)]
 
     def expert_output(self, layer: int, expert: int, hidden: Tensor) -> Tensor:
         """One expert on hidden rows [n, d] (store dtype): W2 (SiLU(W1 h) * W3 h), [n, d] in the store dtype."""
@@ -91,12 +109,40 @@ class HostExpertCompute:
         # group the assignments by expert: one sort, then each expert's rows are one contiguous run
         order = torch.argsort(experts, stable=True)  # [n]
         ids, counts = torch.unique_consecutive(experts[order], return_counts=True)
-        start = 0
+        runs, start = [], 0
+        for e, c in zip(ids.tolist(), counts.tolist(), strict=True):
+            runs.append((e, order[start : start + c]))  # [n_e] assignment positions of expert e
+            start += c
+        threads = self.worker_threads(len(runs))
+        if len(threads) == 1:
+            self._accumulate(layer, h, rows, weights, runs, out)
+            return out
+        # deal the experts to the workers: largest first, each to the least loaded (ties: the lower worker)
+        shares: list[list[tuple[int, Tensor]]] = [[] for _ in threads]
+        load = [0] * len(threads)
+        for run in sorted(runs, key=lambda r: (-r[1].numel(), r[0])):
+            i = min(range(len(threads)), key=lambda j: (load[j], j))
+            shares[i].append(run)
+            load[i] += run[1].numel()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="host-experts")
+        futures = [self._pool.submit(self._worker, layer, h, rows, weights, share, t, T)
+                   for share, t in zip(shares, threads, strict=True)]
+        for f in futures:  # in worker order: the sum's order is fixed
+            out += f.result()
+        return out
+
+    def _worker(self, layer: int, h: Tensor, rows: Tensor, weights: Tensor, runs: list[tuple[int, Tensor]],
+                threads: int, T: int) -> Tensor:
+        torch.set_num_threads(threads)  # this thread's intra-op threads only
+        part = torch.zeros(T, self.d, dtype=torch.float32)
+        self._accumulate(layer, h, rows, weights, runs, part)
+        return part
+
+    def _accumulate(self, layer: int, h: Tensor, rows: Tensor, weights: Tensor, runs: list[tuple[int, Tensor]],
+                    out: Tensor) -> None:
         with torch.no_grad():
-            for e, c in zip(ids.tolist(), counts.tolist(), strict=True):
-                run = order[start : start + c]  # [n_e] assignment positions
-                start += c
+            for e, run in runs:
                 r = rows[run]  # [n_e]
                 y = self.expert_output(layer, e, h[r])  # [n_e, d]
                 out.index_add_(0, r, y.float() * weights[run, None])
-        return out

@@ -267,9 +267,9 @@ def _host_tier(settings: RuntimeSettings, store: HostExpertStore, device: torch.
     if device.type == "cuda":
         logger.info("cpu expert compute: one expert's copy %.3f ms, a layer's activation round trip %.3f ms",
                     1e3 * copy_s, 1e3 * fixed_s)
-    costs = TierCosts(copy_s=copy_s, host_s=profile.expert_times, layer_fixed_s=fixed_s)
+    costs = TierCosts(copy_s=copy_s, host_s=profile.expert_times, layer_fixed_s=fixed_s, spread=profile.spread)
     mode = "on" if settings.cpu_expert_compute == "on" else "auto"
-    return HostExpertTier(HostExpertCompute(store), costs, mode, profile)
+    return HostExpertTier(HostExpertCompute(store, threads=profile.threads), costs, mode, profile)
 
 
 def _predictor(model: MoECausalLM, spec: ModelSpec) -> ExpertPredictor:
