@@ -321,3 +321,21 @@ def test_async_scheduling_sees_arrivals_a_pass_later_and_decodes_without_gaps() 
     assert sorted(sync.tpot_s) == pytest.approx([0.01, 0.01], abs=1e-4)
     assert sorted(asyn.tpot_s) == pytest.approx([0.01, 0.01], abs=1e-4)
     assert asyn.forward_steps == sync.forward_steps
+
+
+def test_multiturn_dataset_gives_the_clients_turns_as_requests() -> None:
+    """`--dataset sharegpt-multiturn`: the turn lengths the bench client's multi-turn workload sends (each turn's
+    prompt holds the history, so later turns of a conversation are longer), within its 2,048 / 3,072 limits."""
+    from rimuru.bench.workload import load_tokenizer, sample_sharegpt_multiturn
+    from rimuru.sim.cli import load_requests
+
+    pairs = load_requests("sharegpt-multiturn", 60, seed=3)
+    turns = sample_sharegpt_multiturn(load_tokenizer(None), 60, 3, max_prompt_len=2048, max_total_len=3072)
+    assert pairs == [(t.prompt_len, t.output_len) for t in turns] and len(pairs) == 60
+    assert all(p <= 2048 and p + o <= 3072 for p, o in pairs)
+    first = {t.conversation: t.prompt_len for t in turns if t.turn == 0}
+    second = [(t.conversation, t.prompt_len) for t in turns if t.turn == 1]
+    assert second and all(n > first[c] for c, n in second)  # the second turn's prompt holds the first turn
+    assert pairs != load_requests("sharegpt", 60, seed=3)
+    with pytest.raises(SystemExit, match="sharegpt-multiturn"):
+        load_requests("multiturn", 60, seed=3)

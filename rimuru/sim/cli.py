@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="preset name or a directory with config.json")
     p.add_argument("--gpu-memory-budget", required=True, help="e.g. 32GiB")
-    p.add_argument("--dataset", default="sharegpt", help="sharegpt | fixed:PROMPT_LEN:OUTPUT_LEN")
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt | sharegpt-multiturn | fixed:PROMPT_LEN:OUTPUT_LEN")
     p.add_argument("--request-rate", type=float, default=10.0, help="requests/s (Poisson)")
     p.add_argument("--num-prompts", type=int, default=500)
     p.add_argument("--modes", default="static,elastic", help="static,fixed,elastic (fixed needs --resident-experts)")
@@ -86,16 +86,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def load_requests(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, int]]:
-    """(prompt tokens, output tokens) per request; ShareGPT through the shared loader (Qwen vocabulary)."""
-    if dataset == "sharegpt":
-        from rimuru.bench.workload import load_tokenizer, sample_sharegpt
+    """(prompt tokens, output tokens) per request; ShareGPT through the shared loader (Qwen vocabulary).
+    `sharegpt-multiturn`: the turns of `rimuru bench serve --dataset sharegpt-multiturn --max-prompt-len 2048
+    --max-total-len 3072` (each turn's prompt the history), as requests on their own: the simulator sends them at
+    Poisson arrivals, not each after the last turn of its conversation, and caches no prefix."""
+    if dataset in ("sharegpt", "sharegpt-multiturn"):
+        from rimuru.bench.workload import load_tokenizer, sample_sharegpt, sample_sharegpt_multiturn
 
         try:
-            sample = sample_sharegpt(load_tokenizer(None), num_prompts, seed)
+            if dataset == "sharegpt":
+                sample = sample_sharegpt(load_tokenizer(None), num_prompts, seed)
+            else:
+                sample = sample_sharegpt_multiturn(load_tokenizer(None), num_prompts, seed, max_prompt_len=2048,
+                                                   max_total_len=3072)
         except ModuleNotFoundError as e:  # the packaged data set and the Qwen vocabulary are the bench extra's
             if (e.name or "").startswith("rimuru"):
                 raise
-            raise SystemExit(f"error: --dataset sharegpt needs {e.name}, which is not installed: "
+            raise SystemExit(f"error: --dataset {dataset} needs {e.name}, which is not installed: "
                              "pip install 'rimuru[bench]' (or use --dataset fixed:PROMPT_LEN:OUTPUT_LEN)") from None
         return [(r.prompt_len, r.output_len) for r in sample]
     kind, _, rest = dataset.partition(":")
@@ -105,7 +112,7 @@ def load_requests(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, 
         except ValueError:
             raise SystemExit(f"bad --dataset {dataset!r}: use fixed:PROMPT_LEN:OUTPUT_LEN") from None
         return [(prompt, output)] * num_prompts
-    raise SystemExit(f"unknown --dataset {dataset!r}: use sharegpt or fixed:PROMPT_LEN:OUTPUT_LEN")
+    raise SystemExit(f"unknown --dataset {dataset!r}: use sharegpt, sharegpt-multiturn or fixed:PROMPT_LEN:OUTPUT_LEN")
 
 
 def with_arrivals(pairs: list[tuple[int, int]], rate: float, seed: int) -> list[SimRequest]:
