@@ -6,7 +6,7 @@ step a model could reach with the tier at a budget.
 
 1. Bandwidth: a STREAM-like read (a sum over 256 MiB), the bound of decode on the host.
 2. One expert alone (the engine's host compute: experts/host_compute.py) at 1, 2, 4, 8, 16 tokens for each
-   thread count, over a scratch layer of random experts (up to 16, 512 MiB) so the weights come from memory;
+   thread count, over a scratch layer of random experts (up to 64, 512 MiB) so the weights come from memory;
    dispatch and combine included. Achieved GB/s at 1 token against the read bandwidth.
 3. The spread: m = 1, 2, 4, 8, 16 experts in one call on every thread (the compute deals them to min(m, threads)
    workers), one token each: the call's time, the GB/s it reads and S(m), its speedup over m one-expert calls.
@@ -15,8 +15,10 @@ step a model could reach with the tier at a budget.
    leaves 10 % to KV), the least popular offloaded. Per offloaded expert, routed with probability
    q = 1 - (1 - p)^(B k), by n = B k p / q tokens when routed; the tier's choice (experts/expert_tiers.py, with
    the measured spread) for the typical routed set of each layer, whose host part is the sum of its experts'
-   times alone over S(expected host experts). step = copies + max(GPU step, host part + layers x round trip);
-   tokens/s = B / step.
+   times alone on every core (the spread's baseline) over S(expected host experts). The choice itself runs over
+   every offloaded expert as a candidate and so reads S at that count, the cost at the expected routed count:
+   an approximation of the engine, which chooses over each step's routed experts. step = copies + max(GPU step,
+   host part + layers x round trip); tokens/s = B / step.
    Without the tier: step = GPU step + every routed offloaded expert's copy (copies not hidden).
    The GPU step (--gpu-step-ms) and the round trip are inputs: measure them on the GPU machine.
 """
@@ -130,7 +132,9 @@ def main() -> None:
     for n, times in by_threads.items():
         gbs = expert_bytes / times.seconds[0] / 1e9
         print(f"{n:7d} " + " ".join(f"{1e3 * s:8.3f}" for s in times.seconds) + f"   {gbs:6.1f}")
-    best = min(by_threads.values(), key=lambda t: t.seconds[0])
+    # one expert alone on every core: the spread's baseline, and what the ceilings divide by it
+    alone = by_threads[cores] if cores in by_threads else expert_times_by_threads(
+        spec.moe_intermediate_size, spec.hidden_size, dtype, [cores])[cores]
     # a call spreads its experts over every core
     compute = HostExpertCompute(scratch_compute(spec.moe_intermediate_size, spec.hidden_size, dtype).store, cores)
     before = torch.get_num_threads()
@@ -153,7 +157,7 @@ def main() -> None:
     for budget in args.budgets_gib:
         for name, probs in routings.items():
             for batch in (1, args.batch):
-                c = ceiling(spec, dtype, budget * 2**30, probs, batch, best, args.pcie_gbps * 1e9,
+                c = ceiling(spec, dtype, budget * 2**30, probs, batch, alone, args.pcie_gbps * 1e9,
                             args.gpu_step_ms / 1e3, args.layer_fixed_ms / 1e3, args.workspace_gib * 2**30, spread)
                 rows.append({"budget_gib": budget, "routing": name, "batch": batch, **c})
                 print(f"{budget:5.0f} GiB {name:9s} batch {batch:3d}: {c['offloaded_per_layer']:3d} offloaded/layer, "
@@ -165,7 +169,7 @@ def main() -> None:
             "model": args.model, "dtype": args.dtype, "cores": cores, "numa_nodes": numa_nodes(),
             "matrix_isa": cpu_matrix_isa(), "read_bandwidth": bandwidth, "expert_bytes": expert_bytes,
             "expert_ms": {n: [1e3 * s for s in t.seconds] for n, t in by_threads.items()}, "spread": spread_rows,
-            "tokens": list(best.tokens), "inputs": {k: v for k, v in vars(args).items() if k != "output_json"},
+            "tokens": list(alone.tokens), "inputs": {k: v for k, v in vars(args).items() if k != "output_json"},
             "ceilings": rows}, indent=2, default=str))
 
 

@@ -9,6 +9,7 @@ fails it), the start-up measurement's interpolation, the tier choice from given 
 from __future__ import annotations
 
 import argparse
+import threading
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,17 @@ def test_host_compute_spread_over_threads_equals_the_paged_reference() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(compute.compute(layer, hidden, every), got, rtol=0, atol=0)  # no timing in it
         assert torch.get_num_threads() == caller
+    # a thread started after the workers set their counts starts with the caller's (2 here), not a worker's (1)
+    seen: list[int] = []
+    torch.set_num_threads(2)
+    try:
+        HostExpertCompute(store, threads=4).compute(layer, hidden, every)  # 4 workers of 1 thread
+        fresh = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        fresh.start()
+        fresh.join()
+    finally:
+        torch.set_num_threads(caller)
+    assert seen == [2]
     assert HostExpertCompute(store, threads=5).worker_threads(3) == [2, 2, 1]
     assert HostExpertCompute(store, threads=5).worker_threads(1) == [5]
     assert HostExpertCompute(store, threads=4).worker_threads(10) == [1, 1, 1, 1]
@@ -224,7 +236,8 @@ def test_host_profile_measures_this_machine() -> None:
     times = measure_expert_times(compute, tokens=(1, 4), experts=3, reps=1)
     assert times.tokens == (1, 4) and all(s > 0 for s in times.seconds)
     spread = measure_spread(compute, reps=1)
-    assert spread.experts == (1, 2) and spread.speedup[0] == 1.0 and spread.speedup[1] > 0
+    assert spread.experts == (1, 2) and spread.speedup[0] == 1.0
+    assert spread.speedup[1] == pytest.approx(2 * spread.call_seconds[0] / spread.call_seconds[1])
     with pytest.raises(ValueError, match="from one expert up"):
         measure_spread(compute, counts=(2, 4))
     profile = profile_host(16, 32, torch.float32)

@@ -337,5 +337,8 @@ def test_multiturn_dataset_gives_the_clients_turns_as_requests() -> None:
     second = [(t.conversation, t.prompt_len) for t in turns if t.turn == 1]
     assert second and all(n > first[c] for c, n in second)  # the second turn's prompt holds the first turn
     assert pairs != load_requests("sharegpt", 60, seed=3)
+    # the turns of the GPU run at seed 0 (its client JSON: 400 turns, 281,450 prompt tokens, read from the anchor's
+    # copy of the same ShareGPT file): the same requests
+    assert sum(p for p, _ in load_requests("sharegpt-multiturn", 400, seed=0)) == 281_450
     with pytest.raises(SystemExit, match="sharegpt-multiturn"):
         load_requests("multiturn", 60, seed=3)

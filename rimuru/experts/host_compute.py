@@ -24,7 +24,7 @@ With one expert (or T = 1) the call runs on the calling thread, as a single GEMV
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -126,15 +126,23 @@ class HostExpertCompute:
             load[i] += run[1].numel()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="host-experts")
+        caller = torch.get_num_threads()
         futures = [self._pool.submit(self._worker, layer, h, rows, weights, share, t, T)
                    for share, t in zip(shares, threads, strict=True)]
+        wait(futures)  # every worker done before the next call, and no error lost behind the first
+        # a worker's set_num_threads also sets the count a thread starts with that first runs torch later (e.g. a
+        # server's engine thread): give that back the caller's
+        torch.set_num_threads(caller)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
         for f in futures:  # in worker order: the sum's order is fixed
             out += f.result()
         return out
 
     def _worker(self, layer: int, h: Tensor, rows: Tensor, weights: Tensor, runs: list[tuple[int, Tensor]],
                 threads: int, T: int) -> Tensor:
-        torch.set_num_threads(threads)  # this thread's intra-op threads only
+        torch.set_num_threads(threads)  # this thread's intra-op threads (and, see compute, new threads' default)
         part = torch.zeros(T, self.d, dtype=torch.float32)
         self._accumulate(layer, h, rows, weights, runs, part)
         return part
