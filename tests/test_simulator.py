@@ -327,7 +327,7 @@ def test_multiturn_dataset_gives_the_clients_turns_as_requests() -> None:
     """`--dataset sharegpt-multiturn`: the turn lengths the bench client's multi-turn workload sends (each turn's
     prompt holds the history, so later turns of a conversation are longer), within its 2,048 / 3,072 limits."""
     from rimuru.bench.workload import load_tokenizer, sample_sharegpt_multiturn
-    from rimuru.sim.cli import load_requests
+    from rimuru.sim.cli import conversations, load_requests, with_arrivals
 
     pairs = load_requests("sharegpt-multiturn", 60, seed=3)
     turns = sample_sharegpt_multiturn(load_tokenizer(None), 60, 3, max_prompt_len=2048, max_total_len=3072)
@@ -342,3 +342,29 @@ def test_multiturn_dataset_gives_the_clients_turns_as_requests() -> None:
     assert sum(p for p, _ in load_requests("sharegpt-multiturn", 400, seed=0)) == 281_450
     with pytest.raises(SystemExit, match="sharegpt-multiturn"):
         load_requests("multiturn", 60, seed=3)
+    # sent as the client sends them: conversations at the rate, each later turn after the one before it
+    convs = conversations("sharegpt-multiturn", 60, seed=3)
+    assert sorted(i for c in convs for i in c) == list(range(60)) and all(len(c) >= 1 for c in convs)
+    reqs = with_arrivals(pairs, 2.0, 3, convs, think_s=0.5)
+    for c in convs:
+        assert reqs[c[0]].after is None and reqs[c[0]].think_s == 0.0
+        assert [(r.after, r.think_s) for r in (reqs[i] for i in c[1:])] == [(i, 0.5) for i in c[:-1]]
+    assert len({reqs[c[0]].arrival_s for c in convs}) == len(convs)
+
+
+def test_a_conversations_turns_go_one_after_another() -> None:
+    """A later turn is sent when the turn it follows has finished, plus its think time; its TTFT counts from then."""
+    turns = [SimRequest(20, 10, 0.0)] + [SimRequest(20 + 30 * n, 10, 0.0, after=n - 1, think_s=0.5)
+                                         for n in range(1, 4)]
+    together = [SimRequest(r.prompt_len, r.output_len, 0.0) for r in turns]
+    cfg = config("static", pool_pages=48 + 24)
+    chained = Simulation(TINY, POP, cfg).run(turns)
+    at_once = Simulation(TINY, POP, cfg).run(together)
+    assert chained.output_tokens == at_once.output_tokens == 40 and len(chained.ttft_s) == 4
+    assert chained.peak_running == 1 and at_once.peak_running == 4
+    # three think times, and each turn's 10 tokens at 10 ms or more a step
+    assert chained.sim_time_s >= 3 * 0.5 + 4 * 10 * 0.01 > at_once.sim_time_s
+    assert max(chained.ttft_s) < 0.5  # from the turn's own send, not the conversation's start
+    assert chained.final_pages["kv_pages"] == 0
+    with pytest.raises(ValueError, match="follows request 7"):
+        Simulation(TINY, POP, cfg).run([SimRequest(20, 10, 0.0, after=7)])

@@ -37,8 +37,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="preset name or a directory with config.json")
     p.add_argument("--gpu-memory-budget", required=True, help="e.g. 32GiB")
-    p.add_argument("--dataset", default="sharegpt", help="sharegpt | sharegpt-multiturn | fixed:PROMPT_LEN:OUTPUT_LEN")
-    p.add_argument("--request-rate", type=float, default=10.0, help="requests/s (Poisson)")
+    p.add_argument("--dataset", default="sharegpt",
+                   help="sharegpt | sharegpt-multiturn (a conversation's turns one after another) | "
+                   "fixed:PROMPT_LEN:OUTPUT_LEN")
+    p.add_argument("--request-rate", type=float, default=10.0,
+                   help="requests/s (Poisson); sharegpt-multiturn: conversations/s, as rimuru bench serve")
+    p.add_argument("--turn-think-time-s", type=float, default=0.0,
+                   help="sharegpt-multiturn: the pause between a turn's end and the next turn, as rimuru bench serve")
     p.add_argument("--num-prompts", type=int, default=500)
     p.add_argument("--modes", default="static,elastic", help="static,fixed,elastic (fixed needs --resident-experts)")
     p.add_argument("--seed", type=int, default=0)
@@ -88,8 +93,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def load_requests(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) per request; ShareGPT through the shared loader (Qwen vocabulary).
     `sharegpt-multiturn`: the turns of `rimuru bench serve --dataset sharegpt-multiturn --max-prompt-len 2048
-    --max-total-len 3072` (each turn's prompt the history), as requests on their own: the simulator sends them at
-    Poisson arrivals, not each after the last turn of its conversation, and caches no prefix."""
+    --max-total-len 3072` (each turn's prompt the history), in the client's order (`conversations` groups them)."""
+    return [(p, o) for p, o, _ in _load(dataset, num_prompts, seed)]
+
+
+def conversations(dataset: str, num_prompts: int, seed: int) -> list[list[int]]:
+    """Indices into `load_requests`' list by conversation, turns in order (a request on its own is one), as the
+    bench client groups them (`conversation_indices`)."""
+    groups: dict[object, list[int]] = {}
+    for i, (_, _, conv) in enumerate(_load(dataset, num_prompts, seed)):
+        groups.setdefault(("c", conv) if conv is not None else ("r", i), []).append(i)
+    return list(groups.values())
+
+
+def _load(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, int, int | None]]:
+    """(prompt tokens, output tokens, conversation or None) per request."""
     if dataset in ("sharegpt", "sharegpt-multiturn"):
         from rimuru.bench.workload import load_tokenizer, sample_sharegpt, sample_sharegpt_multiturn
 
@@ -104,21 +122,35 @@ def load_requests(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, 
                 raise
             raise SystemExit(f"error: --dataset {dataset} needs {e.name}, which is not installed: "
                              "pip install 'rimuru[bench]' (or use --dataset fixed:PROMPT_LEN:OUTPUT_LEN)") from None
-        return [(r.prompt_len, r.output_len) for r in sample]
+        return [(r.prompt_len, r.output_len, r.conversation) for r in sample]
     kind, _, rest = dataset.partition(":")
     if kind == "fixed":
         try:
             prompt, output = (int(x) for x in rest.split(":"))
         except ValueError:
             raise SystemExit(f"bad --dataset {dataset!r}: use fixed:PROMPT_LEN:OUTPUT_LEN") from None
-        return [(prompt, output)] * num_prompts
+        return [(prompt, output, None)] * num_prompts
     raise SystemExit(f"unknown --dataset {dataset!r}: use sharegpt, sharegpt-multiturn or fixed:PROMPT_LEN:OUTPUT_LEN")
 
 
-def with_arrivals(pairs: list[tuple[int, int]], rate: float, seed: int) -> list[SimRequest]:
+def with_arrivals(pairs: list[tuple[int, int]], rate: float, seed: int,
+                  convs: list[list[int]] | None = None, think_s: float = 0.0) -> list[SimRequest]:
+    """Poisson arrivals at `rate`: of each request, or with `convs` of each conversation's first turn, every later
+    turn sent `think_s` after the one before it ended (the bench client's multi-turn loop: its rate counts
+    conversations)."""
     from rimuru.bench.workload import poisson_arrivals
 
-    return [SimRequest(p, o, t) for (p, o), t in zip(pairs, poisson_arrivals(len(pairs), rate, seed), strict=True)]
+    if convs is None:
+        return [SimRequest(p, o, t) for (p, o), t in zip(pairs, poisson_arrivals(len(pairs), rate, seed),
+                                                          strict=True)]
+    out: list[SimRequest | None] = [None] * len(pairs)
+    for turns, t in zip(convs, poisson_arrivals(len(convs), rate, seed), strict=True):
+        for n, i in enumerate(turns):
+            p, o = pairs[i]
+            out[i] = SimRequest(p, o, t, after=turns[n - 1] if n else None, think_s=think_s if n else 0.0)
+    if any(r is None for r in out):
+        raise ValueError("the conversations do not cover every request")
+    return [r for r in out if r is not None]
 
 
 def dummy_router_popularity(model: str, routing: str, spec: ModelSpec, seed: int) -> ExpertPopularity:
@@ -188,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"rimuru simulate: {e}") from None
     hw = hardware_from(args)
     pairs = load_requests(args.dataset, args.num_prompts, args.seed)
+    # multi-turn: conversations arrive at the rate, each turn once the last one ended (the bench client's loop)
+    convs = conversations(args.dataset, args.num_prompts, args.seed) if args.dataset == "sharegpt-multiturn" else None
     base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,
                      adjuster=AdjusterConfig(), cost=cost_cfg, resident_experts=args.resident_experts,
                      expert_offload_limit=args.expert_offload_limit, max_num_seqs=args.max_num_seqs,
@@ -203,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
         label = mode if kind == "paper" else f"{mode}-{kind}"
 
         def run_at(rate: float, cfg: SimConfig = cfg):
-            return Simulation(spec, pop, cfg).run(with_arrivals(pairs, rate, args.seed))
+            return Simulation(spec, pop, cfg).run(with_arrivals(pairs, rate, args.seed, convs,
+                                                                args.turn_think_time_s))
 
         t0 = time.perf_counter()
         try:

@@ -2,7 +2,8 @@
 core (experts/elastic_core.py) on a simulated clock.
 
 One loop iteration is one engine step (engine/llm_engine.py), with the GPU replaced by `CostModel`:
-  1. requests whose arrival time the host has reached join the queue; elastic: grows reserved last step enter the
+  1. requests whose arrival time the host has reached join the queue (a conversation's later turn arrives when the
+     turn it follows finishes, plus its think time: `SimRequest.after`); elastic: grows reserved last step enter the
      residency and the load buffers take pages if an expert is out (`begin_step`, as the engine's runtime);
   2. `Scheduler.schedule()` picks the batch; elastic: the core plans (evictions begin, grows reserve pages);
   3. the pass is launched: its tokens count as computed, sampled rows are pending tokens, and the device clock
@@ -21,6 +22,7 @@ requests are admitted as in the engine (engine/setup.py `plan_memory`, experts/r
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -75,7 +77,9 @@ class SimulationError(RuntimeError):
 class SimRequest:
     prompt_len: int
     output_len: int
-    arrival_s: float
+    arrival_s: float  # a request on its own, or a conversation's first turn; a later turn: ignored
+    after: int | None = None  # a conversation's later turn: the index of the turn it follows, sent once that ends
+    think_s: float = 0.0  # ... and this long after (the bench client's --turn-think-time-s)
 
 
 @dataclass(frozen=True)
@@ -282,11 +286,23 @@ class Simulation:
             after_step: Callable[[Simulation], None] | None = None) -> SimResult:
         """`after_step` is called after every step's pages have been released (tests watch the residency)."""
         result = SimResult(mode=self.cfg.mode, memory=self.memory, num_requests=len(requests))
-        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+        # arrivals not yet taken in, (time, index): the requests on their own and first turns now, a later turn when
+        # the turn it follows ends (`_advance`)
+        self._requests = requests
+        self._followers: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            if r.after is not None:
+                if not 0 <= r.after < len(requests) or r.after == i:
+                    raise ValueError(f"request {i} follows request {r.after}, which is not another request")
+                self._followers.setdefault(r.after, []).append(i)
+        pending = [(r.arrival_s, i) for i, r in enumerate(requests) if r.after is None]
+        heapq.heapify(pending)
+        self._pending = pending
+        first = pending[0][0] if pending else 0.0
         live: dict[int, SimRequest] = {}
         cols: dict[str, list[float]] = {k: [] for k in ("t", "running", "waiting", "kv_bytes", "expert_bytes",
                                                         "state_bytes", "free_bytes", "step_s", "pcie_bytes")}
-        g, nxt, idle_steps = self.mem.geometry, 0, 0
+        g, idle_steps = self.mem.geometry, 0
         # clock: when the device is free (the end of the last launched pass); seen: the latest arrival time the
         # host has taken in. Sync: the host schedules when the last pass ended. Async (the engine's default on a
         # GPU): pass n+1 is scheduled and launched while pass n runs, so it sees the arrivals up to the start of
@@ -294,12 +310,12 @@ class Simulation:
         clock = seen = 0.0
         in_flight: list[tuple[Any, bool]] | None = None  # the async pass not yet drained: (scheduled, samples)
         core = self.core
-        while nxt < len(order) or self.scheduler.has_unfinished() or in_flight is not None:
-            while nxt < len(order) and requests[order[nxt]].arrival_s <= seen:
-                self._admit(order[nxt], requests[order[nxt]], live)
-                nxt += 1
+        while pending or self.scheduler.has_unfinished() or in_flight is not None:
+            while pending and pending[0][0] <= seen:
+                at, i = heapq.heappop(pending)
+                self._admit(i, requests[i], live, at)
             if not self.scheduler.has_unfinished() and in_flight is None:
-                clock = seen = max(clock, requests[order[nxt]].arrival_s)
+                clock = seen = max(clock, pending[0][0])
                 continue
             if core is not None:
                 core.attach_buffers()
@@ -335,8 +351,8 @@ class Simulation:
                 self._end_step(after_step)  # no forward pass reads the evicted pages
                 idle_steps = 0 if moved or previous is not None else idle_steps + 1
                 if idle_steps > 2:
-                    if nxt < len(order):
-                        clock = seen = max(clock, requests[order[nxt]].arrival_s)
+                    if pending:
+                        clock = seen = max(clock, pending[0][0])
                         idle_steps = 0
                         continue
                     raise SimulationError(f"stuck: {len(self.scheduler.waiting)} requests wait for pages the pool "
@@ -380,7 +396,6 @@ class Simulation:
         if core is not None:  # grows planned by the last (empty) step land while the engine idles
             core.attach_buffers()
             core.commit_grows()
-        first = requests[order[0]].arrival_s if requests else 0.0
         result.sim_time_s = clock - first
         result.preemptions = self.scheduler.num_preemptions
         if core is not None:
@@ -425,7 +440,7 @@ class Simulation:
         if after_step is not None:
             after_step(self)
 
-    def _admit(self, idx: int, r: SimRequest, live: dict[int, SimRequest]) -> None:
+    def _admit(self, idx: int, r: SimRequest, live: dict[int, SimRequest], arrival_s: float) -> None:
         need = self.kv.blocks_for(r.prompt_len + r.output_len) * self.kv.num_layers
         state = self.state.kv_pages if self.state is not None else 0  # its state pages, in KV pages
         if need + state > self.max_kv_pages:
@@ -434,7 +449,7 @@ class Simulation:
                                   f"{what}, the pool can never hold more than {self.max_kv_pages}")
         req = Request(request_id=str(idx), seq_id=idx, prompt=None, prompt_token_ids=[0] * r.prompt_len,
                       params=SamplingParams(max_tokens=r.output_len, ignore_eos=True), max_tokens=r.output_len,
-                      eos_token_id=None, arrival_time=r.arrival_s)
+                      eos_token_id=None, arrival_time=arrival_s)
         live[idx] = r
         self.scheduler.add(req)
 
@@ -451,6 +466,8 @@ class Simulation:
             if req.max_tokens > 1:
                 result.tpot_s.append((now - m.first_token_time) / (req.max_tokens - 1))
             del live[req.seq_id]
+            for j in self._followers.get(req.seq_id, ()):  # the conversation's next turn is sent now
+                heapq.heappush(self._pending, (now + self._requests[j].think_s, j))
 
     def page_accounting(self) -> dict[str, int]:
         """Every pool byte at the end: expert pages + KV pages + state pages + free = pool (checked by the allocator
