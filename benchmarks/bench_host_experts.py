@@ -55,8 +55,7 @@ from rimuru.model_spec import load_model_spec  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def expert_times_by_threads(f: int, d: int, dtype: torch.dtype, threads: list[int]) -> dict[int, HostExpertTimes]:
-    compute = scratch_compute(f, d, dtype)
+def expert_times_by_threads(compute: HostExpertCompute, threads: list[int]) -> dict[int, HostExpertTimes]:
     before = torch.get_num_threads()
     out = {}
     try:
@@ -125,7 +124,9 @@ def main() -> None:
     threads = args.threads or [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= cores]
     bandwidth = measure_host_bandwidth()
     print(f"host: {cores} cores, {numa_nodes()} NUMA node(s), {cpu_matrix_isa()}; read {bandwidth / 1e9:.1f} GB/s")
-    by_threads = expert_times_by_threads(spec.moe_intermediate_size, spec.hidden_size, dtype, threads)
+    # one scratch layer of the model's experts (512 MiB at most) for every measurement, a call spread over every core
+    compute = HostExpertCompute(scratch_compute(spec.moe_intermediate_size, spec.hidden_size, dtype).store, cores)
+    by_threads = expert_times_by_threads(compute, threads)
     expert_bytes = 3 * spec.moe_intermediate_size * spec.hidden_size * torch.empty((), dtype=dtype).element_size()
     print(f"one expert ({expert_bytes / 1e6:.2f} MB, {args.dtype}), ms by tokens:")
     print("threads " + " ".join(f"{t:>8d}" for t in by_threads[threads[0]].tokens) + "   GB/s@1")
@@ -133,10 +134,7 @@ def main() -> None:
         gbs = expert_bytes / times.seconds[0] / 1e9
         print(f"{n:7d} " + " ".join(f"{1e3 * s:8.3f}" for s in times.seconds) + f"   {gbs:6.1f}")
     # one expert alone on every core: the spread's baseline, and what the ceilings divide by it
-    alone = by_threads[cores] if cores in by_threads else expert_times_by_threads(
-        spec.moe_intermediate_size, spec.hidden_size, dtype, [cores])[cores]
-    # a call spreads its experts over every core
-    compute = HostExpertCompute(scratch_compute(spec.moe_intermediate_size, spec.hidden_size, dtype).store, cores)
+    alone = by_threads[cores] if cores in by_threads else expert_times_by_threads(compute, [cores])[cores]
     before = torch.get_num_threads()
     torch.set_num_threads(cores)
     try:

@@ -94,22 +94,24 @@ def load_requests(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, 
     """(prompt tokens, output tokens) per request; ShareGPT through the shared loader (Qwen vocabulary).
     `sharegpt-multiturn`: the turns of `rimuru bench serve --dataset sharegpt-multiturn --max-prompt-len 2048
     --max-total-len 3072` (each turn's prompt the history), in the client's order (`conversations` groups them)."""
-    return [(p, o) for p, o, _ in _load(dataset, num_prompts, seed)]
+    return load_workload(dataset, num_prompts, seed)[0]
 
 
 def conversations(dataset: str, num_prompts: int, seed: int) -> list[list[int]]:
-    """Indices into `load_requests`' list by conversation, turns in order (a request on its own is one), as the
-    bench client groups them (`conversation_indices`)."""
-    groups: dict[object, list[int]] = {}
-    for i, (_, _, conv) in enumerate(_load(dataset, num_prompts, seed)):
-        groups.setdefault(("c", conv) if conv is not None else ("r", i), []).append(i)
-    return list(groups.values())
+    """Indices into `load_requests`' list by conversation, turns in order (a request on its own is one)."""
+    return load_workload(dataset, num_prompts, seed)[1]
 
 
-def _load(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, int, int | None]]:
-    """(prompt tokens, output tokens, conversation or None) per request."""
+def load_workload(dataset: str, num_prompts: int, seed: int) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """The requests' (prompt tokens, output tokens) and their conversations, grouped as the bench client groups
+    them (`conversation_indices`)."""
     if dataset in ("sharegpt", "sharegpt-multiturn"):
-        from rimuru.bench.workload import load_tokenizer, sample_sharegpt, sample_sharegpt_multiturn
+        from rimuru.bench.workload import (
+            conversation_indices,
+            load_tokenizer,
+            sample_sharegpt,
+            sample_sharegpt_multiturn,
+        )
 
         try:
             if dataset == "sharegpt":
@@ -122,14 +124,14 @@ def _load(dataset: str, num_prompts: int, seed: int) -> list[tuple[int, int, int
                 raise
             raise SystemExit(f"error: --dataset {dataset} needs {e.name}, which is not installed: "
                              "pip install 'rimuru[bench]' (or use --dataset fixed:PROMPT_LEN:OUTPUT_LEN)") from None
-        return [(r.prompt_len, r.output_len, r.conversation) for r in sample]
+        return [(r.prompt_len, r.output_len) for r in sample], conversation_indices(sample)
     kind, _, rest = dataset.partition(":")
     if kind == "fixed":
         try:
             prompt, output = (int(x) for x in rest.split(":"))
         except ValueError:
             raise SystemExit(f"bad --dataset {dataset!r}: use fixed:PROMPT_LEN:OUTPUT_LEN") from None
-        return [(prompt, output, None)] * num_prompts
+        return [(prompt, output)] * num_prompts, [[i] for i in range(num_prompts)]
     raise SystemExit(f"unknown --dataset {dataset!r}: use sharegpt, sharegpt-multiturn or fixed:PROMPT_LEN:OUTPUT_LEN")
 
 
@@ -219,9 +221,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"rimuru simulate: {e}") from None
     hw = hardware_from(args)
-    pairs = load_requests(args.dataset, args.num_prompts, args.seed)
+    pairs, grouped = load_workload(args.dataset, args.num_prompts, args.seed)
     # multi-turn: conversations arrive at the rate, each turn once the last one ended (the bench client's loop)
-    convs = conversations(args.dataset, args.num_prompts, args.seed) if args.dataset == "sharegpt-multiturn" else None
+    convs = grouped if args.dataset == "sharegpt-multiturn" else None
     base = SimConfig(mode=modes[0], budget_bytes=parse_bytes(args.gpu_memory_budget), hardware=hw,
                      adjuster=AdjusterConfig(), cost=cost_cfg, resident_experts=args.resident_experts,
                      expert_offload_limit=args.expert_offload_limit, max_num_seqs=args.max_num_seqs,
