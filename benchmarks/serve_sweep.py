@@ -189,6 +189,9 @@ _TIMELINE = {  # timeline key -> metric names (first present wins)
     # beside expert_bytes_loaded and forward_steps (the reads a step made), what the adjuster's model expected
     "cost_expected_reads": ("rimuru:cost_expected_reads",),
     "forward_steps": ("rimuru:forward_steps",),
+    # direct access: offloaded experts read in host memory, and the passes with experts out, by kind of pass
+    **{f"{name}_{kind}": (f"rimuru:{name}_{kind}",)
+       for name in ("expert_host_reads", "offloaded_passes") for kind in ("decode", "mixed")},
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
 }
 

@@ -68,6 +68,7 @@ def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(
     assert isinstance(runtime, DirectElasticRuntime) and runtime.loader.buffer_pages == []
     # each pass's bytes read from host memory, against routed & absent as the tables stood when the pass ran
     reads: list[tuple[int, int]] = []
+    kinds: dict[bool, list[int]] = {True: [], False: []}  # decode pass? -> experts read per pass with experts out
     absent_of_pass = runtime._absent_during_pass
     read_of_pass = runtime._read_from_host
     dense: list[torch.Tensor] = []
@@ -80,6 +81,8 @@ def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(
         mask = dense.pop(0)
         got = read_of_pass(counts, absent, decode)
         reads.append((got, int(((torch.from_numpy(counts) > 0) & mask).sum()) * runtime.store.expert_bytes))
+        if absent is not None and counts.any():
+            kinds[decode].append(got // runtime.store.expert_bytes)
         return got
 
     runtime._absent_during_pass = absent_now  # type: ignore[method-assign]
@@ -94,6 +97,12 @@ def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(
     expert_bytes = runtime.store.expert_bytes
     assert st["expert_bytes_direct"] % expert_bytes == 0
     assert st["expert_bytes_loaded"] == st["expert_bytes_direct"] + st["expert_grows"] * expert_bytes
+    # the reads and the passes with experts out, by kind of pass: decode (one token a sequence) or with prefill
+    assert kinds[True] and kinds[False], kinds
+    for decode, kind in ((True, "decode"), (False, "mixed")):
+        assert st[f"expert_host_reads_{kind}"] == sum(kinds[decode])
+        assert st[f"offloaded_passes_{kind}"] == len(kinds[decode])
+    assert (st["expert_host_reads_decode"] + st["expert_host_reads_mixed"]) * expert_bytes == st["expert_bytes_direct"]
     assert absent_rows_name_host_rows(llm)
     alloc = engine.pool.allocator
     assert st["kv_pages_used"] == 0 and alloc.num_used(EXPERT) == 3 * runtime.cache.num_resident  # no page leaked

@@ -72,6 +72,10 @@ class DirectElasticRuntime(ElasticRuntime):
                  async_steps: bool) -> None:
         super().__init__(core, cache, store, loader, provider, counter, pcie_bandwidth, async_steps)
         self.direct_bytes = 0  # bytes passes read from host memory so far (routing counts x offloaded experts)
+        # offloaded experts read in host memory, and the passes with any expert out, by pass kind (decode: one token
+        # per sequence; mixed: prefill chunks beside or without decodes): what each kind of step costs the split
+        self.direct_reads = {"decode": 0, "mixed": 0}
+        self.direct_passes = {"decode": 0, "mixed": 0}
         self._absent_ids: tuple[np.ndarray, np.ndarray | None] | None = None  # (absent mask, its flat ids)
 
     def graph_plan(self) -> GraphPlan:
@@ -99,6 +103,10 @@ class DirectElasticRuntime(ElasticRuntime):
         measured = int(np.count_nonzero(counts.reshape(-1)[absent] > 0))
         read = measured * self.store.expert_bytes
         self.direct_bytes += read
+        if counts.any():  # a pass ran (a step without one snapshots zeros)
+            kind = "decode" if decode else "mixed"
+            self.direct_reads[kind] += measured
+            self.direct_passes[kind] += 1
         step_cost = self.core.step_cost
         if decode and step_cost is not None:
             # the reads the adjuster's model expected of these experts for this batch: its formula, the popularity
@@ -122,4 +130,6 @@ class DirectElasticRuntime(ElasticRuntime):
         return None
 
     def stats(self) -> dict[str, float]:
-        return {**super().stats(), "expert_bytes_loaded": self.bytes_loaded, "expert_bytes_direct": self.direct_bytes}
+        return {**super().stats(), "expert_bytes_loaded": self.bytes_loaded, "expert_bytes_direct": self.direct_bytes,
+                **{f"expert_host_reads_{k}": float(v) for k, v in self.direct_reads.items()},
+                **{f"offloaded_passes_{k}": float(v) for k, v in self.direct_passes.items()}}
