@@ -219,10 +219,9 @@ def test_fully_resident_elastic_replays_whole_graphs(ckpt: Path) -> None:
     assert st["expert_evictions"] == 0 and st["expert_bytes_loaded"] == 0, st
     assert runner.graphs.whole_replays == runner.graph_steps == engine.forward_steps > 0
     assert runner.graphs.boundaries.host_waits == 0 and runner.graphs.boundaries.skipped_waits == 0
-    # the whole graphs counted routing: the estimate holds more than the decayed prior (1000 per layer)
+    # the whole graphs counted routing: the decayed counts (the prior kept apart) hold routed assignments
     pop = engine.runtime.core.popularity
-    decayed_prior = pop.config.prior_weight * pop.config.decay ** engine.forward_steps * pop.counts.shape[0]
-    assert pop.counts.sum() > decayed_prior + 1
+    assert pop.counts.sum() > 1
     static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", enforce_eager=True,
                  max_num_batched_tokens=64)
     assert [o.outputs[0].token_ids for o in static.generate(batch, params)] == got

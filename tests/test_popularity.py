@@ -94,11 +94,28 @@ def test_ema_update_exact() -> None:
     prior = ExpertPopularity("m", np.array([[0.5, 0.3, 0.2]]))
     online = OnlinePopularity(prior, OnlinePopularityConfig(decay=0.5, prior_weight=10.0, rerank_margin=0.25))
     online.update(np.array([[0, 0, 10]]))
-    # counts: 0.5 * [5, 3, 2] + [0, 0, 10] = [2.5, 1.5, 11]
-    assert np.allclose(online.counts, [[2.5, 1.5, 11.0]])
-    assert np.allclose(online.estimate().probabilities, [[2.5 / 15, 1.5 / 15, 11 / 15]])
+    online.update(np.array([[0, 0, 10]]))
+    # counts: 0.5 * [0, 0, 10] + [0, 0, 10] = [0, 0, 15]; the prior [5, 3, 2] is added, never decayed
+    assert np.allclose(online.counts, [[0.0, 0.0, 15.0]])
+    assert np.allclose(online.smoothed_counts(), [[5.0, 3.0, 17.0]])
+    assert np.allclose(online.estimate().probabilities, [[5 / 25, 3 / 25, 17 / 25]])
     with pytest.raises(ValueError, match="shape"):
         online.update(np.zeros((2, 3)))
+
+
+def test_an_expert_never_routed_keeps_a_share_of_its_prior() -> None:
+    # however long the traffic avoids experts 0 and 1, their estimate stays at prior_weight * p / (window + prior):
+    # the decayed counts of 10 a step sum to 10 / (1 - 0.5) = 20, the prior to 10
+    prior = ExpertPopularity("m", np.array([[0.5, 0.3, 0.2]]))
+    online = OnlinePopularity(prior, OnlinePopularityConfig(decay=0.5, prior_weight=10.0))
+    for _ in range(2000):
+        online.update(np.array([[0, 0, 10]]))
+    assert np.allclose(online.probabilities(), [[5 / 30, 3 / 30, 22 / 30]])
+    # without a prior weight the estimate is the decayed counts alone (and uniform before any count)
+    bare = OnlinePopularity(prior, OnlinePopularityConfig(decay=0.5, prior_weight=0.0))
+    assert np.allclose(bare.probabilities(), 1 / 3)
+    bare.update(np.array([[0, 0, 10]]))
+    assert np.allclose(bare.probabilities(), [[0.0, 0.0, 1.0]])
 
 
 def test_rerank_only_when_order_changed_materially() -> None:
@@ -121,18 +138,19 @@ def test_rerank_only_when_order_changed_materially() -> None:
 
 def test_traffic_shift_reranks_after_decay() -> None:
     prior = ExpertPopularity("m", np.array([[0.7, 0.2, 0.1]]))
-    online = OnlinePopularity(prior, OnlinePopularityConfig(decay=0.9, prior_weight=100.0, rerank_margin=0.25))
+    online = OnlinePopularity(prior, OnlinePopularityConfig(decay=0.9, prior_weight=10.0, rerank_margin=0.25))
     shifted = np.array([[1.0, 2.0, 7.0]])  # 10 routed per step, expert 2 now the hottest
-    # after n steps, a = 0.9^n: e0 = 70a + 10(1-a), e1 = 20, e2 = 10a + 70(1-a)
+    # after n steps, x = 1 - 0.9^n: counts 10 x [1, 2, 7] plus the prior [7, 2, 1]:
+    # e0 = 7 + 10x, e1 = 2 + 20x, e2 = 1 + 70x, towards [17, 22, 71]
     reranks = []
-    for n in range(1, 30):
+    for n in range(1, 40):
         online.update(shifted)
         if online.maybe_rerank():
             reranks.append((n, online.rankings[0].tolist()))
-    # n=3 (a=0.729): e2 = 26.26 > 1.25 * e1 = 25          -> [0, 2, 1]
-    # n=9 (a=0.387): e2 = 46.76 > 1.25 * e0 = 1.25 * 33.24 -> [2, 0, 1]
-    # n=22 (a=0.098): e1 = 20 > 1.25 * e0 = 1.25 * 15.91     -> [2, 1, 0], the shifted traffic's true order
-    assert reranks == [(3, [0, 2, 1]), (9, [2, 0, 1]), (22, [2, 1, 0])]
+    # n=1 (x=0.1):   e2 = 8    > 1.25 * e1 = 5                   -> [0, 2, 1]
+    # n=2 (x=0.19):  e2 = 14.3 > 1.25 * e0 = 11.1                -> [2, 0, 1]
+    # n=22 (x=0.90): e1 = 20.03 > 1.25 * e0 = 20.02              -> [2, 1, 0], the shifted traffic's order
+    assert reranks == [(1, [0, 2, 1]), (2, [2, 0, 1]), (22, [2, 1, 0])]
 
 
 def test_observe_looks_for_stale_layers_every_rerank_interval_updates() -> None:
@@ -155,5 +173,5 @@ def test_probabilities_are_kept_until_the_next_update() -> None:
     assert online.probabilities() is first and not first.flags.writeable
     online.update(np.array([[0, 0, 10]]))
     second = online.probabilities()
-    assert second is not first and np.allclose(second, [[2.5 / 15, 1.5 / 15, 11 / 15]])
+    assert second is not first and np.allclose(second, [[5 / 20, 3 / 20, 12 / 20]])
     assert np.allclose(first, [[0.5, 0.3, 0.2]])  # the earlier answer is not overwritten

@@ -4,8 +4,8 @@ Three sources, one type (`ExpertPopularity`):
   * a ranking file written by `rimuru profile` (JSON, format below), loaded with validation;
   * `uniform(...)`: every expert equally popular (the fallback when no file is given);
   * `zipf(...)`: a seeded skewed router for simulations and benchmarks (power law, see below).
-`OnlinePopularity` keeps a decayed (EMA) count of routing decisions with a file as its prior and says
-when the ranking of a layer has changed enough to re-rank (hysteresis).
+`OnlinePopularity` keeps a decayed (EMA) count of routing decisions, smoothed by a prior that does not decay (a
+file, or uniform shares), and says when the ranking of a layer has changed enough to re-rank (hysteresis).
 
 Ranking file (`probabilities[l][e]` = share of layer l's routed (token, expert) assignments that went
 to expert e; each layer sums to 1):
@@ -179,7 +179,12 @@ def _now() -> str:
 @dataclass(frozen=True)
 class OnlinePopularityConfig:
     decay: float = 0.99  # EMA factor per update (one update per engine step): half-life ~69 steps
-    prior_weight: float = 1000.0  # the prior counts as this many routed assignments per layer
+    # The prior counts as this many routed assignments per layer, at every update: it is added to the decayed counts,
+    # never decayed with them. An expert the last few hundred steps never routed is then estimated at a small share
+    # of its prior, not at zero: a decayed prior left such experts at ~1e-20, free to evict by the cost model,
+    # and under traffic whose routing moves with the requests (on the H100, Qwen1.5-MoE shapes, multi-turn chats)
+    # the experts evicted so were read ~2x more than estimated a few seconds later, 140-190 of them out.
+    prior_weight: float = 1000.0
     rerank_margin: float = 0.25  # re-rank only if an expert beats one ranked above it by > 25 %
     # `observe` looks for stale layers every this many updates: the counts move over tens of steps (the half-life
     # above), and the check is the costliest host work of an update (a gather and a running minimum over [L, E])
@@ -195,9 +200,11 @@ class OnlinePopularityConfig:
 
 
 class OnlinePopularity:
-    """Decayed routing counts with an offline ranking as the prior, and the re-rank decision.
+    """Decayed routing counts smoothed by an offline ranking (the prior), and the re-rank decision.
 
-    counts <- decay * counts + routed    (per layer, per expert; the prior enters as prior_weight * p)
+    counts    <- decay * counts + routed        (per layer, per expert; 0 at the start)
+    smoothed   = counts + prior_weight * prior   (the prior never decays: additive smoothing)
+    p          = smoothed / row sum of smoothed
     A layer's committed ranking r is *stale* when some expert r[j] has an estimated probability above
     (1 + rerank_margin) times that of an expert r[i] ranked above it (i < j). Only stale layers are
     re-ranked; smaller reorderings (noise) keep the committed order, so the resident prefix does not
@@ -207,11 +214,13 @@ class OnlinePopularity:
     def __init__(self, prior: ExpertPopularity, config: OnlinePopularityConfig | None = None) -> None:
         self.config = config or OnlinePopularityConfig()
         self.model = prior.model
-        self.counts = prior.probabilities * self.config.prior_weight  # [L, E]; written by update() alone
+        self.counts = np.zeros_like(prior.probabilities)  # [L, E] decayed routed counts; written by update() alone
+        self._prior = prior.probabilities * self.config.prior_weight  # [L, E] pseudo-counts, constant
         self.rankings = np.array(prior.rankings)  # committed order, [L, E]
         self.num_reranks = 0
         self.num_updates = 0
-        self._totals = self.counts.sum(axis=1, keepdims=True)  # [L, 1] per-layer sums of counts, kept with them
+        self._prior_totals = self._prior.sum(axis=1, keepdims=True)  # [L, 1]
+        self._count_totals = np.zeros_like(self._prior_totals)  # [L, 1] per-layer sums of counts, kept with them
         self._probabilities: tuple[int, np.ndarray] | None = None  # probabilities() as of update num_updates
 
     def update(self, routed: np.ndarray) -> None:
@@ -221,8 +230,8 @@ class OnlinePopularity:
             raise ValueError(f"routed counts have shape {routed.shape}, expected {self.counts.shape}")
         self.counts *= self.config.decay
         self.counts += routed
-        self._totals *= self.config.decay
-        self._totals += routed.sum(axis=1, keepdims=True)
+        self._count_totals *= self.config.decay
+        self._count_totals += routed.sum(axis=1, keepdims=True)
         self.num_updates += 1
 
     def observe(self, routed: np.ndarray) -> list[int]:
@@ -239,21 +248,26 @@ class OnlinePopularity:
         cached = self._probabilities
         if cached is not None and cached[0] == self.num_updates:
             return cached[1]
-        totals = self._totals
+        totals = self._count_totals + self._prior_totals
+        smoothed = self.smoothed_counts()
         if (totals > 0).all():
-            probs = self.counts / totals
-        else:
+            probs = smoothed / totals
+        else:  # no prior weight and nothing routed yet in some layer
             E = self.counts.shape[1]
-            probs = np.where(totals > 0, self.counts / np.where(totals > 0, totals, 1.0), 1.0 / E)
+            probs = np.where(totals > 0, smoothed / np.where(totals > 0, totals, 1.0), 1.0 / E)
         probs.setflags(write=False)
         self._probabilities = (self.num_updates, probs)
         return probs
+
+    def smoothed_counts(self) -> np.ndarray:
+        """[L, E] the decayed counts plus the prior's pseudo-counts (what probabilities and re-ranks read)."""
+        return self.counts + self._prior
 
     def estimate(self) -> ExpertPopularity:
         return ExpertPopularity(self.model, self.probabilities(), date=_now())
 
     def stale_layers(self) -> list[int]:
-        c = np.take_along_axis(self.counts, self.rankings, axis=1)  # counts in committed order
+        c = np.take_along_axis(self.smoothed_counts(), self.rankings, axis=1)  # counts in committed order
         floor = np.minimum.accumulate(c, axis=1)  # weakest expert ranked at or above each position
         # counts share a per-layer denominator, so comparing counts compares probabilities
         stale = (c[:, 1:] > (1.0 + self.config.rerank_margin) * floor[:, :-1]).any(axis=1)
@@ -263,6 +277,6 @@ class OnlinePopularity:
         """Re-ranks the stale layers (new order = estimated probabilities) and returns them."""
         layers = self.stale_layers()
         if layers:
-            self.rankings[layers] = _rank(self.counts[layers])
+            self.rankings[layers] = _rank(self.smoothed_counts()[layers])
             self.num_reranks += len(layers)
         return layers
