@@ -151,6 +151,9 @@ def main() -> None:
     routings = {"uniform": ExpertPopularity.uniform(args.model, spec.num_moe_layers, spec.num_experts).probabilities,
                 "zipf:1.0": ExpertPopularity.zipf(args.model, spec.num_moe_layers, spec.num_experts, 1.0,
                                                   seed=0).probabilities}
+    if not spread.helps:  # the engine then computes a call's experts one after another (runtime_builders)
+        print("spreading is slower here than one after another: the ceilings reckon without it")
+        spread = NO_SPREAD
     rows = []
     for budget in args.budgets_gib:
         for name, probs in routings.items():

@@ -157,6 +157,10 @@ def test_host_compute_spread_over_threads_equals_the_paged_reference() -> None:
     assert HostExpertCompute(store, threads=5).worker_threads(3) == [2, 2, 1]
     assert HostExpertCompute(store, threads=5).worker_threads(1) == [5]
     assert HostExpertCompute(store, threads=4).worker_threads(10) == [1, 1, 1, 1]
+    # a compute that does not spread runs a call's experts one after another over every thread, to the same sums
+    serial = HostExpertCompute(store, threads=4, spread=False)
+    assert serial.worker_threads(10) == [4] and serial.worker_threads(1) == [4]
+    torch.testing.assert_close(serial.compute(layer, hidden, every), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="at least one thread"):
         HostExpertCompute(store, threads=0)
     # teeth: one expert's assignments twice differs from the reference
@@ -224,6 +228,8 @@ def test_spread_interpolates_and_refuses_bad_counts() -> None:
     s = HostSpread(experts=(1, 2, 4), speedup=(1.0, 1.8, 3.0))
     assert [s(m) for m in (0, 1, 2, 3, 4, 16)] == [1.0, 1.0, 1.8, 2.4, 3.0, 3.0]
     assert NO_SPREAD(8) == 1.0
+    assert s.helps and not NO_SPREAD.helps
+    assert not HostSpread(experts=(1, 2, 4), speedup=(1.0, 0.61, 0.8)).helps  # the H100 host's measured spread
     with pytest.raises(ValueError, match="the first count 1"):
         HostSpread((2, 4), (1.0, 2.0))
     with pytest.raises(ValueError, match="ascending"):

@@ -19,7 +19,10 @@ T // w threads (the first T % w one more), the experts dealt to them by tokens, 
 loaded. One expert's GEMV split over all T threads reaches a fraction of the host's read bandwidth (a fifth on a
 16-core host); several experts at once, a few threads each, read in parallel. Each worker sums its experts into a
 float32 buffer of its own; the buffers are added in worker order, so a call's result does not depend on timing.
-With one expert (or T = 1) the call runs on the calling thread, as a single GEMV over every thread.
+With one expert (or T = 1) the call runs on the calling thread, as a single GEMV over every thread. Whether the
+spread pays is the host's to say: on the 16-core host of the H100 machine two to sixteen experts in one spread call
+took 1.25-1.6x their time one after another (host_profile.measure_spread), so a compute made with `spread=False`
+runs every call's experts one after another, each over every thread.
 """
 
 from __future__ import annotations
@@ -64,18 +67,21 @@ class HostAssignments:
 
 
 class HostExpertCompute:
-    def __init__(self, store: HostExpertStore, threads: int | None = None) -> None:
-        """`threads`: the host threads a call spreads its experts over (default: torch's intra-op threads now)."""
+    def __init__(self, store: HostExpertStore, threads: int | None = None, spread: bool = True) -> None:
+        """`threads`: the host threads a call spreads its experts over (default: torch's intra-op threads now);
+        `spread`: False computes a call's experts one after another, each over every thread."""
         self.store = store
         self.f, self.d = store.f, store.d
         self.threads = threads if threads is not None else torch.get_num_threads()
         if self.threads < 1:
             raise ValueError(f"host expert compute needs at least one thread, got {self.threads}")
+        self.spread = spread
         self._pool: ThreadPoolExecutor | None = None  # made at the first call with several experts
 
     def worker_threads(self, experts: int) -> list[int]:
-        """Threads of each worker of a call with `experts` experts: min(experts, T) workers sharing the T threads."""
-        w = max(1, min(experts, self.threads))
+        """Threads of each worker of a call with `experts` experts: min(experts, T) workers sharing the T threads
+        (one worker of T when the compute does not spread)."""
+        w = max(1, min(experts, self.threads)) if self.spread else 1
         base, extra = divmod(self.threads, w)
         return [base + (i < extra) for i in range(w)]
 

@@ -86,6 +86,11 @@ class HostSpread:
             return 1.0
         return float(np.interp(experts, self.experts, self.speedup))
 
+    @property
+    def helps(self) -> bool:
+        """Whether some measured count of several experts ran faster spread than one after another."""
+        return any(s > 1.0 for m, s in zip(self.experts, self.speedup, strict=True) if m > 1)
+
 
 NO_SPREAD = HostSpread((1,), (1.0,))  # experts one after another
 
@@ -105,6 +110,8 @@ class HostProfile:
                                                                       self.expert_times.seconds, strict=True))
         one = self.expert_times.seconds[0]
         spread = ", ".join(f"{m}: {s:.2f}x" for m, s in zip(self.spread.experts, self.spread.speedup, strict=True))
+        if not self.spread.helps:
+            spread += " (slower: experts run one after another)"
         return (f"host: {self.bandwidth / 1e9:.1f} GB/s read, {self.threads} threads, {self.matrix_isa}, "
                 f"{self.numa_nodes} NUMA node(s); one expert ({self.expert_bytes / 1e6:.2f} MB): {times} "
                 f"({self.expert_bytes / max(one, 1e-12) / 1e9:.1f} GB/s at 1 token); experts in one call, "
