@@ -76,8 +76,10 @@ Rules, every step:
     better); when nobody is short it aims for the smallest n within `min_gain` of the best, so experts come home
     once that costs no throughput. Experts also come home, even while requests wait, when fewer offloaded serve
     more tokens per second in the long run with the pages they take counted as requests not admitted
-    (`_home_target`, by more than `home_min_gain`): that undoes evictions whose copies turned out to hide less, or
-    whose experts the batch turned out to route to more, than assumed. The free pages
+    (`_home_target`, by more than `home_min_gain`; splits from five below n_now down to every expert home): that undoes
+    evictions whose copies turned out to hide less, or whose experts the batch turned out to route to more, than
+    assumed. A split below that serves `home_override_gain` more than the one the rules above chose wins over them
+    too, even where they would evict more. The free pages
     those grows need are kept from new admissions (`grow_reserve`), for at most `reserve_patience_steps` plans
     without a grow.
   * Pace: a grow waits `reverse_cooldown_steps` steps after an eviction (no flapping; evictions never wait), a
@@ -525,11 +527,11 @@ class CostAdjuster:
                      target: int | None = None) -> int:
         """The offloaded count below n_now that serves the most tokens per second in the long run
         (`_model(steady=True)`), where that is more than `home_min_gain` above n_now, or, when `target` (the split the
-        other rules chose) evicts more, more than `home_override_gain` above n_now and target; else n_now. Concurrency is what KV, free pages and the pages moved
-        hold, (kv + F + P (n - n_now)) / footprint, up to every running and waiting request, so a grow costs the
-        requests its pages would have held. Measured copies that hide less than when the experts were evicted make
-        this pay, and experts out that the batch turned out to route to more than the estimate said when they left;
-        nominal, unchanged ones never (fewer copies then save no time).
+        other rules chose) evicts more, more than `home_override_gain` above n_now and target; else n_now.
+        Concurrency is what KV, free pages and the pages moved hold, (kv + F + P (n - n_now)) / footprint, up to every
+        running and waiting request, so a grow costs the requests its pages would have held. Measured copies that hide
+        less than when the experts were evicted make this pay, and experts out that the batch turned out to route to
+        more than the estimate said when they left; nominal, unchanged ones never (fewer copies then save no time).
 
         The counts looked at are the `max_grow_per_step` below n_now and a geometric grid down to 0: the splits a
         grow reaches next and those far below, which pages freed by finishing requests reach later. Looking only
