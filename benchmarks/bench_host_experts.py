@@ -153,7 +153,7 @@ def main() -> None:
                                                   seed=0).probabilities}
     if not spread.helps:  # the engine then computes a call's experts one after another (runtime_builders)
         print("spreading is slower here than one after another: the ceilings reckon without it")
-        spread = NO_SPREAD
+    spread = spread.used
     rows = []
     for budget in args.budgets_gib:
         for name, probs in routings.items():

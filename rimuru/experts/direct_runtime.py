@@ -71,9 +71,9 @@ class DirectElasticRuntime(ElasticRuntime):
                  provider: StaticExpertProvider, counter: RoutingCounter, pcie_bandwidth: float,
                  async_steps: bool) -> None:
         super().__init__(core, cache, store, loader, provider, counter, pcie_bandwidth, async_steps)
-        self.direct_bytes = 0  # bytes passes read from host memory so far (routing counts x offloaded experts)
-        # offloaded experts read in host memory, and the passes with any expert out, by pass kind (decode: one token
-        # per sequence; mixed: prefill chunks beside or without decodes): what each kind of step costs the split
+        # offloaded experts read in host memory (routing counts x offloaded experts), and the passes with any expert
+        # out, by pass kind (decode: one token per sequence; mixed: prefill chunks beside or without decodes): what
+        # each kind of step costs the split
         self.direct_reads = {"decode": 0, "mixed": 0}
         self.direct_passes = {"decode": 0, "mixed": 0}
         self._absent_ids: tuple[np.ndarray, np.ndarray | None] | None = None  # (absent mask, its flat ids)
@@ -102,7 +102,6 @@ class DirectElasticRuntime(ElasticRuntime):
             return 0
         measured = int(np.count_nonzero(counts.reshape(-1)[absent] > 0))
         read = measured * self.store.expert_bytes
-        self.direct_bytes += read
         if counts.any():  # a pass ran (a step without one snapshots zeros)
             kind = "decode" if decode else "mixed"
             self.direct_reads[kind] += measured
@@ -116,6 +115,11 @@ class DirectElasticRuntime(ElasticRuntime):
             p = self.core.popularity.probabilities().reshape(-1)[absent]
             step_cost.observe_reads(float(expected_activated(p, picks, 1).sum()), measured)
         return read
+
+    @property
+    def direct_bytes(self) -> int:
+        """Bytes passes read from host memory so far."""
+        return sum(self.direct_reads.values()) * self.store.expert_bytes
 
     @property
     def host_tier(self) -> None:

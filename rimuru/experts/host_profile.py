@@ -91,6 +91,11 @@ class HostSpread:
         """Whether some measured count of several experts ran faster spread than one after another."""
         return any(s > 1.0 for m, s in zip(self.experts, self.speedup, strict=True) if m > 1)
 
+    @property
+    def used(self) -> HostSpread:
+        """The spread the host compute runs with: this one where it helps, else experts one after another."""
+        return self if self.helps else NO_SPREAD
+
 
 NO_SPREAD = HostSpread((1,), (1.0,))  # experts one after another
 

@@ -42,7 +42,7 @@ from rimuru.experts.elastic_core import (
 from rimuru.experts.elastic_runtime import ElasticRuntime
 from rimuru.experts.expert_tiers import TierCosts, resolve_cpu_expert_compute
 from rimuru.experts.host_compute import HostExpertCompute
-from rimuru.experts.host_profile import NO_SPREAD, available_host_bytes, profile_host
+from rimuru.experts.host_profile import available_host_bytes, profile_host
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.host_tier import HostExpertTier, measure_layer_fixed_s
 from rimuru.experts.loader import ExpertLoader, measure_copy_bandwidth
@@ -268,11 +268,10 @@ def _host_tier(settings: RuntimeSettings, store: HostExpertStore, device: torch.
         logger.info("cpu expert compute: one expert's copy %.3f ms, a layer's activation round trip %.3f ms",
                     1e3 * copy_s, 1e3 * fixed_s)
     # a host where spreading a call's experts over the threads is slower than one after another computes them so
-    spread = profile.spread.helps
-    costs = TierCosts(copy_s=copy_s, host_s=profile.expert_times, layer_fixed_s=fixed_s,
-                      spread=profile.spread if spread else NO_SPREAD)
+    costs = TierCosts(copy_s=copy_s, host_s=profile.expert_times, layer_fixed_s=fixed_s, spread=profile.spread.used)
     mode = "on" if settings.cpu_expert_compute == "on" else "auto"
-    return HostExpertTier(HostExpertCompute(store, threads=profile.threads, spread=spread), costs, mode, profile)
+    compute = HostExpertCompute(store, threads=profile.threads, spread=profile.spread.helps)
+    return HostExpertTier(compute, costs, mode, profile)
 
 
 def _predictor(model: MoECausalLM, spec: ModelSpec) -> ExpertPredictor:
