@@ -23,6 +23,8 @@ from rimuru.engine.sampling_params import SamplingParams
 
 
 def main() -> None:
+    if len(sys.argv) != 3 or sys.argv[1] not in ("graphs", "eager"):
+        raise SystemExit("usage: routing_counter_check.py graphs|eager BUDGET   (e.g. graphs 32GiB)")
     mode, budget = sys.argv[1], sys.argv[2]
     eager = mode == "eager"
     hook = []
