@@ -73,6 +73,11 @@ def test_profile_phases_sum_to_step_time_and_tokens_do_not_change(tiny_checkpoin
         assert s["wall_ms"] == pytest.approx(sum(s["host_ms"].values()), rel=1e-3, abs=1e-3)
     assert rep["all"]["steps"] == 12
     assert rep["host_ms_total"] == pytest.approx(sum(r.wall_s for r in prof.records) * 1e3, abs=1e-2)
+    # static mode: every step all-resident, so every decode group is a resident one and they cover the decodes
+    assert all(r.offloaded == 0 for r in prof.records)
+    groups = rep["decode_by_batch"]
+    assert groups and not any(g["offloaded"] for g in groups)
+    assert sum(g["steps"] for g in groups) == kinds.count("decode-eager")
     decode = rep["kinds"]["decode-eager"]
     assert decode["tokens_mean"] == decode["seqs_mean"]  # one token per request
     assert decode["host_ms"]["forward"] > 0 and decode["host_ms"]["readback"] > 0
@@ -90,14 +95,23 @@ def test_expert_wait_is_measured_for_offloading_providers(tiny_checkpoint) -> No
     llm = LLM(path, device="cpu", gpu_memory_budget=BUDGET, offload_mode="fixed", offload_access="copy",
               resident_experts=4)
     provider = llm.engine.runtime.provider
-    prof = llm.engine.enable_step_profiler(3)
+    prof = llm.engine.enable_step_profiler(5)
     got = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
     assert got == plain
     assert "table" not in vars(provider)  # measured by the provider itself: nothing was wrapped
     waits = [r.expert_wait_s for r in prof.records]
-    assert len(waits) == 3 and all(w is not None and w > 0 for w in waits)
+    assert len(waits) == 5 and all(w is not None and w > 0 for w in waits)
     assert all(r.expert_wait_s <= r.host_s["forward"] for r in prof.records)  # inside the forward pass
-    assert prof.report()["all"]["expert_wait_ms"] > 0
+    rep = prof.report()
+    assert rep["all"]["expert_wait_ms"] > 0
+    # 4 of each layer's experts resident: the rest are out in every step, and the decode groups say so
+    out = llm.engine.runtime.cache.total_experts - llm.engine.runtime.cache.num_resident
+    assert out > 0 and all(r.offloaded == out for r in prof.records)
+    decodes = [r for r in prof.records if r.kind == "decode-eager"]
+    groups = rep["decode_by_batch"]
+    assert [g["offloaded"] for g in groups] == [True] * len(groups) and groups
+    assert sum(g["steps"] for g in groups) == len(decodes)
+    assert all(g["offloaded_mean"] == out and g["seqs_from"] <= g["seqs_mean"] <= g["seqs_to"] for g in groups)
 
 
 def test_profiler_rejects_zero_steps_and_counts_trace_events() -> None:

@@ -540,7 +540,8 @@ class LLMEngine:
         """Profiles the next `num_steps` steps (engine/step_profiler.py); `trace_steps` steps of each kind also
         get their kernels counted (CUDA only). Read `step_profile_report()` afterwards."""
         self.profiler = StepProfiler(num_steps, self.device, self.runner.step_kind, trace_steps=trace_steps,
-                                     expert_wait_s=lambda: self.runtime.expert_wait_s)
+                                     expert_wait_s=lambda: self.runtime.expert_wait_s,
+                                     offloaded=lambda: self.runtime.cache.total_experts - self.runtime.cache.num_resident)
         self.trace = self.profiler
         return self.profiler
 

@@ -25,7 +25,10 @@ Besides the host phases, per step:
     copies included, and the loads are issued there. None when experts are static (nothing can block on them);
   * kernels: for the first `trace_steps` steps of each kind, torch.profiler counts the GPU kernels,
     memory copies and host launch calls (CUDA only; on the CPU "unavailable"); traced steps are left out
-    of the time means, as the tracer slows the host.
+    of the time means, as the tracer slows the host;
+  * offloaded: routed experts not resident when the step's tables were set (after the scheduler, whose phase
+    lets grows in), so that decode steps with experts out can be set beside all-resident ones at the same batch
+    (`decode_by_batch` in the report: what an offloaded expert costs a pass beyond its reads).
 
 Step kinds: decode-graph (a decode CUDA-graph replay), decode-eager (one token for every request, eager),
 mixed-graph / prefill-graph (a mixed-step CUDA-graph replay), prefill (no decode row, eager), mixed (prefill
@@ -61,6 +64,7 @@ class StepRecord:
     kernels: dict[str, int | str] | None = None  # counts, or {"error": why the tracer failed}
     gpu_events: tuple[Any, Any] | None = None  # (start, end) torch.cuda.Event, read in report()
     gpu_forward_s: float | None = None
+    offloaded: int = 0
 
 
 class StepTrace(Protocol):
@@ -104,9 +108,11 @@ NULL_TRACE = NullTrace()
 
 class StepProfiler:
     def __init__(self, num_steps: int, device: torch.device, step_kind: Callable[[SchedulerOutput], str],
-                 trace_steps: int = 1, expert_wait_s: Callable[[], float | None] = lambda: None) -> None:
+                 trace_steps: int = 1, expert_wait_s: Callable[[], float | None] = lambda: None,
+                 offloaded: Callable[[], int] = lambda: 0) -> None:
         """`step_kind`: the kind of a scheduled step (ModelRunner.step_kind); `expert_wait_s`: the runtime's
-        cumulative host seconds inside offloading table decisions (None: experts are static)."""
+        cumulative host seconds inside offloading table decisions (None: experts are static); `offloaded`: routed
+        experts not resident now."""
         if num_steps < 1:
             raise ValueError(f"the step profiler needs at least one step, got {num_steps}")
         self.num_steps = num_steps
@@ -120,6 +126,7 @@ class StepProfiler:
         self._tracer: Any = None
         self._traced_kinds: dict[str, int] = {}
         self.expert_wait_s = expert_wait_s
+        self.offloaded = offloaded
         self._wait0: float | None = None  # expert_wait_s() at the step's begin
 
     # ---- recording (called by the engine and the runner) ---------------------------------------
@@ -140,6 +147,7 @@ class StepProfiler:
             return
         self.mark("schedule")
         self.set_kind(self.step_kind(sched), sched.num_tokens, len(sched.scheduled))
+        self._cur.offloaded = self.offloaded()
 
     def mark(self, phase: str) -> None:
         """The host time since the previous mark belongs to `phase`."""
@@ -238,6 +246,7 @@ class StepProfiler:
                      "traced step(s) of each kind"),
             "all": _summary(self.records, self.cuda) if self.records else {},
             "kinds": kinds,
+            "decode_by_batch": decode_by_batch(self.records, self.cuda),
             "host_ms_total": round(sum(r.wall_s for r in timed) * 1e3, 3),
             "steps": [_row(r) for r in self.records],
         }
@@ -292,12 +301,33 @@ def _summary(rows: list[StepRecord], cuda: bool) -> dict[str, Any]:
     return out
 
 
+# decode steps are grouped by this many sequences (and by whether any expert was out) in `decode_by_batch`
+BATCH_BIN = 8
+
+
+def decode_by_batch(records: list[StepRecord], cuda: bool) -> list[dict[str, Any]]:
+    """Decode steps (graph or eager) grouped by batch (BATCH_BIN sequences a bin) and by whether any expert was
+    offloaded: per group its steps, mean batch and offloaded count, wall and GPU forward time. Side by side at one
+    bin, the two groups show what offloading costs a decode pass."""
+    groups: dict[tuple[int, bool], list[StepRecord]] = {}
+    for r in records:
+        if r.kind in ("decode-graph", "decode-eager") and not r.traced:
+            groups.setdefault((r.num_seqs // BATCH_BIN * BATCH_BIN, r.offloaded > 0), []).append(r)
+    out = []
+    for (low, offloaded), rows in sorted(groups.items()):
+        s = _summary(rows, cuda)
+        out.append({"seqs_from": low, "seqs_to": low + BATCH_BIN - 1, "offloaded": offloaded, "steps": s["steps"],
+                    "seqs_mean": s["seqs_mean"], "offloaded_mean": round(statistics.fmean(r.offloaded for r in rows), 1),
+                    "wall_ms": s["wall_ms"], "gpu_forward_ms": s["gpu_forward_ms"]})
+    return out
+
+
 def _row(r: StepRecord) -> dict[str, Any]:
     return {"kind": r.kind, "tokens": r.num_tokens, "seqs": r.num_seqs, "wall_ms": round(r.wall_s * 1e3, 4),
             **{p: round(r.host_s[p] * 1e3, 4) for p in PHASES},
             "gpu_forward_ms": None if r.gpu_forward_s is None else round(r.gpu_forward_s * 1e3, 4),
             "expert_wait_ms": None if r.expert_wait_s is None else round(r.expert_wait_s * 1e3, 4),
-            "traced": r.traced}
+            "offloaded": r.offloaded, "traced": r.traced}
 
 
 def format_table(report: dict[str, Any]) -> str:
