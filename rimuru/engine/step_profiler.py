@@ -317,7 +317,8 @@ def decode_by_batch(records: list[StepRecord], cuda: bool) -> list[dict[str, Any
     for (low, offloaded), rows in sorted(groups.items()):
         s = _summary(rows, cuda)
         out.append({"seqs_from": low, "seqs_to": low + BATCH_BIN - 1, "offloaded": offloaded, "steps": s["steps"],
-                    "seqs_mean": s["seqs_mean"], "offloaded_mean": round(statistics.fmean(r.offloaded for r in rows), 1),
+                    "seqs_mean": s["seqs_mean"],
+                    "offloaded_mean": round(statistics.fmean(r.offloaded for r in rows), 1),
                     "wall_ms": s["wall_ms"], "gpu_forward_ms": s["gpu_forward_ms"]})
     return out
 
