@@ -78,6 +78,13 @@ def test_profile_phases_sum_to_step_time_and_tokens_do_not_change(tiny_checkpoin
     groups = rep["decode_by_batch"]
     assert groups and not any(g["offloaded"] for g in groups)
     assert sum(g["steps"] for g in groups) == kinds.count("decode-eager")
+    # the context: every scheduled sequence's tokens so far, this step's included: the first chunks start at 0,
+    # and a decode step of the same requests as the one before reads one token more of each
+    assert prof.records[0].context_tokens == prof.records[0].num_tokens
+    pairs = [(a, b) for a, b in zip(prof.records, prof.records[1:], strict=False)
+             if a.kind == b.kind == "decode-eager"
+             and a.num_seqs == b.num_seqs]
+    assert pairs and all(b.context_tokens - a.context_tokens == b.num_seqs for a, b in pairs)
     decode = rep["kinds"]["decode-eager"]
     assert decode["tokens_mean"] == decode["seqs_mean"]  # one token per request
     assert decode["host_ms"]["forward"] > 0 and decode["host_ms"]["readback"] > 0

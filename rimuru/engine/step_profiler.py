@@ -27,12 +27,10 @@ Besides the host phases, per step:
     memory copies and host launch calls (CUDA only; on the CPU "unavailable"); traced steps are left out
     of the time means, as the tracer slows the host;
   * offloaded: routed experts not resident when the step's tables were set (after the scheduler, whose phase
-    lets grows in), so that decode steps with experts out can be set beside all-resident ones at the same batch
-    (`decode_by_batch` in the report: what an offloaded expert costs a pass beyond its reads).
-
-Step kinds: decode-graph (a decode CUDA-graph replay), decode-eager (one token for every request, eager),
-mixed-graph / prefill-graph (a mixed-step CUDA-graph replay), prefill (no decode row, eager), mixed (prefill
-chunks and decodes, eager), idle (nothing scheduled).
+    lets grows in), and context tokens: every scheduled sequence's length after the step, what the attention
+    reads. `decode_by_batch` in the report sets decode steps with experts out beside all-resident ones at the
+    same batch, with their context tokens: the KV room evictions free lets contexts grow, which costs a pass as
+    well as its reads from host memory.
 """
 
 from __future__ import annotations
@@ -65,6 +63,7 @@ class StepRecord:
     gpu_events: tuple[Any, Any] | None = None  # (start, end) torch.cuda.Event, read in report()
     gpu_forward_s: float | None = None
     offloaded: int = 0
+    context_tokens: int = 0  # tokens the batch's attention reads: every scheduled sequence's length after the step
 
 
 class StepTrace(Protocol):
@@ -148,6 +147,7 @@ class StepProfiler:
         self.mark("schedule")
         self.set_kind(self.step_kind(sched), sched.num_tokens, len(sched.scheduled))
         self._cur.offloaded = self.offloaded()
+        self._cur.context_tokens = sum(s.start + s.num_new_tokens for s in sched.scheduled)
 
     def mark(self, phase: str) -> None:
         """The host time since the previous mark belongs to `phase`."""
@@ -308,7 +308,7 @@ BATCH_BIN = 8
 def decode_by_batch(records: list[StepRecord], cuda: bool) -> list[dict[str, Any]]:
     """Decode steps (graph or eager) grouped by batch (BATCH_BIN sequences a bin) and by whether any expert was
     offloaded: per group its steps, mean batch and offloaded count, wall and GPU forward time. Side by side at one
-    bin, the two groups show what offloading costs a decode pass."""
+    bin, the two groups show what offloading costs a decode pass (beside their mean context tokens)."""
     groups: dict[tuple[int, bool], list[StepRecord]] = {}
     for r in records:
         if r.kind in ("decode-graph", "decode-eager") and not r.traced:
@@ -319,6 +319,7 @@ def decode_by_batch(records: list[StepRecord], cuda: bool) -> list[dict[str, Any
         out.append({"seqs_from": low, "seqs_to": low + BATCH_BIN - 1, "offloaded": offloaded, "steps": s["steps"],
                     "seqs_mean": s["seqs_mean"],
                     "offloaded_mean": round(statistics.fmean(r.offloaded for r in rows), 1),
+                    "context_tokens_mean": round(statistics.fmean(r.context_tokens for r in rows)),
                     "wall_ms": s["wall_ms"], "gpu_forward_ms": s["gpu_forward_ms"]})
     return out
 
@@ -328,7 +329,7 @@ def _row(r: StepRecord) -> dict[str, Any]:
             **{p: round(r.host_s[p] * 1e3, 4) for p in PHASES},
             "gpu_forward_ms": None if r.gpu_forward_s is None else round(r.gpu_forward_s * 1e3, 4),
             "expert_wait_ms": None if r.expert_wait_s is None else round(r.expert_wait_s * 1e3, 4),
-            "offloaded": r.offloaded, "traced": r.traced}
+            "offloaded": r.offloaded, "context_tokens": r.context_tokens, "traced": r.traced}
 
 
 def format_table(report: dict[str, Any]) -> str:
