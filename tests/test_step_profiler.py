@@ -74,7 +74,7 @@ def test_profile_phases_sum_to_step_time_and_tokens_do_not_change(tiny_checkpoin
     assert rep["all"]["steps"] == 12
     assert rep["host_ms_total"] == pytest.approx(sum(r.wall_s for r in prof.records) * 1e3, abs=1e-2)
     # static mode: every step all-resident, so every decode group is a resident one and they cover the decodes
-    assert all(r.offloaded == 0 for r in prof.records)
+    assert all(r.offloaded == 0 and r.stalled == 0 for r in prof.records)
     groups = rep["decode_by_batch"]
     assert groups and not any(g["offloaded"] for g in groups)
     assert sum(g["steps"] for g in groups) == kinds.count("decode-eager")

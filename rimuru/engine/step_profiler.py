@@ -28,9 +28,10 @@ Besides the host phases, per step:
     of the time means, as the tracer slows the host;
   * offloaded: routed experts not resident when the step's tables were set (after the scheduler, whose phase
     lets grows in), and context tokens: every scheduled sequence's length after the step, what the attention
-    reads. `decode_by_batch` in the report sets decode steps with experts out beside all-resident ones at the
-    same batch, with their context tokens: the KV room evictions free lets contexts grow, which costs a pass as
-    well as its reads from host memory.
+    reads, and stalled requests (running ones that sit the step out for evictions' pages). `decode_by_batch`
+    in the report sets decode steps with experts out beside all-resident ones at the same batch, with their
+    context tokens: the KV room evictions free lets contexts grow, which costs a pass as well as its reads
+    from host memory.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class StepRecord:
     gpu_forward_s: float | None = None
     offloaded: int = 0
     context_tokens: int = 0  # tokens the batch's attention reads: every scheduled sequence's length after the step
+    stalled: int = 0  # running requests that sit the step out, waiting for evictions' pages
 
 
 class StepTrace(Protocol):
@@ -148,6 +150,7 @@ class StepProfiler:
         self.set_kind(self.step_kind(sched), sched.num_tokens, len(sched.scheduled))
         self._cur.offloaded = self.offloaded()
         self._cur.context_tokens = sum(s.start + s.num_new_tokens for s in sched.scheduled)
+        self._cur.stalled = len(sched.stalled)
 
     def mark(self, phase: str) -> None:
         """The host time since the previous mark belongs to `phase`."""
@@ -320,6 +323,7 @@ def decode_by_batch(records: list[StepRecord], cuda: bool) -> list[dict[str, Any
                     "seqs_mean": s["seqs_mean"],
                     "offloaded_mean": round(statistics.fmean(r.offloaded for r in rows), 1),
                     "context_tokens_mean": round(statistics.fmean(r.context_tokens for r in rows)),
+                    "stalled_mean": round(statistics.fmean(r.stalled for r in rows), 2),
                     "wall_ms": s["wall_ms"], "gpu_forward_ms": s["gpu_forward_ms"]})
     return out
 
@@ -329,7 +333,7 @@ def _row(r: StepRecord) -> dict[str, Any]:
             **{p: round(r.host_s[p] * 1e3, 4) for p in PHASES},
             "gpu_forward_ms": None if r.gpu_forward_s is None else round(r.gpu_forward_s * 1e3, 4),
             "expert_wait_ms": None if r.expert_wait_s is None else round(r.expert_wait_s * 1e3, 4),
-            "offloaded": r.offloaded, "context_tokens": r.context_tokens, "traced": r.traced}
+            "offloaded": r.offloaded, "context_tokens": r.context_tokens, "stalled": r.stalled, "traced": r.traced}
 
 
 def format_table(report: dict[str, Any]) -> str:
