@@ -89,6 +89,7 @@ def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(
     runtime._read_from_host = read  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     batches = [prompts(6, seed=1), prompts(2, seed=2)]
+    profiler = engine.enable_step_profiler(100_000)  # every step
     got = [[o.outputs[0].token_ids for o in llm.generate(b, params)] for b in batches]
     st = llm.stats()
     assert st["expert_evictions"] > 0 and st["expert_grows"] > 0, st
@@ -103,6 +104,10 @@ def test_elastic_mode_moves_experts_and_reads_the_offloaded_ones_in_host_memory(
         assert st[f"expert_host_reads_{kind}"] == sum(kinds[decode])
         assert st[f"offloaded_passes_{kind}"] == len(kinds[decode])
     assert (st["expert_host_reads_decode"] + st["expert_host_reads_mixed"]) * expert_bytes == st["expert_bytes_direct"]
+    # the step profiler sees the same reads, step by step, and the steps that had experts out
+    assert sum(r.host_reads for r in profiler.records) == st["expert_host_reads_decode"] + st["expert_host_reads_mixed"]
+    assert any(r.offloaded > 0 for r in profiler.records) and all(r.host_reads == 0 for r in profiler.records
+                                                                   if r.kind == "idle")
     assert absent_rows_name_host_rows(llm)
     alloc = engine.pool.allocator
     assert st["kv_pages_used"] == 0 and alloc.num_used(EXPERT) == 3 * runtime.cache.num_resident  # no page leaked

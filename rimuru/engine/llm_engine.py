@@ -542,7 +542,8 @@ class LLMEngine:
         cache = self.runtime.cache
         self.profiler = StepProfiler(num_steps, self.device, self.runner.step_kind, trace_steps=trace_steps,
                                      expert_wait_s=lambda: self.runtime.expert_wait_s,
-                                     offloaded=lambda: cache.total_experts - cache.num_resident)
+                                     offloaded=lambda: cache.total_experts - cache.num_resident,
+                                     host_reads=lambda: sum(getattr(self.runtime, "direct_reads", {}).values()))
         self.trace = self.profiler
         return self.profiler
 

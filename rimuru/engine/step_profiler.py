@@ -28,7 +28,8 @@ Besides the host phases, per step:
     of the time means, as the tracer slows the host;
   * offloaded: routed experts not resident when the step's tables were set (after the scheduler, whose phase
     lets grows in), and context tokens: every scheduled sequence's length after the step, what the attention
-    reads, and stalled requests (running ones that sit the step out for evictions' pages). `decode_by_batch`
+    reads, stalled requests (running ones that sit the step out for evictions' pages) and, under direct access,
+    the offloaded experts read in host memory (by the pass the step took the routing counts of). `decode_by_batch`
     in the report sets decode steps with experts out beside all-resident ones at the same batch, with their
     context tokens: the KV room evictions free lets contexts grow, which costs a pass as well as its reads
     from host memory.
@@ -66,6 +67,9 @@ class StepRecord:
     offloaded: int = 0
     context_tokens: int = 0  # tokens the batch's attention reads: every scheduled sequence's length after the step
     stalled: int = 0  # running requests that sit the step out, waiting for evictions' pages
+    # offloaded experts read in host memory by the passes whose routing counts the step took in (direct access;
+    # with async steps that is the pass launched the step before)
+    host_reads: int = 0
 
 
 class StepTrace(Protocol):
@@ -110,10 +114,10 @@ NULL_TRACE = NullTrace()
 class StepProfiler:
     def __init__(self, num_steps: int, device: torch.device, step_kind: Callable[[SchedulerOutput], str],
                  trace_steps: int = 1, expert_wait_s: Callable[[], float | None] = lambda: None,
-                 offloaded: Callable[[], int] = lambda: 0) -> None:
+                 offloaded: Callable[[], int] = lambda: 0, host_reads: Callable[[], int] = lambda: 0) -> None:
         """`step_kind`: the kind of a scheduled step (ModelRunner.step_kind); `expert_wait_s`: the runtime's
         cumulative host seconds inside offloading table decisions (None: experts are static); `offloaded`: routed
-        experts not resident now."""
+        experts not resident now; `host_reads`: offloaded experts passes read in host memory so far."""
         if num_steps < 1:
             raise ValueError(f"the step profiler needs at least one step, got {num_steps}")
         self.num_steps = num_steps
@@ -128,6 +132,8 @@ class StepProfiler:
         self._traced_kinds: dict[str, int] = {}
         self.expert_wait_s = expert_wait_s
         self.offloaded = offloaded
+        self.host_reads = host_reads
+        self._reads0 = 0  # host_reads() at the step's begin
         self._wait0: float | None = None  # expert_wait_s() at the step's begin
 
     # ---- recording (called by the engine and the runner) ---------------------------------------
@@ -139,6 +145,7 @@ class StepProfiler:
         if not self.active:
             return
         self._wait0 = self.expert_wait_s()
+        self._reads0 = self.host_reads()
         self._cur = StepRecord(expert_wait_s=None if self._wait0 is None else 0.0)
         self._last = t0
 
@@ -195,6 +202,7 @@ class StepProfiler:
         wait = self.expert_wait_s()
         if wait is not None and self._wait0 is not None:
             cur.expert_wait_s = wait - self._wait0
+        cur.host_reads = self.host_reads() - self._reads0
         cur.wall_s = sum(cur.host_s.values())
         self.records.append(cur)
         self._cur = None
@@ -324,6 +332,7 @@ def decode_by_batch(records: list[StepRecord], cuda: bool) -> list[dict[str, Any
                     "offloaded_mean": round(statistics.fmean(r.offloaded for r in rows), 1),
                     "context_tokens_mean": round(statistics.fmean(r.context_tokens for r in rows)),
                     "stalled_mean": round(statistics.fmean(r.stalled for r in rows), 2),
+                    "host_reads_mean": round(statistics.fmean(r.host_reads for r in rows), 2),
                     "wall_ms": s["wall_ms"], "gpu_forward_ms": s["gpu_forward_ms"]})
     return out
 
@@ -333,7 +342,8 @@ def _row(r: StepRecord) -> dict[str, Any]:
             **{p: round(r.host_s[p] * 1e3, 4) for p in PHASES},
             "gpu_forward_ms": None if r.gpu_forward_s is None else round(r.gpu_forward_s * 1e3, 4),
             "expert_wait_ms": None if r.expert_wait_s is None else round(r.expert_wait_s * 1e3, 4),
-            "offloaded": r.offloaded, "context_tokens": r.context_tokens, "stalled": r.stalled, "traced": r.traced}
+            "offloaded": r.offloaded, "context_tokens": r.context_tokens, "stalled": r.stalled,
+            "host_reads": r.host_reads, "traced": r.traced}
 
 
 def format_table(report: dict[str, Any]) -> str:
