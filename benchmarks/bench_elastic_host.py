@@ -16,6 +16,9 @@ compute of 9 ms, and a pool whose KV holds ~11 expert pages a request (the H200 
     resident      every expert resident, nobody short of pages (a step that moves nothing)
     one-out       one expert offloaded (a hard shortfall evicted it), a queue short of pages: the state elastic
                   mode held for most of the 40 req/s point on the H200 (it admitted the queue with one expert)
+    many-out      MANY_OUT experts offloaded the same way, a queue short of pages: the multi-turn chats' state
+                  (Qwen1.5-MoE at 32 GiB), where elastic's offloaded decode steps waited 1-3 ms a step on the host
+                  beyond their GPU time on the H100 (docs/benchmarks.md section 23)
 
 `--base REF` measures the same scenarios on the tree at git REF too (a temporary worktree, run in a subprocess),
 alternating with this tree, so that a change's effect is read side by side in one run; the script's own code runs
@@ -43,7 +46,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLS = ("begin_step", "plan", "before_pass", "after_pass", "complete_forward")
-SCENARIOS = ("resident", "one-out")
+SCENARIOS = ("resident", "one-out", "many-out")
+MANY_OUT = 100  # experts out in the many-out scenario (the multi-turn chats held 50-190 out on the H100 and H200)
 DECODE_TOKENS = 40  # running requests, one token each
 COMPUTE_S = 9e-3  # decode step compute the adjuster reckons with (the H200's at Qwen1.5 shapes)
 MID_PAGES_PER_REQUEST = 11  # KV of one request, in expert pages (Qwen1.5 at 32 GiB on the H200)
@@ -83,7 +87,7 @@ def _engine(ckpt: Path, mode: str, shape: Shape) -> Any:
 def _demand(scenario: str) -> Any:
     from rimuru.experts.runtime import StepDemand
 
-    queue = scenario == "one-out"
+    queue = scenario != "resident"
     return StepDemand(shortfall_kv_pages=8 if queue else 0, num_batched_tokens=DECODE_TOKENS,
                       num_scheduled=DECODE_TOKENS, num_running=DECODE_TOKENS, num_waiting=20 if queue else 0,
                       max_num_seqs=256, oldest_wait_s=0.5 if queue else 0.0)
@@ -112,14 +116,22 @@ def measure(ckpt: Path, shape: Shape, steps: int, seed: int) -> dict[str, Any]:
                 for _ in range(64):
                     costs.observe_compute(COMPUTE_S, tokens=DECODE_TOKENS, decode=True)
                 rt.core.adjuster.expert_bytes = shape.expert_bytes
-                if scenario == "one-out":  # a hard shortfall of one mid page evicts one expert
+                if scenario != "resident":  # hard shortfalls evict one expert (one-out) or MANY_OUT of them
                     smalls = alloc.geometry.smalls_per_mid("kv", "expert")
-                    rt.begin_step()
-                    rt.plan(StepDemand(shortfall_kv_pages=smalls, num_running=DECODE_TOKENS, num_waiting=20,
-                                       max_num_seqs=256))
-                    rt.before_pass(0)
-                    rt.after_pass()
-                    alloc.complete_forward()
+                    want = 1 if scenario == "one-out" else MANY_OUT
+                    rt.core.adjuster.offloaded_at_least(want)
+                    while shape.layers * shape.experts - rt.cache.num_resident < want:
+                        rt.begin_step()
+                        rt.plan(StepDemand(shortfall_kv_pages=smalls, num_running=DECODE_TOKENS, num_waiting=20,
+                                           max_num_seqs=256))
+                        rt.before_pass(0)
+                        rt.after_pass()
+                        alloc.complete_forward()
+                    # KV takes the pages the evictions freed (as the queue they were evicted for would), so that no
+                    # grow has room and the experts stay out
+                    free = alloc.free_small_capacity("kv")
+                    if free > 2 * smalls:
+                        assert alloc.allocate_small("kv", free - 2 * smalls, owner="bench") is not None
             demand = _demand(scenario)
             times: dict[str, list[float]] = {c: [] for c in CALLS}
             total: list[float] = []
