@@ -427,11 +427,12 @@ class LLMEngine:
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         trace.scheduled(sched)
         plan = self.runtime.plan(self._demand(sched))
+        trace.mark("adjust")
         if sched.scheduled and (awaited := self.runtime.mid_pages_awaited()) > 0:
             # grows wait for whole mid pages: move the few live KV pages out of the emptiest
             sched.kv_moves = compact_kv(self.kv, self.scheduler.running, EXPERT, awaited, self._max_kv_moves)
             self.kv_pages_moved += len(sched.kv_moves) if sched.kv_moves is not None else 0
-        trace.mark("adjust")
+        trace.mark("compact")
         previous, self._in_flight = self._in_flight, None
         if previous is not None and sched.scheduled and self.runtime.pass_reads_routing(sched.num_tokens):
             # This launch would stop at an offloaded layer's routing read, long after pass n is done: drain pass n

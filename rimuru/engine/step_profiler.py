@@ -6,6 +6,7 @@ phases, so that the phases sum to the step's wall time (the same two clock readi
 
     schedule   inbox, aborts, elastic grows entering the tables, the scheduler
     adjust     the elastic adjuster's plan (evictions begin, grow copies are queued)
+    compact    KV pages moved out of the mid pages that grows wait for (engine/kv_compaction.py)
     prepare    batch arrays on the host + the host->device copy of the inputs
     forward    launching the model (a graph replay, or every kernel eagerly; on the CPU: the compute)
     sample     launching the sampler
@@ -47,7 +48,7 @@ import torch
 
 from rimuru.engine.scheduler import SchedulerOutput
 
-PHASES = ("schedule", "adjust", "prepare", "forward", "sample", "readback", "process", "finish")
+PHASES = ("schedule", "adjust", "compact", "prepare", "forward", "sample", "readback", "process", "finish")
 KINDS = ("decode-graph", "decode-eager", "mixed-graph", "prefill-graph", "prefill", "mixed", "idle")
 KERNELS_UNAVAILABLE = "unavailable (CPU: torch.profiler counts CUDA kernels only)"
 
