@@ -120,7 +120,7 @@ def measure(ckpt: Path, shape: Shape, steps: int, seed: int) -> dict[str, Any]:
                     smalls = alloc.geometry.smalls_per_mid("kv", "expert")
                     want = 1 if scenario == "one-out" else MANY_OUT
                     rt.core.adjuster.offloaded_at_least(want)
-                    while shape.layers * shape.experts - rt.cache.num_resident < want:
+                    while rt.cache.total_experts - rt.cache.num_resident < want:  # older trees (--base) too
                         rt.begin_step()
                         rt.plan(StepDemand(shortfall_kv_pages=smalls, num_running=DECODE_TOKENS, num_waiting=20,
                                            max_num_seqs=256))

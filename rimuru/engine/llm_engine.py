@@ -540,11 +540,10 @@ class LLMEngine:
     def enable_step_profiler(self, num_steps: int, trace_steps: int = 1) -> StepProfiler:
         """Profiles the next `num_steps` steps (engine/step_profiler.py); `trace_steps` steps of each kind also
         get their kernels counted (CUDA only). Read `step_profile_report()` afterwards."""
-        cache = self.runtime.cache
         self.profiler = StepProfiler(num_steps, self.device, self.runner.step_kind, trace_steps=trace_steps,
                                      expert_wait_s=lambda: self.runtime.expert_wait_s,
-                                     offloaded=lambda: cache.total_experts - cache.num_resident,
-                                     host_reads=lambda: sum(getattr(self.runtime, "direct_reads", {}).values()))
+                                     offloaded=lambda: self.runtime.cache.num_offloaded,
+                                     host_reads=lambda: self.runtime.host_reads)
         self.trace = self.profiler
         return self.profiler
 

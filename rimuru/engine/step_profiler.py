@@ -34,6 +34,10 @@ Besides the host phases, per step:
     in the report sets decode steps with experts out beside all-resident ones at the same batch, with their
     context tokens: the KV room evictions free lets contexts grow, which costs a pass as well as its reads
     from host memory.
+
+Step kinds: decode-graph (a decode CUDA-graph replay), decode-eager (one token for every request, eager),
+mixed-graph / prefill-graph (a mixed-step CUDA-graph replay), prefill (no decode row, eager), mixed (prefill
+chunks and decodes, eager), idle (nothing scheduled).
 """
 
 from __future__ import annotations

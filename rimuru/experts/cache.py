@@ -90,6 +90,11 @@ class ExpertCache:
     def total_experts(self) -> int:
         return self.residency.total_experts
 
+    @property
+    def num_offloaded(self) -> int:
+        """Routed experts with no pool pages now (read in host memory or copied in for a pass)."""
+        return self.total_experts - self.num_resident
+
     def all_resident(self) -> bool:
         return self.residency.all_resident()
 

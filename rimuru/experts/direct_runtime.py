@@ -117,9 +117,13 @@ class DirectElasticRuntime(ElasticRuntime):
         return read
 
     @property
+    def host_reads(self) -> int:
+        return sum(self.direct_reads.values())
+
+    @property
     def direct_bytes(self) -> int:
         """Bytes passes read from host memory so far."""
-        return sum(self.direct_reads.values()) * self.store.expert_bytes
+        return self.host_reads * self.store.expert_bytes
 
     @property
     def host_tier(self) -> None:

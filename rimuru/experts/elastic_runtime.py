@@ -69,7 +69,7 @@ class ElasticRuntime(OffloadRuntime):
     def graph_plan(self) -> GraphPlan:
         # passes with every expert resident replay whole graphs over the live tables, unless the pool can never
         # hold every expert at once (free pages at start, before any KV, cannot take the offloaded ones back)
-        offloaded = self.cache.total_experts - self.cache.num_resident
+        offloaded = self.cache.num_offloaded
         can_all_fit = 3 * offloaded <= self.cache.allocator.mid_capacity(EXPERT)
         resident = StaticExpertProvider(self.cache.expert_view, self.cache.tables, self.counter) if can_all_fit \
             else None

@@ -61,6 +61,10 @@ class OffloadRuntime(FixedResidency):
     def expert_wait_s(self) -> float | None:
         return self.provider.table_wait_s
 
+    @property
+    def host_reads(self) -> int:
+        return 0  # copy access: offloaded experts reach a pass through the load buffers, never read in host memory
+
     def memory_split(self) -> dict[str, int]:
         page = self.cache.expert_page_bytes
         return {"experts_resident": 3 * self.cache.num_resident * page,

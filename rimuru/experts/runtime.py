@@ -126,6 +126,12 @@ class ExpertRuntime(Protocol):
         where no decision reaches the host."""
         ...
 
+    @property
+    def host_reads(self) -> int:
+        """Offloaded experts passes have read in host memory so far (direct access in elastic mode, which counts
+        them from its routing counts; 0 where nothing counts them)."""
+        ...
+
     def memory_split(self) -> dict[str, int]:
         """Bytes of resident experts, load buffers and host copies, for the start-up budget log."""
         ...
@@ -196,6 +202,10 @@ class StaticRuntime(FixedResidency):
     @property
     def expert_wait_s(self) -> float | None:
         return None
+
+    @property
+    def host_reads(self) -> int:
+        return 0
 
     def memory_split(self) -> dict[str, int]:
         return {"experts_resident": 3 * self.cache.num_resident * self.cache.expert_page_bytes,
