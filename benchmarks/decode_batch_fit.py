@@ -22,11 +22,15 @@ import numpy as np
 def groups(paths: list[str]) -> list[tuple[str, dict]]:
     out = []
     for path in paths:
-        with open(path) as f:
-            for row in json.load(f)["rows"]:
-                for g in (row.get("step_profile") or {}).get("decode_by_batch", []):
-                    if g["gpu_forward_ms"] is not None:
-                        out.append((f"{row['config']}@{row['rate']:g}", g))
+        try:
+            with open(path) as f:
+                rows = json.load(f)["rows"]
+        except (OSError, ValueError, KeyError) as err:
+            sys.exit(f"{path}: not a readable serve_sweep result ({err!r})")
+        for row in rows:
+            for g in (row.get("step_profile") or {}).get("decode_by_batch", []):
+                if g["gpu_forward_ms"] is not None:
+                    out.append((f"{row['config']}@{row['rate']:g}", g))
     return out
 
 
