@@ -20,7 +20,15 @@ from rimuru.engine.model_runner import InputStager, ModelRunner
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import Sampler
 from rimuru.engine.scheduler import ScheduledRequest, SchedulerOutput
-from rimuru.engine.step_profiler import KERNELS_UNAVAILABLE, PHASES, StepProfiler, count_kernels, format_table
+from rimuru.engine.step_profiler import (
+    KERNELS_UNAVAILABLE,
+    PHASES,
+    StepProfiler,
+    StepRecord,
+    count_kernels,
+    format_table,
+    gpu_gaps,
+)
 
 BUDGET = "64MiB"
 
@@ -61,6 +69,7 @@ def test_profile_phases_sum_to_step_time_and_tokens_do_not_change(tiny_checkpoin
         assert rec.wall_s == pytest.approx(m.step_time_s, rel=1e-6, abs=1e-9)  # the engine's own clock readings
         assert rec.num_tokens == m.num_tokens
         assert rec.gpu_forward_s is None and rec.expert_wait_s is None and not rec.traced
+        assert rec.gpu_gap_s is None and rec.starved is None  # events only on a GPU
     rep = prof.report()
     assert rep["steps_profiled"] == 12 and len(rep["steps"]) == 12
     # 64-token budget: the 9 prompts (4..39 tokens) take several prefill-only steps, then prefill + decode,
@@ -131,6 +140,56 @@ def test_profiler_rejects_zero_steps_and_counts_trace_events() -> None:
         ("triton_rms_norm", "DeviceType.CUDA")]]
     assert count_kernels(ev) == {"gpu_kernels": 2, "gpu_memcpy": 1, "host_kernel_launches": 2, "graph_launches": 1,
                                  "host_memcpy_calls": 1}
+
+
+def _gap_record(kind: str, seqs: int, gap_ms: float | None, starved: bool | None, offloaded: int = 0,
+                after_trace: bool = False, **host_ms: float) -> StepRecord:
+    r = StepRecord(kind=kind, num_tokens=seqs, num_seqs=seqs, offloaded=offloaded, starved=starved,
+                   gpu_gap_s=None if gap_ms is None else gap_ms / 1e3, gpu_forward_s=0.008, after_trace=after_trace)
+    for phase, ms in host_ms.items():
+        r.host_s[phase] = ms / 1e3
+    return r
+
+
+def test_gpu_gaps_group_decode_steps_and_charge_the_chain_before_each_launch() -> None:
+    recs = [
+        _gap_record("decode-graph", 8, None, None, process=0.1, finish=0.2),  # first: no gap measured
+        _gap_record("decode-graph", 8, 2.0, True, offloaded=3, schedule=0.5, adjust=3.0, process=0.4, finish=1.0),
+        _gap_record("decode-graph", 8, 4.0, True, offloaded=5, adjust=1.0, prepare=2.0),
+        _gap_record("decode-graph", 10, 0.5, False, schedule=0.1),
+        _gap_record("mixed-graph", 10, 9.0, True),  # not a decode step
+        _gap_record("decode-graph", 10, 7.0, True, after_trace=True),  # right after a traced (synchronised) step
+    ]
+    out = gpu_gaps(recs)
+    assert set(out) == {"starved-offloaded", "fed-resident"}
+    so = out["starved-offloaded"]
+    assert so["steps"] == 2 and so["gpu_gap_ms"] == pytest.approx(3.0)
+    # each step's chain: the previous step's process and finish, then its own schedule .. prepare
+    assert so["chain_ms"] == pytest.approx({"prev_process": 0.25, "prev_finish": 0.6, "schedule": 0.25,
+                                            "adjust": 2.0, "compact": 0.0, "prepare": 1.0})
+    assert so["chain_total_ms"] == pytest.approx(4.1)
+    fed = out["fed-resident"]
+    assert fed["steps"] == 1 and fed["gpu_gap_ms"] == pytest.approx(0.5) and fed["chain_ms"]["schedule"] == 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_gaps_are_measured_between_consecutive_passes(tiny_checkpoint) -> None:
+    llm = LLM(str(tiny_checkpoint("qwen2_moe", seed=3)), device="cuda", gpu_memory_budget="1GiB",
+              max_num_batched_tokens=64)
+    prof = llm.engine.enable_step_profiler(40, trace_steps=0)
+    _tokens(llm)
+    rep = prof.report()
+    passes = [r for r in prof.records if r.gpu_forward_s is not None]
+    assert len(passes) >= 10
+    for prev, r in zip(prof.records, prof.records[1:], strict=False):
+        if r.gpu_forward_s is not None and prev.gpu_forward_s is not None:
+            # the previous pass's end comes before this pass's begin on the one compute stream
+            assert r.gpu_gap_s is not None and r.gpu_gap_s >= 0.0 and r.starved is not None
+    gaps = rep["gpu_gaps"]
+    decodes = [r for r in prof.records[1:] if r.kind.startswith("decode") and r.gpu_gap_s is not None]
+    assert decodes and sum(g["steps"] for g in gaps.values()) == len(decodes)
+    assert all(g["gpu_gap_ms"] >= 0.0 for g in gaps.values())
 
 
 # ---------------------------------------------------------------- batch arrays

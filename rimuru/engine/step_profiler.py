@@ -35,6 +35,12 @@ Besides the host phases, per step:
     context tokens: the KV room evictions free lets contexts grow, which costs a pass as well as its reads
     from host memory.
 
+Between passes (CUDA only): `gpu_gap`, the GPU time from the previous step's forward end to this step's forward
+begin (the sampler, copies and fills queued between the passes, and any idle wait), and `starved`, whether the GPU
+had finished everything the previous step queued when this step launched its forward (a query, no sync): the GPU
+idled waiting for the host. A starved step's host chain is the previous step's process and finish and its own
+schedule to prepare (`gpu_gaps` in the report: starved and fed decode steps side by side).
+
 Step kinds: decode-graph (a decode CUDA-graph replay), decode-eager (one token for every request, eager),
 mixed-graph / prefill-graph (a mixed-step CUDA-graph replay), prefill (no decode row, eager), mixed (prefill
 chunks and decodes, eager), idle (nothing scheduled).
@@ -75,6 +81,14 @@ class StepRecord:
     # offloaded experts read in host memory by the passes whose routing counts the step took in (direct access;
     # with async steps that is the pass launched the step before)
     host_reads: int = 0
+    # GPU time from the previous step's forward end to this step's forward begin (its sampler, the fills and
+    # copies queued between the passes, and any idle wait for the host); None where the previous step had no pass
+    gpu_gap_s: float | None = None
+    # at this step's forward launch the GPU had finished everything the previous step queued: it idled, waiting
+    # for the host (None: no previous step with a pass to ask, or not on a GPU)
+    starved: bool | None = None
+    done_event: Any = None  # recorded at the step's end, after everything the step queued (read by the next step)
+    after_trace: bool = False  # the previous step was traced: its synchronisation starves this one
 
 
 class StepTrace(Protocol):
@@ -139,6 +153,7 @@ class StepProfiler:
         self.offloaded = offloaded
         self.host_reads = host_reads
         self._reads0 = 0  # host_reads() at the step's begin
+        self._prev: StepRecord | None = None  # the step recorded last, when it is the one just before this step
         self._wait0: float | None = None  # expert_wait_s() at the step's begin
 
     # ---- recording (called by the engine and the runner) ---------------------------------------
@@ -184,6 +199,10 @@ class StepProfiler:
 
     def forward_begin(self) -> None:
         if self.cuda and self._cur is not None:
+            prev = self._prev
+            if prev is not None and prev.done_event is not None:
+                self._cur.starved = bool(prev.done_event.query())
+                self._cur.after_trace = prev.traced
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             self._cur.gpu_events = (start, None)
@@ -209,7 +228,11 @@ class StepProfiler:
             cur.expert_wait_s = wait - self._wait0
         cur.host_reads = self.host_reads() - self._reads0
         cur.wall_s = sum(cur.host_s.values())
+        if self.cuda and cur.gpu_events is not None:
+            cur.done_event = torch.cuda.Event()
+            cur.done_event.record()
         self.records.append(cur)
+        self._prev = cur if cur.gpu_events is not None else None
         self._cur = None
 
     # ---- kernel counts --------------------------------------------------------------------------
@@ -235,12 +258,18 @@ class StepProfiler:
 
     # ---- results --------------------------------------------------------------------------------
     def _read_gpu_times(self) -> None:
+        prev_end = None  # the forward end event of the record before, while it is the step just before
         for r in self.records:
-            if r.gpu_events is not None and r.gpu_events[1] is not None and r.gpu_forward_s is None:
-                start, end = r.gpu_events
-                end.synchronize()
-                r.gpu_forward_s = start.elapsed_time(end) / 1e3
-                r.gpu_events = None
+            events, r.gpu_events, r.done_event = r.gpu_events, None, None
+            if events is None or events[1] is None:
+                prev_end = None
+                continue
+            start, end = events
+            end.synchronize()
+            r.gpu_forward_s = start.elapsed_time(end) / 1e3
+            if prev_end is not None and r.starved is not None:
+                r.gpu_gap_s = prev_end.elapsed_time(start) / 1e3
+            prev_end = end
 
     def report(self) -> dict[str, Any]:
         """JSON-ready: per step kind the means of the host phases, wall, GPU forward, expert waits, kernels;
@@ -263,6 +292,7 @@ class StepProfiler:
             "all": _summary(self.records, self.cuda) if self.records else {},
             "kinds": kinds,
             "decode_by_batch": decode_by_batch(self.records, self.cuda),
+            "gpu_gaps": gpu_gaps(self.records),
             "host_ms_total": round(sum(r.wall_s for r in timed) * 1e3, 3),
             "steps": [_row(r) for r in self.records],
         }
@@ -301,6 +331,7 @@ def _summary(rows: list[StepRecord], cuda: bool) -> dict[str, Any]:
     waits = [r.expert_wait_s for r in timed if r.expert_wait_s is not None]
     traced = [r.kernels for r in rows if r.kernels is not None]
     wall = _ms([r.wall_s for r in timed])
+    gaps = _gapped(timed)
     out: dict[str, Any] = {
         "steps": len(rows),
         "timed_steps": len(timed),
@@ -311,6 +342,8 @@ def _summary(rows: list[StepRecord], cuda: bool) -> dict[str, Any]:
         "host_ms": {p: _ms([r.host_s[p] for r in timed]) for p in PHASES},
         "gpu_forward_ms": _ms(gpu) if gpu else None,
         "gpu_busy_share": round(_ms(gpu) / wall, 3) if gpu and wall > 0 else None,
+        "gpu_gap_ms": _ms([r.gpu_gap_s for r in gaps]) if gaps else None,
+        "starved_share": round(sum(bool(r.starved) for r in gaps) / len(gaps), 3) if gaps else None,
         "expert_wait_ms": _ms(waits) if waits else None,
         "kernels": traced[0] if traced else (None if cuda else KERNELS_UNAVAILABLE),
     }
@@ -338,7 +371,44 @@ def decode_by_batch(records: list[StepRecord], cuda: bool) -> list[dict[str, Any
                     "context_tokens_mean": round(statistics.fmean(r.context_tokens for r in rows)),
                     "stalled_mean": round(statistics.fmean(r.stalled for r in rows), 2),
                     "host_reads_mean": round(statistics.fmean(r.host_reads for r in rows), 2),
-                    "wall_ms": s["wall_ms"], "gpu_forward_ms": s["gpu_forward_ms"]})
+                    "wall_ms": s["wall_ms"], "gpu_forward_ms": s["gpu_forward_ms"], "gpu_gap_ms": s["gpu_gap_ms"],
+                    "starved_share": s["starved_share"]})
+    return out
+
+
+def _gap_measured(r: StepRecord) -> bool:
+    """The gap to the previous pass was measured, and not right after a traced step (which synchronised)."""
+    return r.gpu_gap_s is not None and not r.after_trace
+
+
+def _gapped(rows: list[StepRecord]) -> list[StepRecord]:
+    return [r for r in rows if _gap_measured(r)]
+
+
+# a starved step waited for this host work: the previous step's phases after its readback, then its own up to
+# the forward launch
+CHAIN_BEFORE = ("process", "finish")
+CHAIN_OWN = ("schedule", "adjust", "compact", "prepare")
+
+
+def gpu_gaps(records: list[StepRecord]) -> dict[str, Any]:
+    """Decode steps (graph or eager) whose GPU gap was measured, by starved (the GPU idled for the host before the
+    forward launch) or fed and by whether an expert was offloaded ("starved-offloaded", "fed-resident", ...): steps,
+    mean gap, GPU forward and the host chain the launch waited for (CHAIN_BEFORE of the previous step, CHAIN_OWN of
+    this one, mean ms)."""
+    groups: dict[str, list[tuple[StepRecord, StepRecord]]] = {}
+    for prev, r in zip(records, records[1:], strict=False):
+        if r.kind in ("decode-graph", "decode-eager") and not r.traced and _gap_measured(r):
+            name = f"{'starved' if r.starved else 'fed'}-{'offloaded' if r.offloaded > 0 else 'resident'}"
+            groups.setdefault(name, []).append((prev, r))
+    out: dict[str, Any] = {}
+    for name, rows in sorted(groups.items()):
+        chain = {f"prev_{p}": _ms([prev.host_s[p] for prev, _ in rows]) for p in CHAIN_BEFORE}
+        chain |= {p: _ms([r.host_s[p] for _, r in rows]) for p in CHAIN_OWN}
+        out[name] = {"steps": len(rows), "seqs_mean": round(statistics.fmean(r.num_seqs for _, r in rows), 2),
+                     "gpu_gap_ms": _ms([r.gpu_gap_s for _, r in rows if r.gpu_gap_s is not None]),
+                     "gpu_forward_ms": _ms([r.gpu_forward_s for _, r in rows if r.gpu_forward_s is not None]),
+                     "chain_ms": chain, "chain_total_ms": round(sum(chain.values()), 4)}
     return out
 
 
@@ -348,7 +418,8 @@ def _row(r: StepRecord) -> dict[str, Any]:
             "gpu_forward_ms": None if r.gpu_forward_s is None else round(r.gpu_forward_s * 1e3, 4),
             "expert_wait_ms": None if r.expert_wait_s is None else round(r.expert_wait_s * 1e3, 4),
             "offloaded": r.offloaded, "context_tokens": r.context_tokens, "stalled": r.stalled,
-            "host_reads": r.host_reads, "traced": r.traced}
+            "host_reads": r.host_reads, "traced": r.traced,
+            "gpu_gap_ms": None if r.gpu_gap_s is None else round(r.gpu_gap_s * 1e3, 4), "starved": r.starved}
 
 
 def format_table(report: dict[str, Any]) -> str:
