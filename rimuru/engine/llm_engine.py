@@ -3,10 +3,12 @@
 One step, the same in every offload mode (what differs lives behind the expert runtime, experts/runtime.py):
 
     take in requests and aborts that arrived since the last step
-    runtime.begin_step()          grows that completed enter the expert tables
+    runtime.begin_step()          grows whose copies have completed enter the expert tables
     scheduler.schedule()          running + waiting requests get KV pages; what is still short is the demand
-    runtime.plan(demand)          the step's memory plan: evictions and grows
+    compact                       KV pages move out of mid pages the last plan's grows wait for
     launch                        the runner queues the forward pass; the pass fence records it
+    runtime.plan(demand)          the memory plan: evictions and grows (after the launch: the host plans while
+                                  the GPU runs, and the pass reads the tables as they were when it was queued)
     drain                         read and process the previous pass's tokens (async) or this one's (sync)
     runtime.after_pass()          evicted experts leave the tables
     allocator.complete_forward()  pages the pass could still read return to the pool
@@ -426,10 +428,9 @@ class LLMEngine:
         num_tokens = sched.num_tokens  # as scheduled (the early drain below may drop finished requests)
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         trace.scheduled(sched)
-        plan = self.runtime.plan(self._demand(sched))
-        trace.mark("adjust")
+        demand = self._demand(sched)
         if sched.scheduled and (awaited := self.runtime.mid_pages_awaited()) > 0:
-            # grows wait for whole mid pages: move the few live KV pages out of the emptiest
+            # the last plan's grows wait for whole mid pages: move the few live KV pages out of the emptiest
             sched.kv_moves = compact_kv(self.kv, self.scheduler.running, EXPERT, awaited, self._max_kv_moves)
             self.kv_pages_moved += len(sched.kv_moves) if sched.kv_moves is not None else 0
         trace.mark("compact")
@@ -448,6 +449,10 @@ class LLMEngine:
             if self.workers is None:
                 raise
             raise self.workers.failed(e) from e  # a collective with a lost peer
+        # The memory plan for the steps after this one, while the GPU runs: the pass just launched reads the tables
+        # as they are (evictions leave them after it, grows enter once their copies are done)
+        plan = self.runtime.plan(demand)
+        trace.mark("adjust")
         if self.async_scheduling:  # pass n+1 is queued behind pass n on the device: read pass n meanwhile
             self._in_flight = launched
         else:

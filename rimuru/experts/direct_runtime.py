@@ -85,9 +85,7 @@ class DirectElasticRuntime(ElasticRuntime):
         return False
 
     def before_pass(self, num_tokens: int) -> None:
-        self._tokens = num_tokens
-        if num_tokens == 0:
-            self._forward_start = None
+        self._time_pass(num_tokens)  # no streaming layers, no buffers: the kernel reads offloaded experts itself
 
     def _absent_during_pass(self) -> np.ndarray | None:
         # the flat ids of the offloaded experts the pass reads in host memory (None: every expert resident); cached

@@ -4,7 +4,8 @@ Per step, in this order (the engine's device half, elastic_runtime.py, adds copi
 the simulator, sim/simulator.py, adds a simulated clock):
 
     attach_buffers()        the last step's evictions left an expert out: the load buffers take their pages
-    commit_grows()          grows reserved last step enter the residency (their copies have completed)
+    commit_grows()          grows whose copies have completed enter the residency (the device half asks its
+                            copy events; the rest stay growing, read where they were)
     -- the scheduler schedules --
     plan(demand)            the adjuster's plan: evictions begin (pages deferred, still readable), grows
                             reserve pages (their copies start now)
@@ -223,10 +224,10 @@ class ElasticCore:
         return max(0, self.adjuster.grow_reserve() - self.allocator.mid_capacity(EXPERT))
 
     # ------------------------------------------------------------------ one step
-    def commit_grows(self) -> list[tuple[Expert, ExpertPages]]:
-        """The grows reserved by the last plan enter the residency (the device half first made sure their copies
-        completed)."""
-        return self.residency.commit_grows()
+    def commit_grows(self, experts: list[Expert] | None = None) -> list[tuple[Expert, ExpertPages]]:
+        """The growing experts whose copies have completed (the device half made sure) enter the residency:
+        `experts`, or every growing one (None)."""
+        return self.residency.commit_grows(experts)
 
     def attach_buffers(self) -> list[int] | None:
         """If the last step's evictions left some layer with more offloaded experts than the buffers have slots,
@@ -240,6 +241,12 @@ class ElasticCore:
         reserve their pages (a grow the pool can no longer hold is dropped, with every one after it)."""
         state = self.state(demand)
         plan = with_buffer_room(self.adjuster.plan(state), state, self.adjuster)
+        if plan.evict and self.residency.growing:
+            # an expert whose grow copy is still in flight cannot leave yet (its pages are being written); the next
+            # plan evicts again if it must. With load buffers the evictions also paid for their slots: all or none
+            keep = [ex for ex in plan.evict if not self.residency.is_growing(*ex)]
+            if len(keep) < len(plan.evict):
+                plan = AdjustPlan(evict=[] if state.buffer_slot_pages > 0 else keep, grow=plan.grow)
         for layer, expert in plan.evict:
             self.residency.begin_eviction(layer, expert)
         grown: list[tuple[Expert, ExpertPages]] = []

@@ -3,14 +3,17 @@ copies and their events, the expert-table writes, the load buffers' pages, routi
 the wall-clock times of the passes that the cost-aware adjuster learns from.
 
 Ordering, per step (the engine calls these in the order of experts/runtime.py):
-  * begin_step: the load buffers take pages if an expert is out; the compute stream waits for every grow copy of
-    the last plan, then the grown enter the tables (no kernel queued after this can read a half-copied expert);
-  * plan: evicted experts stay in the tables (their pages are deferred-freed by the allocator until the end of
-    the step); grow copies go into freshly reserved pages on the loader's copy stream, behind the pass fence
-    (memory/pass_fence.py), since those pages may be read by a pass still in flight;
+  * begin_step: the load buffers take pages if an expert is out; the grows whose copies have completed (their
+    events, asked without waiting) enter the tables, the others stay growing and are read where they were (host
+    memory, a load buffer) until a later step finds them done: no pass waits for a copy, and no kernel queued
+    after this can read a half-copied expert;
+  * plan (after the step's pass was queued): evicted experts stay in the tables (their pages are deferred-freed by
+    the allocator until the end of the step); grow copies go into freshly reserved pages on the loader's copy
+    stream, behind the pass fence (memory/pass_fence.py), since those pages may be read by a pass still in flight;
   * after_pass: evicted experts leave the tables (a fill queued on the compute stream, after the pass).
 
-Step times. Sync: `plan` -> `after_pass` brackets the pass (the host waited for it). Async scheduling: after_pass
+Step times. Sync: `before_pass` -> `after_pass` brackets the pass (the host waited for it), less the plan's own
+host time, which runs between them. Async scheduling: after_pass
 runs while the pass it follows is still in flight, so a pass's time is the interval between consecutive
 after_pass calls (the loop runs at the GPU's pace) and routing counts are read one step late (non-blocking copy).
 A pass that replays piecewise graphs (some expert offloaded) is timed without the piecewise overhead the engine
@@ -50,7 +53,9 @@ class ElasticRuntime(OffloadRuntime):
         self.pcie_bandwidth = pcie_bandwidth  # bytes/s, measured at start-up: nominal copy time of a pass's bytes
         self.async_steps = async_steps
         self.piecewise_overhead_s = 0.0
-        self._grow_events: list[torch.cuda.Event] = []  # the last plan's grow copies (none on the CPU)
+        # grow copies not yet committed, with their experts (none on the CPU, where a copy is done on return)
+        self._grow_events: list[tuple[tuple[int, int], torch.cuda.Event]] = []
+        self._plan_s = 0.0  # host seconds of this step's plan (sync timing: it runs between launch and after_pass)
         # (monotonic time, loader bytes, host-tier seconds) when tokens ran
         self._forward_start: tuple[float, int, float] | None = None
         self._tokens = 0  # batched tokens of the pass launched this step
@@ -97,31 +102,41 @@ class ElasticRuntime(OffloadRuntime):
         pages = self.core.attach_buffers()
         if pages is not None:
             self.loader.add_slots(pages)
-        if self._grow_events:
-            stream = torch.cuda.current_stream()
-            for done in self._grow_events:
-                stream.wait_event(done)
-            self._grow_events = []
-        self.cache.write_rows(self.core.commit_grows())
+        # grows whose copies have completed enter the tables; the others stay growing, still read where they were,
+        # so no pass ever waits for a copy (a copy waits for the passes launched before its plan: the pass fence)
+        done: list[tuple[int, int]] = []
+        pending = []
+        for expert, event in self._grow_events:
+            if event.query():
+                done.append(expert)
+            else:
+                pending.append((expert, event))
+        self._grow_events = pending
+        self.cache.write_rows(self.core.commit_grows(done) if pending else self.core.commit_grows())
 
     def plan(self, demand: StepDemand) -> AdjustPlan:
+        t0 = time.monotonic()
         moves = self.core.plan(demand)
         self._decode = 0 < demand.num_batched_tokens == demand.num_scheduled
         for (layer, expert), pages in moves.grow:
             done = self.loader.copy_to_pages(layer, expert, pages)
             if done is not None:
-                self._grow_events.append(done)
-        self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded, self.host_compute_s)
-                               if demand.num_batched_tokens > 0 else None)
+                self._grow_events.append(((layer, expert), done))
+        self._plan_s = time.monotonic() - t0
         return moves.adjust_plan
 
     def before_pass(self, num_tokens: int) -> None:
-        """Requests that finished meanwhile (async scheduling) may have left the batch: the pass can be smaller
-        than planned, or not launched at all (0: no pass is timed this step)."""
-        self._tokens = num_tokens
-        if num_tokens == 0:
-            self._forward_start = None
+        """The pass is about to be queued. Requests that finished meanwhile (async scheduling) may have left the
+        batch: the pass can be smaller than scheduled, or not launched at all (0: no pass is timed this step)."""
+        self._time_pass(num_tokens)
         super().before_pass(num_tokens)
+
+    def _time_pass(self, num_tokens: int) -> None:
+        """The pass of `num_tokens` tokens is about to be queued: its timing starts (none for 0: no pass)."""
+        self._tokens = num_tokens
+        self._plan_s = 0.0
+        self._forward_start = ((time.monotonic(), self.loader.counters.bytes_loaded, self.host_compute_s)
+                               if num_tokens > 0 else None)
 
     def after_pass(self) -> None:
         absent = self._absent_during_pass()  # before the evicted leave the tables: the pass read them resident
@@ -139,7 +154,7 @@ class ElasticRuntime(OffloadRuntime):
         if step_cost is not None and self._forward_start is not None:
             t0, bytes0, host0 = self._forward_start
             copy_s = (self.loader.counters.bytes_loaded - bytes0 + read) / self.pcie_bandwidth
-            overhead = self.piecewise_overhead_s if self.core.launched_offloaded else 0.0
+            overhead = (self.piecewise_overhead_s if self.core.launched_offloaded else 0.0) + self._plan_s
             step_cost.observe_forward(max(0.0, time.monotonic() - t0 - overhead), copy_s, self._tokens,
                                       host_s=self.host_compute_s - host0, decode=self._decode)
         self._forward_start = None

@@ -97,6 +97,9 @@ class ExpertResidency:
     def growing(self) -> list[Expert]:
         return list(self._growing)
 
+    def is_growing(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self._growing
+
     def all_resident(self) -> bool:
         """Every expert is in the tables: a pass reads no host memory. O(1): asked several times per step."""
         return len(self._pages) == self.total_experts
@@ -190,9 +193,13 @@ class ExpertResidency:
         self.version += 1
         return self._growing[(layer, expert)]
 
-    def commit_grows(self) -> list[tuple[Expert, ExpertPages]]:
-        """The growing experts' copies have completed (the caller made sure): they enter the tables."""
-        done, self._growing = list(self._growing.items()), {}
+    def commit_grows(self, experts: list[Expert] | None = None) -> list[tuple[Expert, ExpertPages]]:
+        """Growing experts whose copies have completed (the caller made sure) enter the tables: `experts`, or every
+        growing one (None)."""
+        if experts is None:
+            done, self._growing = list(self._growing.items()), {}
+        else:
+            done = [(e, self._growing.pop(e)) for e in experts]
         for (layer, expert), pages in done:
             self._pages[(layer, expert)] = pages
             self.in_tables[layer, expert] = True

@@ -4,10 +4,11 @@ The engine's step (engine/llm_engine.py) is the same in every mode; it asks its 
 
     begin_step()                  load buffers attached if needed; grows that completed enter the tables
     -- scheduler.schedule() --    reclaimable_kv_pages(), admission_reserve_kv_pages() answer the scheduler
-    plan(StepDemand)              the memory plan of this step: evictions and grows (elastic)
     pass_reads_routing(tokens)    will the pass stop the host at an offloaded layer's routing read?
     before_pass(tokens)           the pass is about to be queued (streaming layers start their copies)
     -- the runner queues the pass; the pass fence records it --
+    plan(StepDemand)              the memory plan from this step's demand: evictions and grows (elastic); the
+                                  host plans while the GPU runs, and the pass queued reads the tables as they were
     after_pass()                  evicted experts leave the tables; routing counts and step times observed
     -- allocator.complete_forward() --
 
