@@ -210,3 +210,45 @@ def test_cuda_elastic_direct_replays_whole_graphs_through_moves(ckpt: Path) -> N
     static = LLM(str(ckpt), gpu_memory_budget="1GiB", device="cuda", dtype="float32", enforce_eager=True,
                  max_num_batched_tokens=64)
     assert [[o.outputs[0].token_ids for o in static.generate(b, params)] for b in batches] == got
+
+
+def test_async_steps_read_every_pass_counts_once_and_time_the_passes(ckpt: Path) -> None:
+    # async steps read a pass's routing counts once their copy is done, a step or two later: every pass's counts
+    # reach the popularity estimate exactly once (all assignments of the run, none twice), the decode passes are
+    # timed for the cost tracker, and the outputs are the synchronous loop's
+    limit = 5
+    pool = tight_pool(ckpt, kv_blocks=10, limit=limit, load_buffers=False)
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for async_steps in (False, True):
+        llm = LLM(str(ckpt), page_pool_memory_bytes=pool, device="cpu", offload_mode="elastic", adjuster="cost",
+                  expert_offload_limit=limit, max_num_batched_tokens=64, async_scheduling=async_steps)
+        runtime = llm.engine.runtime
+        assert isinstance(runtime, DirectElasticRuntime) and runtime.async_steps is async_steps
+        seen: list[float] = []
+        observe = runtime.core.observe_routing
+
+        def counted(routed, observe=observe, seen=seen):  # type: ignore[no-untyped-def]
+            seen.append(float(routed.sum()))
+            observe(routed)
+
+        runtime.core.observe_routing = counted  # type: ignore[method-assign]
+        launched: list[int] = []  # tokens of every pass queued (async: a finished request's last one runs too)
+        before = runtime.before_pass
+
+        def queued(num_tokens, before=before, launched=launched):  # type: ignore[no-untyped-def]
+            launched.append(num_tokens)
+            before(num_tokens)
+
+        runtime.before_pass = queued  # type: ignore[method-assign]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts(6, seed=1), params)]
+        llm.engine.step()  # empty steps: the last passes' counts are read at the calls after them
+        llm.engine.step()
+        passes = llm.stats()["forward_steps"]
+        assert passes == sum(n > 0 for n in launched)
+        assert sum(seen) == sum(launched) * llm.engine.spec.num_experts_per_tok * runtime.cache.num_layers
+        costs = runtime.core.step_cost
+        assert costs is not None and passes - 3 <= costs.steps <= passes
+        assert llm.stats()["expert_evictions"] > 0
+        runs[async_steps] = tokens
+    assert runs[True] == runs[False]

@@ -24,7 +24,7 @@ from rimuru.bench.workload import SampleRequest, load_tokenizer, sample_sharegpt
 from rimuru.cli import main
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.popularity import ExpertPopularity
-from rimuru.experts.routing_counter import RoutingCounter
+from rimuru.experts.routing_counter import HOST_BUFFERS, RoutingCounter
 from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.models.moe import SparseMoE
 
@@ -263,21 +263,23 @@ def test_cli_lists_profile() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_async_snapshots_take_two_pinned_buffers_in_turn() -> None:
-    # each snapshot holds its own pass's counts until the next-but-one call; no host buffer is allocated per step
+def test_async_snapshots_take_the_pinned_buffers_in_turn() -> None:
+    # each snapshot holds its own pass's counts for HOST_BUFFERS - 1 more calls; no host buffer is allocated per step
     counter = RoutingCounter(2, 8, device="cuda")
+    n = HOST_BUFFERS
     snaps = []
-    for step in range(4):
-        counter.record(step % 2, torch.tensor([[step, 7]], device="cuda"))
+    for step in range(2 * n):
+        counter.record(step % 2, torch.tensor([[step % 7, 7]], device="cuda"))
         host, done = counter.snapshot_and_reset_async()
         assert done is not None and host.is_pinned()
         done.synchronize()
-        snaps.append((host.data_ptr(), host.clone()))
-        if step:  # the previous snapshot is still intact while this one was taken
-            assert snaps[step - 1][1][(step - 1) % 2, step - 1] == 1 + (step - 1 == 7)
-    assert snaps[0][0] == snaps[2][0] and snaps[1][0] == snaps[3][0] and snaps[0][0] != snaps[1][0]
-    for step, (_, snap) in enumerate(snaps):
+        snaps.append((host.data_ptr(), host.clone(), host))
+        for back in range(1, min(step, n - 1) + 1):  # the snapshots taken before are still intact
+            assert torch.equal(snaps[step - back][2], snaps[step - back][1])
+    ptrs = [p for p, _, _ in snaps]
+    assert ptrs[:n] == ptrs[n:] and len(set(ptrs[:n])) == n
+    for step, (_, snap, _) in enumerate(snaps):
         expected = torch.zeros(2, 8)
-        expected[step % 2, step] += 1
+        expected[step % 2, step % 7] += 1
         expected[step % 2, 7] += 1
         assert torch.equal(snap, expected)

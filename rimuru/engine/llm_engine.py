@@ -9,8 +9,8 @@ One step, the same in every offload mode (what differs lives behind the expert r
     launch                        the runner queues the forward pass; the pass fence records it
     runtime.plan(demand)          the memory plan: evictions and grows (after the launch: the host plans while
                                   the GPU runs, and the pass reads the tables as they were when it was queued)
+    runtime.after_pass()          evicted experts leave the tables (after the pass); routing counts observed
     drain                         read and process the previous pass's tokens (async) or this one's (sync)
-    runtime.after_pass()          evicted experts leave the tables
     allocator.complete_forward()  pages the pass could still read return to the pool
 
 With async scheduling (on by default on a GPU) step n+1 is launched before step n's tokens are read, so the host
@@ -452,6 +452,7 @@ class LLMEngine:
         # The memory plan for the steps after this one, while the GPU runs: the pass just launched reads the tables
         # as they are (evictions leave them after it, grows enter once their copies are done)
         plan = self.runtime.plan(demand)
+        self.runtime.after_pass()
         trace.mark("adjust")
         if self.async_scheduling:  # pass n+1 is queued behind pass n on the device: read pass n meanwhile
             self._in_flight = launched
@@ -459,7 +460,6 @@ class LLMEngine:
             previous = launched
         if previous is not None:
             outputs += self._drain(previous)
-        self.runtime.after_pass()
         self.pool.allocator.complete_forward()  # pages the finished pass may have read are free now
         t_end = self._record(t0, num_tokens, self.runner.graph_steps > graph_steps0, plan, loaded0)
         trace.end(t_end)

@@ -5,15 +5,16 @@ phases, so that the phases sum to the step's wall time (the same two clock readi
 `StepMetrics.step_time_s`):
 
     schedule   inbox, aborts, elastic grows entering the tables, the scheduler
-    adjust     the elastic adjuster's plan (evictions begin, grow copies are queued)
     compact    KV pages moved out of the mid pages that grows wait for (engine/kv_compaction.py)
     prepare    batch arrays on the host + the host->device copy of the inputs
     forward    launching the model (a graph replay, or every kernel eagerly; on the CPU: the compute)
     sample     launching the sampler
+    adjust     after the launch, the expert runtime's plan (evictions begin, grow copies are queued) and its pass
+               bookkeeping (evictions leave the tables, routing counts read); with async steps while the GPU runs
     readback   the one device->host read of the sampled tokens: on a GPU, waiting for the GPU
     process    appending tokens, detokenising, stop checks, outputs (also the previous pass's, when it is
                drained before the launch)
-    finish     evictions leave the tables, deferred pages return, per-step metrics
+    finish     deferred pages return, per-step metrics
 
 The engine calls a `StepTrace` at these points every step, whether or not it profiles: `NULL_TRACE` does
 nothing; a `StepProfiler` records its first `num_steps` steps and then does nothing too.
@@ -39,7 +40,7 @@ Between passes (CUDA only): `gpu_gap`, the GPU time from the previous step's for
 begin (the sampler, copies and fills queued between the passes, and any idle wait), and `starved`, whether the GPU
 had finished everything the previous step queued when this step launched its forward (a query, no sync): the GPU
 idled waiting for the host. A starved step's host chain is the previous step's process and finish and its own
-schedule to prepare (`gpu_gaps` in the report: starved and fed decode steps side by side).
+schedule, compact and prepare (`gpu_gaps` in the report: starved and fed decode steps side by side).
 
 Step kinds: decode-graph (a decode CUDA-graph replay), decode-eager (one token for every request, eager),
 mixed-graph / prefill-graph (a mixed-step CUDA-graph replay), prefill (no decode row, eager), mixed (prefill
@@ -58,7 +59,7 @@ import torch
 
 from rimuru.engine.scheduler import SchedulerOutput
 
-PHASES = ("schedule", "adjust", "compact", "prepare", "forward", "sample", "readback", "process", "finish")
+PHASES = ("schedule", "compact", "prepare", "forward", "sample", "adjust", "readback", "process", "finish")
 KINDS = ("decode-graph", "decode-eager", "mixed-graph", "prefill-graph", "prefill", "mixed", "idle")
 KERNELS_UNAVAILABLE = "unavailable (CPU: torch.profiler counts CUDA kernels only)"
 
@@ -388,7 +389,7 @@ def _gapped(rows: list[StepRecord]) -> list[StepRecord]:
 # a starved step waited for this host work: the previous step's phases after its readback, then its own up to
 # the forward launch
 CHAIN_BEFORE = ("process", "finish")
-CHAIN_OWN = ("schedule", "adjust", "compact", "prepare")
+CHAIN_OWN = ("schedule", "compact", "prepare")
 
 
 def gpu_gaps(records: list[StepRecord]) -> dict[str, Any]:

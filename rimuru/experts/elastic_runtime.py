@@ -25,6 +25,8 @@ eager launches cost more, so its compute reads a little low (the tracker keeps s
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,10 +39,22 @@ from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.offload_provider import OffloadExpertProvider
 from rimuru.experts.offload_runtime import OffloadRuntime
 from rimuru.experts.residency import EXPERT
-from rimuru.experts.routing_counter import RoutingCounter
+from rimuru.experts.routing_counter import HOST_BUFFERS, RoutingCounter
 from rimuru.experts.runtime import GraphPlan, StepDemand
 from rimuru.experts.static_provider import StaticExpertProvider
 from rimuru.memory.host_wait import wait_for
+
+
+@dataclass
+class _PassCounts:
+    """One pass's routing counts on their way to the host (async steps), with what reading them needs."""
+
+    host: torch.Tensor  # [L, E] pinned, valid once `done` has completed
+    done: torch.cuda.Event | None  # None on the CPU: ready
+    absent: np.ndarray | None  # the experts the pass found offloaded (_absent_during_pass)
+    decode: bool  # the pass carried one token per sequence
+    observed: bool = False  # the next call has looked at the pass's time (set `forward`, or found none)
+    forward: tuple[float, int, int, float] | None = None  # (seconds, copy bytes, tokens, host-tier seconds)
 
 
 class ElasticRuntime(OffloadRuntime):
@@ -61,9 +75,8 @@ class ElasticRuntime(OffloadRuntime):
         self._tokens = 0  # batched tokens of the pass launched this step
         self._tokens_in_flight = 0  # async: the same for the pass launched one step earlier
         self._decode = False  # the pass launched this step carries one token per sequence
-        self._decode_in_flight = False  # async: the same for the pass launched one step earlier
-        # async: the counts of the pass in flight, their copy's event, and which experts that pass found offloaded
-        self._counts_in_flight: tuple[torch.Tensor, torch.cuda.Event | None, np.ndarray | None] | None = None
+        # async: the routing-count snapshots not read yet, oldest first (at most HOST_BUFFERS - 1 between calls)
+        self._unread: deque[_PassCounts] = deque()
         self._last_after_pass: tuple[float, int, float] | None = None
         self._copy_bytes: int | None = None  # bytes loaded for the pass in flight (async)
         self._host_s: float = 0.0  # host-tier seconds spent queueing the pass in flight (async)
@@ -172,39 +185,61 @@ class ElasticRuntime(OffloadRuntime):
         return 0
 
     def _after_pass_async(self, absent: np.ndarray | None) -> None:
-        # Between the previous call and this one the host waited for the pass launched before (pass n): that
-        # interval is pass n's time. The bytes loaded in the interval were issued for the pass launched now
-        # (n+1), so pass n's copies are the previous interval's bytes (`_copy_bytes`).
-        # The routing counts of pass n (snapshot at the last call) are read first: the host has waited for pass n.
+        # Between the previous call and this one the loop ran at the GPU's pace: that interval is the time of the
+        # pass launched at the previous call (pass n). The bytes loaded in the interval were issued for the pass
+        # launched now (n+1), so pass n's copies are the previous interval's bytes (`_copy_bytes`).
+        # Routing counts are snapshot after each pass (non-blocking) and read once their copy is done, never
+        # waited for while the GPU runs: pass n's counts (and with them pass n's observation, which needs its
+        # reads from host memory) are read at the next call, when pass n has long finished.
         now, loaded, host_now = time.monotonic(), self.loader.counters.bytes_loaded, self.host_compute_s
-        previous, self._counts_in_flight = self._counts_in_flight, (*self.counter.snapshot_and_reset_async(), absent)
-        counts, read = None, 0
-        if previous is not None:
-            host, done, absent_then = previous
-            if done is not None:
-                wait_for(done)  # the pass before the one in flight: finished (a query, no GIL handover)
-            counts = host.numpy()
-            read = self._read_from_host(counts, absent_then, self._decode_in_flight)
         ran = self._forward_start is not None
         step_cost = self.core.step_cost
+        previous = self._unread[-1] if self._unread else None  # pass n's counts, waiting for its observation
+        if previous is not None:
+            previous.observed = True
         if ran and self._last_after_pass is not None:
             t0, bytes0, host0 = self._last_after_pass
-            if step_cost is not None and self._copy_bytes is not None:
+            if step_cost is not None and self._copy_bytes is not None and previous is not None:
                 overhead = self.piecewise_overhead_s if self._piecewise_in_flight else 0.0
-                step_cost.observe_forward(max(0.0, now - t0 - overhead),
-                                          (self._copy_bytes + read) / self.pcie_bandwidth, self._tokens_in_flight,
-                                          host_s=self._host_s, decode=self._decode_in_flight)
+                previous.forward = (max(0.0, now - t0 - overhead), self._copy_bytes, self._tokens_in_flight,
+                                    self._host_s)
             self._copy_bytes = loaded - bytes0
             self._host_s = host_now - host0
         self._piecewise_in_flight = self.core.launched_offloaded and ran
         self._tokens_in_flight = self._tokens if ran else 0
-        self._decode_in_flight = self._decode and ran
         self._last_after_pass = (now, loaded, host_now) if ran else None
         if not ran:
             self._copy_bytes = None
         self._forward_start = None
-        if counts is not None:
+        self._read_counts(block=False)
+        # the snapshot below takes the buffer of the counts HOST_BUFFERS calls ago: those must have been read
+        while len(self._unread) >= HOST_BUFFERS:
+            self._read_counts(block=True, first_only=True)
+        host, done = self.counter.snapshot_and_reset_async()
+        self._unread.append(_PassCounts(host, done, absent, decode=self._decode and ran))
+
+    def _read_counts(self, block: bool, first_only: bool = False) -> None:
+        """Reads the oldest snapshots whose copies are done (`block`: waits for the first), in pass order: each
+        pass's reads from host memory and its observation for the cost tracker, then the popularity estimate."""
+        while self._unread:
+            first = self._unread[0]
+            if not first.observed and not block:
+                return
+            if first.done is not None and not first.done.query():
+                if not block:
+                    return
+                wait_for(first.done)
+            self._unread.popleft()
+            counts = first.host.numpy()
+            read = self._read_from_host(counts, first.absent, first.decode)
+            step_cost = self.core.step_cost
+            if first.forward is not None and step_cost is not None:
+                seconds, copy_bytes, tokens, host_s = first.forward
+                step_cost.observe_forward(seconds, (copy_bytes + read) / self.pcie_bandwidth, tokens, host_s=host_s,
+                                          decode=first.decode)
             self.core.observe_routing(counts)
+            if first_only:
+                return
 
     def _observe_loads(self) -> None:
         """The loader's routed and copied experts since the last call feed the cost tracker's copy excess."""

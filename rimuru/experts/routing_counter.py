@@ -3,7 +3,8 @@
     counts [L_moe, E] float32 on the model's device
     record(l, topk_ids)     counts[l][e] += number of times e appears in topk_ids   (no host sync)
     snapshot_and_reset()    copies counts to the host and zeroes them                (one sync; rare)
-    snapshot_and_reset_async()  the same without a host wait, into one of two pinned host buffers (every step)
+    snapshot_and_reset_async()  the same without a host wait, into one of HOST_BUFFERS pinned host buffers (every
+                            step)
 
 `record` is a single `scatter_add_` of a stride-0 view of one constant `1.0` into a fixed-size row,
 so it allocates nothing, never reads a value back and has no data-dependent shape (`torch.bincount`
@@ -24,6 +25,9 @@ import torch
 from torch import Tensor
 
 EXACT_LIMIT = 2**24  # float32 represents every integer up to this exactly
+# snapshot_and_reset_async's pinned buffers, taken in turn: a snapshot stays intact for HOST_BUFFERS - 1 more calls
+# (the elastic runtime reads a pass's counts up to two steps after it was launched)
+HOST_BUFFERS = 3
 
 
 class RoutingCounter:
@@ -83,15 +87,15 @@ class RoutingCounter:
         both in the compute stream's order. Returns (host tensor, event): read the tensor after
         `event.synchronize()` (no event on the CPU: it is ready). For loops that must not wait for the GPU.
 
-        The host tensor is one of two pinned buffers taken in turn (no allocation per step): it holds this
-        snapshot until the next-but-one call overwrites it, so read it before taking two more."""
+        The host tensor is one of HOST_BUFFERS pinned buffers taken in turn (no allocation per step): it holds this
+        snapshot until the HOST_BUFFERS-th call after this one overwrites it, so read it before that."""
         if self.counts.device.type != "cuda":
             return self.snapshot_and_reset(), None
-        if len(self._host_buffers) < 2:
+        if len(self._host_buffers) < HOST_BUFFERS:
             host = torch.empty(self.counts.shape, dtype=self.counts.dtype, pin_memory=True)
             self._host_buffers.append((host, torch.cuda.Event()))
         host, done = self._host_buffers[self._next_buffer]
-        self._next_buffer = (self._next_buffer + 1) % 2
+        self._next_buffer = (self._next_buffer + 1) % HOST_BUFFERS
         # the buffer's last snapshot was read (the rule above), and its copy was awaited then: it is free to refill
         host.copy_(self.counts, non_blocking=True)
         done.record()

@@ -10,7 +10,7 @@ The engine's step (engine/llm_engine.py) is the same in every mode; it asks its 
     plan(StepDemand)              the memory plan from this step's demand: evictions and grows (elastic); the
                                   host plans while the GPU runs, and the pass queued reads the tables as they were
     after_pass()                  evicted experts leave the tables; routing counts and step times observed
-    -- allocator.complete_forward() --
+    -- the previous pass (async) or this one is drained; allocator.complete_forward() --
 
 Implementations: `StaticRuntime` (here: every expert resident, nothing moves; also `fixed` mode with nothing
 offloaded), `OffloadRuntime` (offload_runtime.py: `fixed`, experts in host memory copied per pass),
