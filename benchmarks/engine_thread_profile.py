@@ -5,20 +5,23 @@ frames included when it sampled with --native. Of the engine thread's samples (t
 counts, per callee of `LLMEngine.step` (the frame right below it: the scheduler, the runtime's plan, the launch,
 the drain, the runtime's after_pass, ...), the share of the step's samples and what the thread was doing there:
 
-    gil      waiting to take the GIL back (take_gil, PyEval_RestoreThread / AcquireThread in libpython)
+    gil      waiting to take the GIL back: a condition wait in libc right after a C call that released it (a torch
+             op's gil_scoped_release ending, numpy's threads), or take_gil / PyEval_RestoreThread where the
+             interpreter's symbols resolve
+    lock     waiting on a Python lock (PyThread_acquire_lock_timed: a queue, an event), e.g. for work
     device   waiting for the GPU (a stream / event synchronisation, a blocking copy)
     host     running: Python or native work on the host
 
 and the functions with the most samples (inclusive) inside the step. Samples outside `LLMEngine.step` are the
 thread waiting for work or running commands between steps (`outside step`).
 
-    python benchmarks/engine_thread_profile.py gpu-out/*-pyspy-*.txt --output-json out.json
+    python benchmarks/engine_thread_profile.py benchmarks/results/*-pyspy-*.txt.gz --output-json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import gzip
 import re
 import sys
 from collections import Counter
@@ -26,12 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import metadata, write_json  # noqa: E402
+
 ENGINE_THREAD = "rimuru-engine"
 STEP_FRAME = "LLMEngine.step"
 GIL_FRAMES = ("take_gil", "PyEval_RestoreThread", "PyEval_AcquireThread", "PyGILState_Ensure")
 DEVICE_FRAMES = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cuStreamSynchronize",
                  "cuEventSynchronize", "cuCtxSynchronize", "cudaMemcpy ", "cuMemcpyDtoH", "cuMemcpyHtoD")
-CATEGORIES = ("host", "gil", "device")
+CATEGORIES = ("host", "gil", "lock", "device")
+LOCK_FRAMES = ("PyThread_acquire_lock_timed", "PyThread_acquire_lock")
+COND_WAIT = "pthread_cond_timedwait"
 _LINE = re.compile(r"^thread \((?P<tid>[^)]*)\): (?P<rest>.*) (?P<count>\d+)$")
 _PY_FRAME = re.compile(r"^(?P<func>[^ ]+) \((?P<file>[^:()]+\.py):\d+\)$")
 
@@ -51,15 +60,22 @@ def python_name(frame: str) -> str | None:
 
 
 def category(frames: list[str]) -> str:
-    """What a sample was doing, from its frames (outermost first): the innermost GIL or device wait decides."""
+    """What a sample was doing, from its frames (outermost first): the innermost GIL, lock or device wait decides.
+    A condition wait is the GIL's unless a Python lock's acquire called it."""
+    cond_wait = False
     for frame in reversed(frames):
         name = frame.split(" (", 1)[0]
+        if name.startswith(LOCK_FRAMES):
+            return "lock"
+        if name.startswith(COND_WAIT):
+            cond_wait = True
+            continue
         if name.startswith(GIL_FRAMES):
             return "gil"
         if any(name.startswith(d.strip()) for d in DEVICE_FRAMES) or python_name(frame) in ("Event.synchronize",
                                                                                           "synchronize"):
             return "device"
-    return "host"
+    return "gil" if cond_wait else "host"
 
 
 def parse(lines: list[str], thread_name: str = ENGINE_THREAD) -> ThreadProfile:
@@ -105,11 +121,11 @@ def summary(prof: ThreadProfile, top: int) -> dict[str, Any]:
 
 def format_table(name: str, s: dict[str, Any]) -> str:
     lines = [f"{name}: {s['samples']} engine-thread samples, {100 * s['in_step_share']:.1f} % inside a step",
-             f"  {'callee of LLMEngine.step':<44} {'step %':>7} {'host':>6} {'gil':>6} {'device':>7}"]
+             f"  {'callee of LLMEngine.step':<44} {'step %':>7} {'host':>6} {'gil':>6} {'lock':>6} {'device':>7}"]
     for c in s["callees"]:
         share = "-" if c["share_of_step"] is None else f"{100 * c['share_of_step']:.1f}"
         lines.append(f"  {c['callee'][:44]:<44} {share:>7} {100 * c['host_share']:>5.0f}% {100 * c['gil_share']:>5.0f}%"
-                     f" {100 * c['device_share']:>6.0f}%")
+                     f" {100 * c['lock_share']:>5.0f}% {100 * c['device_share']:>6.0f}%")
     lines.append("  functions with most step samples (inclusive): "
                  + ", ".join(f"{t['function']} {100 * t['share_of_step']:.1f}%" for t in s["top_functions"][:12]))
     return "\n".join(lines)
@@ -117,22 +133,27 @@ def format_table(name: str, s: dict[str, Any]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+", type=Path, help="py-spy raw outputs (record --format raw --threads)")
+    p.add_argument("files", nargs="+", type=Path,
+                   help="py-spy raw outputs (record --format raw --threads), gzipped where they end in .gz")
     p.add_argument("--thread", default=ENGINE_THREAD, help="the thread to summarise (default: %(default)s)")
     p.add_argument("--top", type=int, default=40, help="functions listed by inclusive samples")
     p.add_argument("--output-json", type=Path)
     a = p.parse_args()
     out: dict[str, Any] = {}
     for f in a.files:
-        prof = parse(f.read_text().splitlines(), a.thread)
+        text = gzip.decompress(f.read_bytes()).decode() if f.suffix == ".gz" else f.read_text()
+        prof = parse(text.splitlines(), a.thread)
         if prof.samples == 0:
             print(f"{f}: no samples of thread {a.thread!r} (is it a py-spy raw file recorded with --threads?)",
                   file=sys.stderr)
             continue
         out[f.name] = summary(prof, a.top)
         print(format_table(f.name, out[f.name]))
-    if a.output_json:
-        a.output_json.write_text(json.dumps({"benchmark": "engine_thread_profile", "files": out}, indent=1))
+    # the header is this summary's (where it ran); the samples' card and commit are in their file names
+    # (engine_thread_sample.sh names them), kept as `source`
+    write_json(a.output_json, metadata("engine_thread_profile", thread=a.thread,
+                                       note="samples taken on the card and at the commit their file names carry"),
+               [{"source": name, **s} for name, s in out.items()])
     if not out:
         sys.exit(1)
 

@@ -48,5 +48,10 @@ def test_samples_are_attributed_to_the_step_callee_and_classified() -> None:
 
 def test_the_innermost_wait_decides_the_category() -> None:
     assert category(["f (a.py:1)", "take_gil (libpython3.12.so)"]) == "gil"
+    # a statically linked interpreter: the GIL's wait shows as a libc condition wait after a C call that released it
+    assert category(["f (a.py:1)", "pybind11::gil_scoped_release::~gil_scoped_release (libtorch_python.so)",
+                     "pthread_cond_timedwait (libc.so.6)", "0x7f00 (libc.so.6)"]) == "gil"
+    assert category(["Queue.get (queue.py:171)", "PyThread_acquire_lock_timed (python3.12)",
+                     "pthread_cond_timedwait (libc.so.6)"]) == "lock"
     assert category(["Event.synchronize (torch/cuda/streams.py:3)"]) == "device"
     assert category(["f (a.py:1)", "g (b.py:2)"]) == "host"

@@ -63,8 +63,9 @@ def compact_kv(kv: KVCacheManager, running: Sequence[Request], mid_kind: str, mi
     alloc, cache = kv.allocator, kv.cache
     spm = alloc.geometry.smalls_per_mid(KV, mid_kind)
     parents = alloc.split_parents(KV, mid_kind)  # (key, used pages)
-    unref = {key: cache.unreferenced_in(key) if cache is not None else 0 for key, _ in parents}
-    live = sorted((used - unref[key], key) for key, used in parents)
+    # refs-0 pages per mid page (most hold none: the map names only those that do); read-only until drops below
+    unref = dict(cache.unreferenced_by_key()) if cache is not None else {}
+    live = sorted((used - unref.get(key, 0), key) for key, used in parents)
     chosen: list[int] = []
     moved = 0
     for n, key in live:
@@ -84,7 +85,7 @@ def compact_kv(kv: KVCacheManager, running: Sequence[Request], mid_kind: str, mi
         for n, key in reversed(live):
             if room >= moved:
                 break
-            if key not in taken and n > 0 and unref[key]:
+            if key not in taken and n > 0 and unref.get(key, 0):
                 room += unref[key]
                 cache.drop_unreferenced_in(key)
         for key in chosen:
@@ -107,16 +108,18 @@ def _rename(kv: KVCacheManager, running: Sequence[Request], src: np.ndarray, dst
     (a cached block is held by the requests whose rows carry its pages; refs-0 blocks were dropped)."""
     order = np.argsort(src)
     s, d = src[order], dst[order]
+    last = s.size - 1
     cache = kv.cache
     for req in running:
         if not req.kv_pages:
             continue
         grid = np.asarray(req.kv_pages, dtype=np.int64)  # [blocks, attention layers]
-        hit = np.isin(grid, s)
+        at = np.minimum(np.searchsorted(s, grid), last)  # membership by one search of the sorted sources
+        hit = s[at] == grid
         if not hit.any():
             continue
         new = grid.copy()
-        new[hit] = d[np.searchsorted(s, grid[hit])]
+        new[hit] = d[at[hit]]
         if cache is not None:
             for i in np.flatnonzero(hit.any(axis=1)).tolist():
                 if i >= req.num_offered_blocks:

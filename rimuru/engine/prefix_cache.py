@@ -192,6 +192,10 @@ class PrefixCache:
         """Pages of refs-0 blocks in the mid page at byte offset `key`."""
         return self._unref.get(key, 0)
 
+    def unreferenced_by_key(self) -> dict[int, int]:
+        """Pages of refs-0 blocks per mid page key, for mid pages that hold any (read-only: the cache's own map)."""
+        return self._unref
+
     def whole_keys(self) -> list[int]:
         """Byte offsets of the mid pages used by refs-0 blocks alone (reclaimable whole)."""
         return list(self._whole)

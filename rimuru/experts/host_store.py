@@ -34,6 +34,8 @@ class HostExpertStore:
         self.first_expert = first_expert  # the model's id of slot 0
         self.f, self.d = intermediate_size, hidden_size
         self.dtype = dtype
+        # asked every step (bytes read and loaded): a plain int, not a tensor op (which gives the GIL away)
+        self._expert_bytes = 3 * intermediate_size * hidden_size * torch.empty((), dtype=dtype).element_size()
         self.pinned = torch.cuda.is_available() if pin is None else pin
         if self.pinned and not torch.cuda.is_available():
             raise ValueError("pinned host memory needs CUDA; pass pin=False on a CPU-only machine")
@@ -51,7 +53,7 @@ class HostExpertStore:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert's three matrices (= 3 expert pages, unpadded)."""
-        return 3 * self.f * self.d * torch.empty((), dtype=self.dtype).element_size()
+        return self._expert_bytes
 
     @property
     def nbytes(self) -> int:
