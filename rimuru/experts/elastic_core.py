@@ -294,8 +294,9 @@ class ElasticCore:
     def after_pass(self) -> PassEnd:
         """The pass planned last has been launched (and, for a page that becomes free, finished by the time
         allocator.complete_forward() runs): evicted experts leave the residency; after a pass that ran with every
-        expert resident, with none moving, the load buffers' pages are deferred-freed. No pass reads them then:
-        the one in flight is that all-resident pass, and the one before it has been read."""
+        expert resident, with none moving, the load buffers' pages are deferred-freed. No pass reads them once they
+        are released: the pass launched last is that all-resident one, and the one before it is drained (its tokens
+        read) before allocator.complete_forward() releases deferred pages."""
         evicted = self.residency.finish_evictions()
         released: list[int] = []
         if (self.lazy_buffers and self.buffer_pages and not self.launched_offloaded
