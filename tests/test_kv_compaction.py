@@ -56,6 +56,26 @@ def test_relocate_moves_used_pages_out_and_the_mid_page_merges_after_the_pass() 
     assert b.relocate_small(KV, [GEO.offset(EXPERT, 0)]) is None and b.stats() == before
 
 
+def test_held_sources_wait_for_release_held_then_the_next_complete_forward() -> None:
+    """The engine compacts after its pass is queued and copies with the next one: the sources stay deferred through
+    the step's own complete_forward and go at the end of the step that queued the copies."""
+    a = PageAllocator(GEO, 4)
+    a.allocate_small(KV, 4, owner="a")
+    a.allocate_small(KV, 3, owner="b")
+    a.free_small(KV, [0, 2, 3])  # mid 0 keeps page 1; mid 1 keeps 4, 5, 6
+    src, dst = a.relocate_small(KV, [GEO.offset(EXPERT, 0)], hold=True)
+    assert src.tolist() == [1] and dst.tolist() == [7]
+    assert a.pending_deferred == 1
+    a.complete_forward()  # the step that compacted ends: its pass cannot have read the destinations' new bytes
+    assert a.pending_deferred == 1 and a.mid_capacity(EXPERT) == 2  # mid 0 still split: only mids 2, 3 are whole
+    a.check_invariants()
+    a.release_held()  # the next pass, with the copies before it, is queued
+    assert a.pending_deferred == 1 and a.mid_capacity(EXPERT) == 2
+    a.complete_forward()
+    assert a.pending_deferred == 0 and a.mid_capacity(EXPERT) == 3  # mid 0 merged
+    a.check_invariants()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_compaction_renames_every_holder_and_the_bytes_follow(seed: int) -> None:
     """Requests of random lengths fill a pool of 12 mid pages, a third of them sharing a cached prefix with an
@@ -167,3 +187,51 @@ def test_an_engine_that_compacts_every_step_gives_the_same_tokens(tiny_checkpoin
     compacted, moved = run(True)
     assert none_moved == 0 and moved > 0
     assert compacted == plain
+
+
+def test_a_step_without_a_pass_queues_the_last_compactions_copies(tiny_checkpoint,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The moves of a compaction travel with the next pass; when every request is aborted after a step that
+    compacted, the next step has no pass and queues the copies alone. The cached prefix blocks they renamed then
+    serve a later request whose greedy tokens are an uncompacted engine's, and no page is left held."""
+    path: Path = tiny_checkpoint("qwen2_moe")
+    base = [5, 9, 14, 3, 8, 21, 4, 17, 6, 11, 2, 30, 7, 19, 13, 12]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    later = {"prompt_token_ids": base + [33, 34, 35]}
+
+    def engine() -> LLM:
+        return LLM(str(path), gpu_memory_budget="64MiB", device="cpu", enforce_eager=True, max_num_batched_tokens=48,
+                   enable_prefix_caching=True, dtype="float32")
+
+    plain = engine()
+    want = plain.generate([later], params)[0].outputs[0].token_ids
+    plain.shutdown()
+
+    llm = engine()
+    eng = llm.engine
+    monkeypatch.setattr(eng.runtime, "mid_pages_awaited", lambda: 2)
+    queued_alone: list[int] = []
+    copy_alone = eng._copy_kv
+    monkeypatch.setattr(eng, "_copy_kv", lambda moves: (queued_alone.append(len(moves)), copy_alone(moves)))
+    for i in range(6):
+        eng.add_request(f"r{i}", base + [40 + i] * (3 + 5 * i), params)
+    for _ in range(40):
+        eng.step()
+        if eng._kv_moves is not None and eng.scheduler.running:
+            break
+    assert eng._kv_moves is not None, "no step compacted"
+    moved = len(eng._kv_moves)
+    assert eng.pool.allocator.pending_deferred >= moved  # the sources are held past the step's end
+    for i in range(6):
+        eng.abort_request(f"r{i}")
+    eng.step()  # aborts taken in, nothing scheduled: the copies go alone
+    assert queued_alone == [moved] and eng._kv_moves is None and not eng.has_unfinished_requests()
+    alloc = eng.pool.allocator
+    assert alloc.pending_deferred == 0
+    alloc.check_invariants()
+    eng.kv.check()
+    hits = eng.kv.prefix_cache_hits
+    got = llm.generate([later], params)[0].outputs[0].token_ids
+    assert eng.kv.prefix_cache_hits > hits  # the prefix came from the cache
+    assert got == want
+    llm.shutdown()

@@ -164,10 +164,11 @@ def test_gpu_gaps_group_decode_steps_and_charge_the_chain_before_each_launch() -
     assert set(out) == {"starved-offloaded", "fed-resident"}
     so = out["starved-offloaded"]
     assert so["steps"] == 2 and so["gpu_gap_ms"] == pytest.approx(3.0)
-    # each step's chain: the previous step's process and finish, then its own schedule .. prepare
-    assert so["chain_ms"] == pytest.approx({"prev_process": 0.25, "prev_finish": 0.6, "schedule": 0.25,
-                                            "compact": 0.0, "prepare": 1.0})  # adjust runs after the launch
-    assert so["chain_total_ms"] == pytest.approx(2.1)
+    # each step's chain: the previous step's phases after its launch, then its own schedule and prepare
+    assert so["chain_ms"] == pytest.approx({"prev_adjust": 1.5, "prev_compact": 0.0, "prev_readback": 0.0,
+                                            "prev_process": 0.25, "prev_finish": 0.6, "schedule": 0.25,
+                                            "prepare": 1.0})
+    assert so["chain_total_ms"] == pytest.approx(3.6)
     fed = out["fed-resident"]
     assert fed["steps"] == 1 and fed["gpu_gap_ms"] == pytest.approx(0.5) and fed["chain_ms"]["schedule"] == 0.1
 

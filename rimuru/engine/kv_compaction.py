@@ -8,17 +8,24 @@ three experts that the adjuster wanted home stayed out for the rest of the point
 memory, while the free small pages would have held them several times over.
 
 When the expert runtime's grows wait for whole mid pages (`mid_pages_awaited`), `compact_kv` takes the mid pages
-split into KV pages with the fewest live pages (held by requests, or by cached blocks that requests hold):
+split into KV pages with the fewest live pages (held by requests, or by cached blocks that requests hold). The engine
+runs it after the step's pass is queued, in the GPU's shadow:
 
     1. refs-0 cached blocks with a page in them are dropped (the prefix cache reclaims them anyway);
     2. the allocator moves the remaining used pages into free small pages of other mid pages (`relocate_small`:
-       destinations used, sources deferred until the pass ends);
+       destinations used, sources deferred and held);
     3. the holders are renamed: each running request's page grid (a new list, so the runner rebuilds its array) and
        the cached blocks those requests hold;
-    4. the returned `KVMoves` travel with the step: the runner copies the pages' bytes on the compute stream before
-       the pass (after the pass in flight, which may still write them), tensor-parallel ranks do the same in their
-       pools. At the step's end the sources are released and the mid pages merge; the next plan's grows take them
-       (a grow's copy on the loader's stream waits for the passes launched before, the pass fence's rule).
+    4. the returned `KVMoves` travel with the next step's pass: the runner copies the pages' bytes on the compute
+       stream before it (after the pass in flight, which may still write the sources), tensor-parallel ranks do the
+       same in their pools; a step with no pass queues the copies alone. Once the copies are queued the hold ends:
+       at that step's end the sources are released and the mid pages merge; the next plan's grows take them (a
+       grow's copy on the loader's stream waits for the passes launched before, the pass fence's rule, and the
+       copies count as one).
+
+Pages renamed in step n are read under their new names from pass n+1 on, and pass n+1 is queued behind the copies:
+every reader of a destination comes after its bytes arrived. A destination freed before the copies run (its request
+finished or was preempted) may be handed out again; its new owner writes it only in a later pass.
 
 A step moves at most `max_pages_moved` KV pages (8 mid pages' worth: a D2D copy of 46 MB for Qwen1.5-MoE shapes) and
 makes at most the mid pages asked for.
@@ -55,9 +62,10 @@ class KVMoves:
 
 
 def compact_kv(kv: KVCacheManager, running: Sequence[Request], mid_kind: str, mid_pages: int,
-               max_pages: int) -> KVMoves | None:
+               max_pages: int, hold: bool = False) -> KVMoves | None:
     """Empties up to `mid_pages` mid pages of `mid_kind` split into KV pages, moving at most `max_pages` KV pages;
-    returns the moves (None when nothing moved). `running`: every request that holds KV pages."""
+    returns the moves (None when nothing moved). `running`: every request that holds KV pages. `hold`: the sources
+    stay deferred until `allocator.release_held()` (the caller queues the copies after the pass in flight)."""
     if mid_pages <= 0:
         return None
     alloc, cache = kv.allocator, kv.cache
@@ -94,7 +102,7 @@ def compact_kv(kv: KVCacheManager, running: Sequence[Request], mid_kind: str, mi
     relocated = None
     while keys and relocated is None:  # fewer mid pages when the free pages elsewhere cannot hold all
         # not into mid pages of refs-0 blocks alone: they count as whole already
-        relocated = alloc.relocate_small(KV, keys, avoid=cache.whole_keys() if cache is not None else ())
+        relocated = alloc.relocate_small(KV, keys, avoid=cache.whole_keys() if cache is not None else (), hold=hold)
         keys = keys[: len(keys) // 2]
     if relocated is None or not relocated[0].size:
         return None

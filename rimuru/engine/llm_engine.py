@@ -5,11 +5,13 @@ One step, the same in every offload mode (what differs lives behind the expert r
     take in requests and aborts that arrived since the last step
     runtime.begin_step()          grows whose copies have completed enter the expert tables
     scheduler.schedule()          running + waiting requests get KV pages; what is still short is the demand
-    compact                       KV pages move out of mid pages the last plan's grows wait for
-    launch                        the runner queues the forward pass; the pass fence records it
+    launch                        the runner queues the last step's KV moves and the forward pass; the pass
+                                  fence records it
     runtime.plan(demand)          the memory plan: evictions and grows (after the launch: the host plans while
                                   the GPU runs, and the pass reads the tables as they were when it was queued)
     runtime.after_pass()          evicted experts leave the tables (after the pass); routing counts observed
+    compact                       KV pages move out of mid pages the plan's grows wait for (their bytes with the
+                                  next pass: engine/kv_compaction.py)
     drain                         read and process the previous pass's tokens (async) or this one's (sync)
     allocator.complete_forward()  pages the pass could still read return to the pool
 
@@ -65,7 +67,7 @@ from rimuru.engine.startup_clock import StartupClock
 from rimuru.engine.state_cache_manager import StateCacheManager, StateCopy
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.engine.step_profiler import NULL_TRACE, StepProfiler, StepTrace
-from rimuru.engine.tp_workers import PassPlan, TensorParallelWorkers, WorkerFailed, pool_report, rank_device
+from rimuru.engine.tp_workers import KVCopy, PassPlan, TensorParallelWorkers, WorkerFailed, pool_report, rank_device
 from rimuru.engine.workspace_profile import DeviceMemoryMark, WorkspaceProfile, profile_workspace
 from rimuru.experts.adjuster import AdjustPlan
 from rimuru.experts.host_store import HostExpertStore
@@ -213,6 +215,7 @@ class LLMEngine:
         self.forward_steps = 0
         self.peak_running = 0
         self.kv_pages_moved = 0  # by KV compaction (engine/kv_compaction.py)
+        self._kv_moves: KVMoves | None = None  # the last compaction's, copied before the next pass (sources held)
         self._max_kv_moves = max_pages_moved(geometry, EXPERT)
         self._sent_buffer_pages: list[int] | None = None  # the load-buffer pages the workers last got
         self.kernel_variants_built = 0  # Triton kernel variants steps built (kernels/kernel_builds.py)
@@ -411,7 +414,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             pending = bool(self._inbox or self._aborts)
-        return pending or self.scheduler.has_unfinished() or self._in_flight is not None
+        # KV moves not yet copied: one more step queues them (the cached blocks they renamed are read later)
+        return (pending or self.scheduler.has_unfinished() or self._in_flight is not None
+                or self._kv_moves is not None)
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -429,11 +434,6 @@ class LLMEngine:
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         trace.scheduled(sched)
         demand = self._demand(sched)
-        if sched.scheduled and (awaited := self.runtime.mid_pages_awaited()) > 0:
-            # the last plan's grows wait for whole mid pages: move the few live KV pages out of the emptiest
-            sched.kv_moves = compact_kv(self.kv, self.scheduler.running, EXPERT, awaited, self._max_kv_moves)
-            self.kv_pages_moved += len(sched.kv_moves) if sched.kv_moves is not None else 0
-        trace.mark("compact")
         previous, self._in_flight = self._in_flight, None
         if previous is not None and sched.scheduled and self.runtime.pass_reads_routing(sched.num_tokens):
             # This launch would stop at an offloaded layer's routing read, long after pass n is done: drain pass n
@@ -441,8 +441,13 @@ class LLMEngine:
             outputs += self._drain(previous)
             previous = None
             sched.scheduled = [s for s in sched.scheduled if not s.request.status.finished]
+        sched.kv_moves, self._kv_moves = self._kv_moves, None  # the last step's compaction
         try:
             launched = self._launch(sched)
+            if sched.kv_moves is not None:
+                if launched is None:  # no pass to carry the copies: queued alone
+                    self._copy_kv(sched.kv_moves)
+                self.pool.allocator.release_held()  # the copies are queued: the sources go at this step's end
         except WorkerFailed:
             raise
         except RuntimeError as e:
@@ -454,6 +459,15 @@ class LLMEngine:
         plan = self.runtime.plan(demand)
         self.runtime.after_pass()
         trace.mark("adjust")
+        if launched is not None and sched.kv_moves is None and (awaited := self.runtime.mid_pages_awaited()) > 0:
+            # the plan's grows wait for whole mid pages: move the few live KV pages out of the emptiest (renamed now,
+            # read under their new names from the next pass on, which the copies precede). Not in a step that
+            # carried the last compaction's copies: the mid pages they empty merge only at its end, and the plan
+            # still counts them as awaited
+            self._kv_moves = compact_kv(self.kv, self.scheduler.running, EXPERT, awaited, self._max_kv_moves,
+                                        hold=True)
+            self.kv_pages_moved += len(self._kv_moves) if self._kv_moves is not None else 0
+        trace.mark("compact")
         if self.async_scheduling:  # pass n+1 is queued behind pass n on the device: read pass n meanwhile
             self._in_flight = launched
         else:
@@ -504,6 +518,14 @@ class LLMEngine:
                 if s.samples:
                     s.request.num_pending_tokens += 1  # read by the drain of the next step
         return sched, tokens
+
+    def _copy_kv(self, moves: KVMoves) -> None:
+        """KV moves in a step without a pass: queued on the compute stream on every rank; the fence records them as
+        it records a pass (a grow into the mid pages they empty must wait for them)."""
+        if self.workers is not None:
+            self.workers.send(KVCopy(moves))
+        self.runner.copy_kv(moves)
+        self.fence.pass_launched()
 
     def _drain(self, launched: InFlight) -> list[RequestOutput]:
         sched, tokens = launched

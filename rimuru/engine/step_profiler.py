@@ -5,12 +5,12 @@ phases, so that the phases sum to the step's wall time (the same two clock readi
 `StepMetrics.step_time_s`):
 
     schedule   inbox, aborts, elastic grows entering the tables, the scheduler
-    compact    KV pages moved out of the mid pages that grows wait for (engine/kv_compaction.py)
     prepare    batch arrays on the host + the host->device copy of the inputs
     forward    launching the model (a graph replay, or every kernel eagerly; on the CPU: the compute)
     sample     launching the sampler
     adjust     after the launch, the expert runtime's plan (evictions begin, grow copies are queued) and its pass
                bookkeeping (evictions leave the tables, routing counts read); with async steps while the GPU runs
+    compact    after the adjust, KV pages moved out of the mid pages that grows wait for (engine/kv_compaction.py)
     readback   the one device->host read of the sampled tokens: on a GPU, waiting for the GPU
     process    appending tokens, detokenising, stop checks, outputs (also the previous pass's, when it is
                drained before the launch)
@@ -39,8 +39,9 @@ Besides the host phases, per step:
 Between passes (CUDA only): `gpu_gap`, the GPU time from the previous step's forward end to this step's forward
 begin (the sampler, copies and fills queued between the passes, and any idle wait), and `starved`, whether the GPU
 had finished everything the previous step queued when this step launched its forward (a query, no sync): the GPU
-idled waiting for the host. A starved step's host chain is the previous step's process and finish and its own
-schedule, compact and prepare (`gpu_gaps` in the report: starved and fed decode steps side by side).
+idled waiting for the host. With async steps (the GPU's default) a starved step's host chain is every phase of the
+previous step after its launch (adjust, compact, readback, process, finish) and its own schedule and prepare
+(`gpu_gaps` in the report: starved and fed decode steps side by side).
 
 Step kinds: decode-graph (a decode CUDA-graph replay), decode-eager (one token for every request, eager),
 mixed-graph / prefill-graph (a mixed-step CUDA-graph replay), prefill (no decode row, eager), mixed (prefill
@@ -59,7 +60,7 @@ import torch
 
 from rimuru.engine.scheduler import SchedulerOutput
 
-PHASES = ("schedule", "compact", "prepare", "forward", "sample", "adjust", "readback", "process", "finish")
+PHASES = ("schedule", "prepare", "forward", "sample", "adjust", "compact", "readback", "process", "finish")
 KINDS = ("decode-graph", "decode-eager", "mixed-graph", "prefill-graph", "prefill", "mixed", "idle")
 KERNELS_UNAVAILABLE = "unavailable (CPU: torch.profiler counts CUDA kernels only)"
 
@@ -386,10 +387,10 @@ def _gapped(rows: list[StepRecord]) -> list[StepRecord]:
     return [r for r in rows if _gap_measured(r)]
 
 
-# a starved step waited for this host work: the previous step's phases after its readback, then its own up to
-# the forward launch
-CHAIN_BEFORE = ("process", "finish")
-CHAIN_OWN = ("schedule", "compact", "prepare")
+# a starved step waited for this host work (async steps): the previous step's phases after its launch, then its own
+# up to the forward launch
+CHAIN_BEFORE = ("adjust", "compact", "readback", "process", "finish")
+CHAIN_OWN = ("schedule", "prepare")
 
 
 def gpu_gaps(records: list[StepRecord]) -> dict[str, Any]:

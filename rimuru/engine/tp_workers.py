@@ -16,8 +16,9 @@ pass it sends a `PassPlan` and every rank runs the same pass, meeting in the col
 
 Workers never allocate: their allocators stay as start-up left them, the ids all come from rank 0. The batch
 arrays already hold the input tokens (no async scheduling under tensor parallelism). Between passes rank 0 may send
-a `PoolProbe` instead of a plan: every rank answers with its `pool_report` (the tests' check that no rank holds a
-page after a run and that every rank's expert tables are rank 0's).
+a `KVCopy` (KV compaction's moves in a step without a pass) or a `PoolProbe`: every rank answers the probe with its
+`pool_report` (the tests' check that no rank holds a page after a run and that every rank's expert tables are rank
+0's).
 
 Failure: a worker that raises reports its traceback on a queue and exits; one that dies closes its sockets. Either
 way the collective rank 0 is in fails within about a second (gloo), and the engine raises one `WorkerFailed`
@@ -78,6 +79,13 @@ class PassPlan:
 
 
 @dataclass
+class KVCopy:
+    """Not a pass: KV compaction's moves, queued alone because rank 0's step had no pass to carry them."""
+
+    moves: KVMoves
+
+
+@dataclass
 class PoolProbe:
     """Not a pass: every rank answers with its `pool_report`, gathered on rank 0."""
 
@@ -132,7 +140,7 @@ class TensorParallelWorkers:
         logger.info("tensor parallelism: %d ranks (%s), workers %s", size, self.device.type,
                     ", ".join(str(p.pid) for p in self.procs))
 
-    def send(self, plan: PassPlan | PoolProbe | None) -> None:
+    def send(self, plan: PassPlan | KVCopy | PoolProbe | None) -> None:
         self.check()
         self.tp.broadcast_object(plan)
 
@@ -265,6 +273,9 @@ def _worker_main(rank: int, config: EngineConfig, port: int, errors: Any) -> Non
                 break
             if isinstance(plan, PoolProbe):
                 tp.gather_object(pool_report(engine))
+                continue
+            if isinstance(plan, KVCopy):
+                engine.runner.copy_kv(plan.moves)
                 continue
             follow(engine, plan)
     except BaseException:  # noqa: BLE001 - every failure goes to rank 0, then the process ends

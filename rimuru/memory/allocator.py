@@ -143,7 +143,8 @@ class PageAllocator:
         self._free_smalls = dict.fromkeys(kinds, 0)
 
         self._used = dict.fromkeys((*self._mid_kinds, *kinds), 0)
-        self._pending: list[tuple[str, np.ndarray]] = []
+        self._pending: list[tuple[str, np.ndarray]] = []  # released by the next complete_forward()
+        self._held: list[tuple[str, np.ndarray]] = []  # deferred too, but released only after release_held()
         self.reclaimer: PageReclaimer | None = None  # see the module docstring
 
     # ================================================================== queries
@@ -207,7 +208,8 @@ class PageAllocator:
 
     @property
     def pending_deferred(self) -> int:
-        return sum(len(ids) for _, ids in self._pending)
+        """Deferred pages not yet released: pending for the next complete_forward() or held."""
+        return sum(len(ids) for _, ids in (*self._pending, *self._held))
 
     def stats(self) -> AllocatorStats:
         g = self.geometry
@@ -281,13 +283,14 @@ class PageAllocator:
         r = self.geometry.smalls_of_mid(kind, p.mid_kind, p.mid_id)
         return r.start + np.flatnonzero(self._small_state[kind][r.start : r.stop] == USED)
 
-    def relocate_small(self, kind: str, keys: Iterable[int], avoid: Iterable[int] = ()
+    def relocate_small(self, kind: str, keys: Iterable[int], avoid: Iterable[int] = (), hold: bool = False
                        ) -> tuple[np.ndarray, np.ndarray] | None:
         """Moves every used small page of `kind` out of the split mid pages at byte offsets `keys` into free small
         pages of other split mid pages, not those at `avoid` (never a free mid or huge page: a compaction that splits
         one gains nothing):
         returns (sources, destinations), index-aligned. The destinations are USED; the sources DEFERRED, released
-        by complete_forward() so that the mid pages merge once the copy that moves their bytes has run. A mid page
+        by complete_forward() so that the mid pages merge once the copy that moves their bytes has run; with `hold`
+        not before release_held() (the copy is queued later than the pass in flight: with the next one). A mid page
         holding deferred pages is left out (it merges once they are released). None, with nothing changed, when the
         free small pages elsewhere cannot hold them.
 
@@ -320,6 +323,8 @@ class PageAllocator:
         self._small_state[kind][dst] = USED
         self._used[kind] += dst.size
         self.defer_free(kind, src)
+        if hold and src.size:
+            self._held.append(self._pending.pop())  # the entry defer_free just added
         return src, dst
 
     def _take_from_parents(
@@ -496,6 +501,11 @@ class PageAllocator:
         state[arr] = DEFERRED
         if arr.size:
             self._pending.append((kind, arr))
+
+    def release_held(self) -> None:
+        """The copies that read the held pages are queued: they go with the next complete_forward()."""
+        self._pending += self._held
+        self._held = []
 
     def complete_forward(self) -> None:
         """The forward pass that could read deferred pages has ended: release them."""
