@@ -76,8 +76,9 @@ def test_held_sources_wait_for_release_held_then_the_next_complete_forward() -> 
     a.check_invariants()
 
 
+@pytest.mark.parametrize("grids", ["lists", "arrays"])
 @pytest.mark.parametrize("seed", range(6))
-def test_compaction_renames_every_holder_and_the_bytes_follow(seed: int) -> None:
+def test_compaction_renames_every_holder_and_the_bytes_follow(seed: int, grids: str) -> None:
     """Requests of random lengths fill a pool of 12 mid pages, a third of them sharing a cached prefix with an
     earlier one; half end (their full blocks cached, refs 0), shorter ones take the holes, a third end. A pool "of
     bytes" (one signature per page) checks that after the moves every holder finds its own bytes; after the pass a
@@ -116,7 +117,11 @@ def test_compaction_renames_every_holder_and_the_bytes_follow(seed: int) -> None
         running.remove(r)
     expected = {r.seq_id: data[np.asarray(r.kv_pages)].copy() for r in running}
     whole_before = alloc.mid_capacity(EXPERT)
-    moves = compact_kv(kv, running, EXPERT, mid_pages=2, max_pages=64)
+    # the runner's int32 page arrays stand in for the lists where it has them (here: every other request)
+    def grid_of(r: Request) -> np.ndarray | None:
+        return np.asarray(r.kv_pages, dtype=np.int32) if grids == "arrays" and r.seq_id % 2 else None
+
+    moves = compact_kv(kv, running, EXPERT, mid_pages=2, max_pages=64, grid_of=grid_of)
     assert moves is not None and len(moves) > 0
     assert (data[moves.src] >= 0).all()  # only pages holding bytes move
     data[moves.dst] = data[moves.src]  # what the runner's copy does before the pass

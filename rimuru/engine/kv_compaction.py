@@ -33,7 +33,7 @@ makes at most the mid pages asked for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +42,7 @@ from rimuru.engine.kv_cache_manager import KV, KVCacheManager
 from rimuru.engine.request import Request
 from rimuru.memory.geometry import PageGeometry
 
+PageGrid = Callable[[Request], np.ndarray | None]  # a request's kv_pages as [blocks, attention layers], if known
 MAX_MID_PAGES_MOVED = 8  # a step moves at most this many mid pages' worth of KV pages (a few MB of device copies)
 
 
@@ -62,10 +63,11 @@ class KVMoves:
 
 
 def compact_kv(kv: KVCacheManager, running: Sequence[Request], mid_kind: str, mid_pages: int,
-               max_pages: int, hold: bool = False) -> KVMoves | None:
+               max_pages: int, hold: bool = False, grid_of: PageGrid | None = None) -> KVMoves | None:
     """Empties up to `mid_pages` mid pages of `mid_kind` split into KV pages, moving at most `max_pages` KV pages;
     returns the moves (None when nothing moved). `running`: every request that holds KV pages. `hold`: the sources
-    stay deferred until `allocator.release_held()` (the caller queues the copies after the pass in flight)."""
+    stay deferred until `allocator.release_held()` (the caller queues the copies after the pass in flight).
+    `grid_of`: a request's page grid as an array where one is at hand (the runner's), else None."""
     if mid_pages <= 0:
         return None
     alloc, cache = kv.allocator, kv.cache
@@ -107,27 +109,31 @@ def compact_kv(kv: KVCacheManager, running: Sequence[Request], mid_kind: str, mi
     if relocated is None or not relocated[0].size:
         return None
     src, dst = relocated
-    _rename(kv, running, src, dst)
+    _rename(kv, running, src, dst, grid_of)
     return KVMoves(src, dst)
 
 
-def _rename(kv: KVCacheManager, running: Sequence[Request], src: np.ndarray, dst: np.ndarray) -> None:
+def _rename(kv: KVCacheManager, running: Sequence[Request], src: np.ndarray, dst: np.ndarray,
+            grid_of: PageGrid | None) -> None:
     """Every holder of a page in `src` names its `dst` instead: requests' page grids and the cached blocks they hold
     (a cached block is held by the requests whose rows carry its pages; refs-0 blocks were dropped)."""
     order = np.argsort(src)
     s, d = src[order], dst[order]
-    last = s.size - 1
+    # membership by a mask over the KV page ids (one gather per request), the new name by a search of the few hits
+    moving = np.zeros(int(s[-1]) + 1, dtype=bool)
+    moving[s] = True
     cache = kv.cache
     for req in running:
         if not req.kv_pages:
             continue
-        grid = np.asarray(req.kv_pages, dtype=np.int64)  # [blocks, attention layers]
-        at = np.minimum(np.searchsorted(s, grid), last)  # membership by one search of the sorted sources
-        hit = s[at] == grid
+        grid = grid_of(req) if grid_of is not None else None  # [blocks, attention layers]
+        if grid is None:
+            grid = np.asarray(req.kv_pages, dtype=np.int64)
+        hit = moving[np.minimum(grid, moving.size - 1)] & (grid < moving.size)
         if not hit.any():
             continue
-        new = grid.copy()
-        new[hit] = d[at[hit]]
+        new = grid.astype(np.int64)
+        new[hit] = d[np.searchsorted(s, new[hit])]
         if cache is not None:
             for i in np.flatnonzero(hit.any(axis=1)).tolist():
                 if i >= req.num_offered_blocks:

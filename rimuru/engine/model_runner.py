@@ -265,6 +265,13 @@ class ModelRunner:
         cache[req] = (kv, arr, nb)
         return arr[:nb]
 
+    def page_grid(self, req: Request) -> np.ndarray | None:
+        """`req.kv_pages` as the int32 array the last launch built, if it is still the request's grid (else None)."""
+        entry = self._pages.get(req)
+        if entry is None or entry[0] is not req.kv_pages or entry[2] != len(req.kv_pages):
+            return None
+        return entry[1][: entry[2]]
+
     def batch_order(self, scheduled: Sequence[ScheduledRequest]) -> list[int] | None:
         """A hybrid model's batch order where a step mixes prefill chunks and decodes: the single-token sequences first
         (their DeltaNet layers take the paged decode kernels over rows 0..D-1), scheduled order kept within each
