@@ -72,32 +72,39 @@ def compact_kv(kv: KVCacheManager, running: Sequence[Request], mid_kind: str, mi
         return None
     alloc, cache = kv.allocator, kv.cache
     spm = alloc.geometry.smalls_per_mid(KV, mid_kind)
-    parents = alloc.split_parents(KV, mid_kind)  # (key, used pages)
+    offsets, used = alloc.split_parents(KV, mid_kind)  # the split mid pages' byte offsets (ascending), used pages
     # refs-0 pages per mid page (most hold none: the map names only those that do); read-only until drops below
     unref = dict(cache.unreferenced_by_key()) if cache is not None else {}
-    live = sorted((used - unref.get(key, 0), key) for key, used in parents)
-    chosen: list[int] = []
-    moved = 0
-    for n, key in live:
-        if len(chosen) == mid_pages or moved + n > max_pages:
-            break
-        if n > 0:  # a mid page of refs-0 cached blocks alone is reclaimable whole already (mid_capacity counts it)
-            chosen.append(key)
-            moved += n
-    if not chosen:
+    live = used.copy()
+    if unref:
+        uk = np.fromiter(unref, dtype=np.int64, count=len(unref))
+        at = np.searchsorted(offsets, uk)
+        found = (at < offsets.size) & (offsets[np.minimum(at, offsets.size - 1)] == uk)
+        live[at[found]] -= np.fromiter(unref.values(), dtype=np.int64, count=len(unref))[found]
+    order = np.lexsort((offsets, live))  # the emptiest first
+    # a mid page of refs-0 cached blocks alone (live 0) is reclaimable whole already: mid_capacity counts it
+    candidates = order[live[order] > 0]
+    moved_by = np.cumsum(live[candidates])
+    take = min(mid_pages, int(np.searchsorted(moved_by, max_pages, side="right")))
+    if take == 0:
         return None
+    picked = candidates[:take]
+    chosen = offsets[picked].tolist()
+    moved = int(moved_by[take - 1])
     if cache is not None:
         # room for the moved pages: free pages of the other mid pages, and where they are short the refs-0 blocks of
         # the densest mid pages that hold live pages too (they cannot empty soon; the mid pages of cached blocks
         # alone are left whole)
+        room = int((spm - used).sum() - (spm - used[picked]).sum())
         taken = set(chosen)
-        room = sum(spm - used for key, used in parents if key not in taken)
-        for n, key in reversed(live):
-            if room >= moved:
-                break
-            if key not in taken and n > 0 and unref.get(key, 0):
-                room += unref[key]
-                cache.drop_unreferenced_in(key)
+        if room < moved:
+            for i in order[::-1].tolist():
+                if room >= moved:
+                    break
+                key = int(offsets[i])
+                if key not in taken and live[i] > 0 and unref.get(key, 0):
+                    room += unref[key]
+                    cache.drop_unreferenced_in(key)
         for key in chosen:
             cache.drop_unreferenced_in(key)
     keys = [key for key in chosen if alloc.parent_used(key) is not None]  # the drops merged the others already

@@ -271,11 +271,19 @@ class PageAllocator:
 
     # ================================================================== compaction
 
-    def split_parents(self, kind: str, mid_kind: str) -> list[tuple[int, int]]:
-        """(key, used small pages) of every `mid_kind` mid page split into small pages of `kind`."""
+    def split_parents(self, kind: str, mid_kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """Every `mid_kind` mid page split into small pages of `kind`: (byte offsets ascending, used small pages in
+        each: allocated or deferred), int64 arrays. Read from the small pages' states (the small pages of mid page m
+        are ids m*spm .. m*spm+spm-1, split ones are never ABSENT), over the huge pages split into `mid_kind`."""
+        g = self.geometry
         spm = self._spm[kind, mid_kind]
-        return [(p.key, spm - len(p.free)) for p in self._parents.values()
-                if p.small_kind == kind and p.mid_kind == mid_kind]
+        state = self._small_state[kind]
+        rows = state[: state.size // spm * spm].reshape(-1, spm)  # row m: the small pages of mid page m
+        split = (rows[:, 0] != ABSENT) & np.repeat(self._huge_kind == self._mid_kinds.index(mid_kind),
+                                                    g.mids_per_huge(mid_kind))[: rows.shape[0]]
+        ids = np.flatnonzero(split)
+        used = spm - (rows[ids] == FREE).sum(axis=1, dtype=np.int64)
+        return g.offset(mid_kind, ids.astype(np.int64)), used
 
     def used_smalls_in(self, kind: str, key: int) -> np.ndarray:
         """The used (not deferred) small pages of `kind` in the split mid page at byte offset `key`."""
@@ -642,6 +650,12 @@ class PageAllocator:
                 assert (key in self._partial[s_kind]) == bool(free_ids), f"{m_kind} {m}: partial index wrong"
                 self._assert_smalls_absent(key, g.size(m_kind), except_kind=s_kind)
         assert parents_seen == len(self._parents), "parent records for mid pages that are not split"
+        for s_kind in g.small_kinds:  # the vectorised view of the parents agrees with their records
+            for m_kind in self._mid_kinds:
+                offsets, n_used = self.split_parents(s_kind, m_kind)
+                want = sorted((p.key, self._spm[s_kind, m_kind] - len(p.free)) for p in self._parents.values()
+                              if p.small_kind == s_kind and p.mid_kind == m_kind)
+                assert list(zip(offsets.tolist(), n_used.tolist(), strict=True)) == want, f"split {s_kind} in {m_kind}"
         assert free_huge == self._free_huge, f"free huge {self._free_huge} != {free_huge}"
         assert free_mids == self._free_mids, f"free mids {self._free_mids} != {free_mids}"
         assert free_smalls == self._free_smalls, f"free smalls {self._free_smalls} != {free_smalls}"
