@@ -355,7 +355,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="what the simulator loads for a row's model name (default: the name, a preset)")
     b.add_argument("--routing-profile", action="append", default=[], metavar="MODEL:ROUTING=FILE",
                    help="simulate the rows of MODEL served with --dummy-routing ROUTING with the shares a `rimuru "
-                        "profile` of that server measured (e.g. qwen3-30b-a3b:zipf:1.0=ranking.json)")
+                        "profile` of that server measured, or those an elastic point realised (serve_sweep.py writes "
+                        "them beside its result file: RESULT-routing-CONFIG-RATErps.json), e.g. "
+                        "qwen3-30b-a3b:zipf:1.0=ranking.json")
     b.add_argument("--hardware", choices=sorted(HARDWARE),
                    help="the simulator's GPU profile (default: the one of the files' device; all files one GPU)")
     p = sub.add_parser("plan", help="the simulator's capacity per configuration, and the rates to measure")

@@ -252,6 +252,18 @@ def step_profile(base_url: str, start_steps: int | None = None) -> dict[str, Any
         return None
 
 
+def expert_routing(base_url: str, mark: bool = False) -> dict[str, Any] | None:
+    """Rimuru's routing (`/debug/expert_routing`, elastic mode): `mark` starts counting from now; else the routing
+    since the mark, as a ranking file (`rimuru simulate --expert-ranking`, `regime_map.py build --routing-profile`).
+    None when the server counts none."""
+    try:
+        req = urllib.request.Request(f"{base_url}/debug/expert_routing", method="POST" if mark else "GET")
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - 127.0.0.1 only
+            return json.loads(resp.read())
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     def delta(*names: str) -> float | None:
         a, b = metric(after, *names), metric(before, *names)
@@ -620,6 +632,7 @@ class Sweep:
         timeout = min(a.point_timeout_s, max(self.remaining_s() - 5, 1))
         profiling = (cfg.server == "rimuru" and a.profile_steps > 0
                      and step_profile(base_url, a.profile_steps) is not None)
+        routing = cfg.server == "rimuru" and expert_routing(base_url, mark=True) is not None
         poller = MetricsPoller(base_url, a.poll_interval_s)
         try:
             with poller:
@@ -643,6 +656,11 @@ class Sweep:
         error = None if status == "ok" else point_error(summary)
         if profiling:
             summary["step_profile"] = step_profile(base_url)
+        if routing and (realised := expert_routing(base_url)) is not None:  # elastic: the routing of this point
+            out = Path(a.output_json)
+            path = out.with_name(f"{out.stem}-routing-{cfg.name}-{rate:g}rps.json")
+            path.write_text(json.dumps({**realised, "num_prompts": a.num_prompts}) + "\n")
+            summary["routing_file"] = path.name
         self.add_row(cfg, rate, status, error, **summary, **counter_deltas(before, after),
                      peak_running=poller.peak_running, peak_waiting=poller.peak_waiting,
                      point_wall_s=round(wall, 1), timeline=poller.compact_timeline())

@@ -44,6 +44,8 @@ from benchmarks.serve_sweep import (  # noqa: E402
     sets_vllm_memory,
     vllm_memory_flags,
 )
+from rimuru.experts.popularity import ExpertPopularity  # noqa: E402
+from rimuru.model_spec import load_model_spec  # noqa: E402
 
 
 def _tiny_sharegpt(path: Path, n: int = 12) -> Path:
@@ -119,7 +121,7 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     cmd = [
         sys.executable, str(REPO / "benchmarks" / "serve_sweep.py"), "--model", str(ckpt), "--device", "cpu",
-        "--load-format", "auto", "--gpu-memory-budget", "64MiB", "--configs", "broken,fixed",
+        "--load-format", "auto", "--gpu-memory-budget", "64MiB", "--configs", "broken,fixed,elastic",
         "--define", "broken=rimuru:--dtype nonsense", "--rates", "20,40", "--num-prompts", "3",
         # copies: their host waits and prefetches are what the rows must carry
         "--define", "fixed=rimuru:--offload-mode fixed --resident-experts 0.85 --offload-access copy",
@@ -134,10 +136,10 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     for key in ("device", "date", "git_commit", "command", "rows", "servers", "configs", "rates"):
         assert key in doc
-    assert "--configs broken,fixed" in doc["command"]
+    assert "--configs broken,fixed,elastic" in doc["command"]
     rows = doc["rows"]
     assert [(r["config"], r["rate"]) for r in rows] == [
-        ("broken", 20.0), ("broken", 40.0), ("fixed", 20.0), ("fixed", 40.0)]
+        ("broken", 20.0), ("broken", 40.0), ("fixed", 20.0), ("fixed", 40.0), ("elastic", 20.0), ("elastic", 40.0)]
     for r in rows:
         assert set(ROW_FIELDS) <= set(r), set(ROW_FIELDS) - set(r)
         assert r["label"] == "cpu-test" and r["num_prompts"] == 3 and r["client"] == "rimuru"
@@ -157,6 +159,17 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
     for r in fixed:  # the serving step profile of each point: per-kind means, expert waits of the offloading provider
         prof = r["step_profile"]
         assert prof["steps_profiled"] >= r["forward_steps"] > 0 and prof["all"]["expert_wait_ms"] is not None
+    # elastic mode counts its routing: each point's, beside the result file, as a ranking file; fixed mode counts none
+    assert all("routing_file" not in r for r in fixed)
+    spec = load_model_spec(str(ckpt))
+    for r in (r for r in rows if r["config"] == "elastic"):
+        assert r["routing_file"] == f"sweep-routing-elastic-{r['rate']:g}rps.json"
+        routing = json.loads((tmp_path / r["routing_file"]).read_text())
+        pop = ExpertPopularity.from_json(routing, spec.num_moe_layers, spec.num_experts)
+        assert pop.num_prompts == 3
+        # this point's assignments only: every token of its passes, top_k times in each MoE layer
+        per_layer = {sum(row) for row in routing["routed_counts"]}
+        assert len(per_layer) == 1 and per_layer.pop() % spec.num_experts_per_tok == 0
     assert doc["servers"]["fixed"]["start_s"] is not None  # one start serves both rates
     for name in ("fixed", "broken"):
         srv = doc["servers"][name]
@@ -169,7 +182,7 @@ def test_sweep_on_tiny_model(tiny_checkpoint, tmp_path: Path) -> None:
         assert set(tl["state_bytes_used"]) <= {0.0, None}  # sampled for every model; no state pages here
     # the raw /metrics text after each measured point (the broken server measured none)
     saved = sorted(p.name for p in (tmp_path / "metrics").iterdir())
-    assert saved == ["metrics-fixed-20rps.txt", "metrics-fixed-40rps.txt"], saved
+    assert saved == [f"metrics-{c}-{r}rps.txt" for c in ("elastic", "fixed") for r in (20, 40)], saved
     text = (tmp_path / "metrics" / "metrics-fixed-40rps.txt").read_text()
     assert "# HELP vllm:num_requests_running" in text and "vllm:num_requests_running{" in text, text[:500]
     png = tmp_path / "memory.png"

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 from rimuru.bench.metrics_poll import parse_metrics
 from rimuru.config import EngineConfig
 from rimuru.engine.llm_engine import LLMEngine
+from rimuru.experts.popularity import ExpertPopularity
 from rimuru.server.app import ServerConfig
 from rimuru.server.background import BackgroundServer
 
@@ -322,6 +324,44 @@ def test_step_profile_endpoints(server: Server) -> None:
     kinds = rep["kinds"]
     assert set(kinds) <= {"prefill", "mixed", "decode-eager"} and sum(k["steps"] for k in kinds.values()) == 5
     assert all(k["wall_ms"] > 0 for k in kinds.values())
+
+
+def test_expert_routing_endpoint_gives_the_routing_elastic_mode_counted(server: Server, tiny_checkpoint) -> None:
+    """/debug/expert_routing: 404 where nothing counts routing (static mode); from an elastic server, every layer's
+    shares of the (token, expert) assignments its passes made since the last POST, as a ranking file `rimuru
+    profile` would write: each MoE layer routed every token that went through a pass top_k times."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    _assert_error(httpx.get(server.url + "/debug/expert_routing", headers=auth), 404, needle="elastic")
+    _assert_error(httpx.post(server.url + "/debug/expert_routing", headers=auth), 404, needle="elastic")
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("qwen2_moe")), device="cpu", gpu_memory_budget="64MiB",
+                                    offload_mode="elastic", max_num_batched_tokens=64))
+    spec = engine.spec
+
+    def complete(srv: Server, prompt: list[int], max_tokens: int) -> None:
+        srv.client().completions.create(**greedy(prompt=prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True}))
+        srv.wait_idle()
+
+    with BackgroundServer(engine, ServerConfig(served_model_name=MODEL)) as bg:
+        srv = Server(bg.url, engine)
+        _assert_error(httpx.get(bg.url + "/debug/expert_routing"), 404, needle="routed no tokens")  # no pass yet
+        complete(srv, list(range(5, 25)), 8)
+        first = httpx.get(bg.url + "/debug/expert_routing").json()
+        # the last sampled token goes through no pass
+        assert [sum(row) for row in first["routed_counts"]] == [(20 + 8 - 1) * spec.num_experts_per_tok] * len(
+            first["routed_counts"])
+        mark = httpx.post(bg.url + "/debug/expert_routing")
+        assert mark.status_code == 200 and mark.json() == {"marked_assignments": (20 + 8 - 1)
+                                                           * spec.num_experts_per_tok * spec.num_moe_layers}
+        complete(srv, list(range(30, 40)), 4)
+        r = httpx.get(bg.url + "/debug/expert_routing")
+        assert r.status_code == 200, r.text
+        routed = engine.runtime.core.popularity.routed.copy()
+    data = r.json()
+    since = routed - np.asarray(first["routed_counts"])
+    assert data["routed_counts"] == since.tolist()
+    assert since.sum(axis=1).tolist() == [(10 + 4 - 1) * spec.num_experts_per_tok] * spec.num_moe_layers
+    pop = ExpertPopularity.from_json(data, spec.num_moe_layers, spec.num_experts)
+    np.testing.assert_allclose(pop.probabilities, since / since.sum(axis=1, keepdims=True))
 
 
 def test_server_without_tokenizer_takes_token_ids_and_rejects_text(tiny_checkpoint, tmp_path: Path) -> None:

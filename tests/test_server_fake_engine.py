@@ -109,6 +109,9 @@ class FakeEngine:
     def step_profile_report(self) -> dict[str, Any] | None:
         return None if self.profile is None else dict(self.profile)
 
+    def observed_routing(self) -> None:
+        return None  # counts no routing, as static mode
+
 
 @pytest.fixture
 def url() -> Iterator[str]:

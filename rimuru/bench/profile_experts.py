@@ -18,7 +18,6 @@ attached, and padded rows of a graph's batch would be counted as if they were to
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import math
 from collections.abc import Sequence
@@ -112,13 +111,7 @@ def count_routing(llm: Any, requests: Sequence[ProfileRequest], *, max_tokens: i
 
 def popularity_from_counts(counts: np.ndarray, model: str, num_prompts: int) -> ExpertPopularity:
     """Each layer's counts divided by its total (the ranking file's probabilities)."""
-    counts = np.asarray(counts, dtype=np.float64)
-    totals = counts.sum(axis=1, keepdims=True)  # [L, 1]
-    empty = np.flatnonzero(totals[:, 0] <= 0)
-    if empty.size:
-        raise ValueError(f"MoE layer {int(empty[0])} routed no tokens: nothing to estimate its popularity from")
-    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    return ExpertPopularity(model, counts / totals, num_prompts=num_prompts, date=date)
+    return ExpertPopularity.from_counts(model, counts, num_prompts)
 
 
 def profile_routing(llm: Any, requests: Sequence[ProfileRequest], *, model_name: str | None = None,

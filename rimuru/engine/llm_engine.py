@@ -35,6 +35,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from rimuru.config import EngineConfig, format_bytes
@@ -573,6 +574,11 @@ class LLMEngine:
                                      host_reads=lambda: self.runtime.host_reads)
         self.trace = self.profiler
         return self.profiler
+
+    def observed_routing(self) -> np.ndarray | None:
+        """[L_moe, E] the (token, expert) assignments this engine's passes routed so far (elastic mode counts
+        them); None where none are counted. `ExpertPopularity.from_counts` makes a ranking file of them."""
+        return self.runtime.observed_routing()
 
     def disable_step_profiler(self) -> None:
         """Steps are no longer watched; the last report is gone."""

@@ -252,6 +252,9 @@ class ElasticRuntime(OffloadRuntime):
         self.core.step_cost.observe_loads(now[0] - seen[0], now[1] - seen[1], host=now[2] - seen[2],
                                           host_s=now[3] - seen[3])
 
+    def observed_routing(self) -> np.ndarray | None:
+        return self.core.popularity.routed.copy()
+
     def memory_split(self) -> dict[str, int]:
         split = super().memory_split()
         split["load_buffers"] = len(self.core.buffer_pages) * self.cache.expert_page_bytes

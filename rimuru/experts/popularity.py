@@ -68,6 +68,17 @@ class ExpertPopularity:
     # ------------------------------------------------------------------ sources
 
     @classmethod
+    def from_counts(cls, model: str, counts: np.ndarray, num_prompts: int = 0) -> ExpertPopularity:
+        """Each layer's shares of its routed (token, expert) assignments `counts` [L, E] (the ranking file's
+        probabilities), dated now; ValueError naming a layer that routed none."""
+        counts = np.asarray(counts, dtype=np.float64)
+        totals = counts.sum(axis=1, keepdims=True)  # [L, 1]
+        empty = np.flatnonzero(totals[:, 0] <= 0)
+        if empty.size:
+            raise ValueError(f"MoE layer {int(empty[0])} routed no tokens: nothing to estimate its popularity from")
+        return cls(model, counts / totals, num_prompts=num_prompts, date=_now())
+
+    @classmethod
     def uniform(cls, model: str, num_layers: int, num_experts: int) -> ExpertPopularity:
         return cls(model, np.full((num_layers, num_experts), 1.0 / num_experts), date=_now())
 
@@ -215,6 +226,7 @@ class OnlinePopularity:
         self.config = config or OnlinePopularityConfig()
         self.model = prior.model
         self.counts = np.zeros_like(prior.probabilities)  # [L, E] decayed routed counts; written by update() alone
+        self.routed = np.zeros_like(prior.probabilities)  # [L, E] every routed assignment so far, undecayed
         self._prior = prior.probabilities * self.config.prior_weight  # [L, E] pseudo-counts, constant
         self.rankings = np.array(prior.rankings)  # committed order, [L, E]
         self.num_reranks = 0
@@ -230,6 +242,7 @@ class OnlinePopularity:
             raise ValueError(f"routed counts have shape {routed.shape}, expected {self.counts.shape}")
         self.counts *= self.config.decay
         self.counts += routed
+        self.routed += routed
         self._count_totals *= self.config.decay
         self._count_totals += routed.sum(axis=1, keepdims=True)
         self.num_updates += 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from rimuru.experts.adjuster import AdjustPlan
@@ -137,6 +138,11 @@ class ExpertRuntime(Protocol):
         """Bytes of resident experts, load buffers and host copies, for the start-up budget log."""
         ...
 
+    def observed_routing(self) -> np.ndarray | None:
+        """[L_moe, E] the (token, expert) assignments the passes so far routed, undecayed (elastic mode, which
+        counts them for its popularity estimate); None where nothing counts them."""
+        ...
+
     def stats(self) -> dict[str, float]: ...
 
 
@@ -161,6 +167,9 @@ class FixedResidency:
 
     def mid_pages_awaited(self) -> int:
         return 0
+
+    def observed_routing(self) -> np.ndarray | None:
+        return None
 
     def plan(self, demand: StepDemand) -> AdjustPlan:
         return AdjustPlan()

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
+
 from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.step_metrics import StepMetricsRing
@@ -52,6 +54,7 @@ class EngineLike(Protocol):
     def stats(self) -> dict: ...
     def enable_step_profiler(self, num_steps: int, trace_steps: int = 1) -> object: ...
     def step_profile_report(self) -> dict[str, Any] | None: ...
+    def observed_routing(self) -> np.ndarray | None: ...  # [L_moe, E] routed assignments so far (elastic mode)
 
 
 class EngineDeadError(RuntimeError):

@@ -1,15 +1,20 @@
-"""The engine's step profiler (engine/step_profiler.py) over HTTP, for benchmarks/serve_sweep.py.
+"""What benchmarks/serve_sweep.py reads of a serving engine over HTTP.
 
-POST /debug/step_profile?steps=N profiles the next N engine steps; GET /debug/step_profile reads the
-report (per step kind: host phases, GPU forward time, expert waits).
+POST /debug/step_profile?steps=N profiles the next N engine steps (engine/step_profiler.py); GET
+/debug/step_profile reads the report (per step kind: host phases, GPU forward time, expert waits).
+POST /debug/expert_routing marks the routing counted so far; GET /debug/expert_routing gives what the engine's
+passes routed since the mark (since the start without one), per layer and expert: the counts (`routed_counts`)
+beside their shares in the format of `rimuru profile`'s ranking file (elastic mode counts them; 404 elsewhere).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Depends
 
+from rimuru.experts.popularity import ExpertPopularity
 from rimuru.server.auth import require_api_key
 from rimuru.server.errors import APIError
 from rimuru.server.state import ServerState
@@ -35,5 +40,30 @@ def debug_router(state: ServerState) -> APIRouter:
             raise APIError(404, "no step profile: POST /debug/step_profile first", code="not_found")
         # the per-step rows are too long for a sweep row; the per-kind means stay
         return {key: value for key, value in report.items() if key != "steps"}
+
+    routing_mark: list[np.ndarray] = []  # the counts at the last POST (none yet: from the start)
+
+    async def routed() -> tuple[np.ndarray, str]:
+        counts = await state.engine.run_in_engine_thread(lambda e: e.observed_routing())
+        if counts is None:
+            raise APIError(404, "no routing observed: only elastic mode counts it", code="not_found")
+        return counts, state.config.served_model_name
+
+    @router.post("/debug/expert_routing")
+    async def mark_expert_routing() -> dict[str, int]:
+        counts, _ = await routed()
+        routing_mark[:] = [counts]
+        return {"marked_assignments": int(counts.sum())}
+
+    @router.get("/debug/expert_routing")
+    async def expert_routing() -> dict[str, Any]:
+        counts, model = await routed()
+        if routing_mark:
+            counts = counts - routing_mark[0]
+        try:
+            profile = ExpertPopularity.from_counts(model, counts)
+        except ValueError as e:
+            raise APIError(404, f"no routing observed: {e}", code="not_found") from None
+        return {**profile.to_json(), "routed_counts": counts.tolist()}
 
     return router
