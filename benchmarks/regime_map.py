@@ -38,6 +38,8 @@ from benchmarks.serve_sweep import BUILTIN_CONFIGS  # noqa: E402
 from benchmarks.slo import TPOT_P99_SLO_MS, TTFT_P99_SLO_MS  # noqa: E402
 from rimuru.config import parse_bytes  # noqa: E402
 
+# measured beside the predicted ones (the simulator predicts these too): where a prediction misses, these say why
+EXPLAINING_FIELDS = ("peak_waiting", "preemptions", "forward_steps", "expert_evictions", "kv_pages_moved")
 ROW_FIELDS = ("model", "budget_gib", "routing", "mode", "rate", "num_prompts", "output_throughput", "median_ttft_ms",
               "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "peak_running", "expert_bytes_pcie")
 
@@ -114,7 +116,7 @@ def rows_from_sweep(doc: dict[str, Any], source: str) -> list[dict[str, Any]]:
             "model": Path(str(doc.get("model", ""))).name or str(doc.get("model")),
             "budget_gib": round(parse_bytes(budget) / 2**30, 2) if budget else None,
             "routing": "uniform" if row.get("server") == "vllm" else routing_of(flags),
-            "mode": row["config"], **{k: row.get(k) for k in ROW_FIELDS[4:]},
+            "mode": row["config"], **{k: row.get(k) for k in (*ROW_FIELDS[4:], *EXPLAINING_FIELDS)},
             "server": row.get("server"), "server_flags": flags, "run": run_of(doc), "file": source,
             "workspace_bytes": row.get("workspace_bytes"), "start_pool_bytes": start_pool_bytes(row)})
     return rows
@@ -204,7 +206,10 @@ def simulate(model: str, routing: str, flags: list[str], budget_bytes: int, rate
     return {"output_throughput": s["output_throughput_tok_s"], "median_ttft_ms": 1e3 * s["ttft_p50_s"],
             "p99_ttft_ms": 1e3 * s["ttft_p99_s"], "median_tpot_ms": 1e3 * s["tpot_p50_s"],
             "p99_tpot_ms": 1e3 * s["tpot_p99_s"], "peak_running": s["peak_running"],
-            "expert_bytes_pcie": s["pcie_bytes"]}
+            "expert_bytes_pcie": s["pcie_bytes"],
+            # EXPLAINING_FIELDS, beside the row's measured ones
+            "peak_waiting": s["peak_waiting"], "preemptions": s["preemptions"], "forward_steps": s["forward_steps"],
+            "expert_evictions": s["evictions"], "kv_pages_moved": s["kv_pages_moved"]}
 
 
 def with_predictions(rows: list[dict[str, Any]], model_of: dict[str, str], hardware: str = "h200",

@@ -63,7 +63,7 @@ def test_a_prediction_runs_the_simulator_on_the_same_configuration() -> None:
     cfg = regime_map.sim_config_of(flags, 32 * 2**30)
     assert (cfg.mode, cfg.adjuster_kind, cfg.expert_offload_limit) == ("elastic", "cost", 10)
     p = regime_map.simulate("qwen1.5-moe-a2.7b", "uniform", flags, 32 * 2**30, rate=4.0, num_prompts=12)
-    assert set(p) == set(regime_map.ROW_FIELDS[6:]) and p["output_throughput"] > 0
+    assert set(p) == {*regime_map.ROW_FIELDS[6:], *regime_map.EXPLAINING_FIELDS} and p["output_throughput"] > 0
 
 
 def test_plan_without_defines_predicts_the_sweeps_own_configurations(monkeypatch: pytest.MonkeyPatch,
