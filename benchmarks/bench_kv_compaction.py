@@ -86,18 +86,24 @@ def main() -> None:
     def as_array(r: Request) -> np.ndarray:
         return np.asarray(r.kv_pages, dtype=np.int32)
 
-    grids: dict[int, np.ndarray] = {}  # the runner's arrays of the last pass, by seq_id
+    class RunnerGrids:  # the arrays the runner built for the last pass, by seq_id
+        arrays: dict[int, np.ndarray] = {}
 
-    def runner_grid(r: Request) -> np.ndarray | None:
-        return grids.get(r.seq_id)
+        def page_grid(self, r: Request) -> np.ndarray | None:
+            return self.arrays.get(r.seq_id)
+
+        def grid_renamed(self, r: Request, grid: np.ndarray) -> None:
+            self.arrays[r.seq_id] = grid.astype(np.int32)
+
+    runner = RunnerGrids()
 
     times, moved = [], []
     for _ in range(args.compactions):
         if args.runner_grids:
-            grids = {r.seq_id: as_array(r) for r in running}
+            runner.arrays = {r.seq_id: as_array(r) for r in running}
         t0 = time.perf_counter()
         moves = compact_kv(kv, running, EXPERT, MAX_MID_PAGES_MOVED, MAX_MID_PAGES_MOVED * SMALLS_PER_MID,
-                           hold=True, grid_of=runner_grid if args.runner_grids else None)
+                           hold=True, grids=runner if args.runner_grids else None)
         times.append(time.perf_counter() - t0)
         moved.append(len(moves) if moves is not None else 0)
         alloc.release_held()

@@ -118,17 +118,26 @@ def test_compaction_renames_every_holder_and_the_bytes_follow(seed: int, grids: 
         running.remove(r)
     expected = {r.seq_id: data[np.asarray(r.kv_pages)].copy() for r in running}
     whole_before = alloc.mid_capacity(EXPERT)
-    # the runner's int32 page arrays stand in for the lists where it has them (here: every other request)
-    def grid_of(r: Request) -> np.ndarray | None:
-        return np.asarray(r.kv_pages, dtype=np.int32) if grids == "arrays" and r.seq_id % 2 else None
+    class Arrays:  # the runner's int32 page arrays stand in for the lists where it has them: every other request
+        renamed: dict[int, np.ndarray] = {}
 
-    moves = compact_kv(kv, running, EXPERT, mid_pages=2, max_pages=64, grid_of=grid_of)
+        def page_grid(self, r: Request) -> np.ndarray | None:
+            return np.asarray(r.kv_pages, dtype=np.int32) if r.seq_id % 2 else None
+
+        def grid_renamed(self, r: Request, grid: np.ndarray) -> None:
+            self.renamed[r.seq_id] = grid
+
+    arrays = Arrays() if grids == "arrays" else None
+    moves = compact_kv(kv, running, EXPERT, mid_pages=2, max_pages=64, grids=arrays)
     assert moves is not None and len(moves) > 0
     assert (data[moves.src] >= 0).all()  # only pages holding bytes move
     data[moves.dst] = data[moves.src]  # what the runner's copy does before the pass
     data[moves.src] = -2  # the sources are free after it
     for r in running:
         assert (data[np.asarray(r.kv_pages)] == expected[r.seq_id]).all(), r.request_id
+    if arrays is not None:  # told of every renamed grid, with the pages of the request's new list
+        assert arrays.renamed and all(np.array_equal(g, r.kv_pages) for r in running
+                                      if (g := arrays.renamed.get(r.seq_id)) is not None)
     # the cached blocks the requests hold name pages of theirs
     assert kv.cache is not None
     held = {p for r in running for row in r.kv_pages for p in row}

@@ -14,7 +14,7 @@ runs it after the step's pass is queued, in the GPU's shadow:
     1. refs-0 cached blocks with a page in them are dropped (the prefix cache reclaims them anyway);
     2. the allocator moves the remaining used pages into free small pages of other mid pages (`relocate_small`:
        destinations used, sources deferred and held);
-    3. the holders are renamed: each running request's page grid (a new list, so the runner rebuilds its array) and
+    3. the holders are renamed: each running request's page grid (a new list; the runner takes the new array) and
        the cached blocks those requests hold;
     4. the returned `KVMoves` travel with the next step's pass: the runner copies the pages' bytes on the compute
        stream before it (after the pass in flight, which may still write the sources), tensor-parallel ranks do the
@@ -33,8 +33,9 @@ makes at most the mid pages asked for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -42,7 +43,19 @@ from rimuru.engine.kv_cache_manager import KV, KVCacheManager
 from rimuru.engine.request import Request
 from rimuru.memory.geometry import PageGeometry
 
-PageGrid = Callable[[Request], np.ndarray | None]  # a request's kv_pages as [blocks, attention layers], if known
+
+class PageGrids(Protocol):
+    """Requests' page grids as arrays, where a holder keeps them (the runner's, built for the pass just launched)."""
+
+    def page_grid(self, req: Request) -> np.ndarray | None:
+        """`req.kv_pages` as an int array [blocks, attention layers], None where none is kept."""
+        ...
+
+    def grid_renamed(self, req: Request, grid: np.ndarray) -> None:
+        """`req.kv_pages` was just replaced by `grid` (int64 [blocks, attention layers]) as a new list."""
+        ...
+
+
 MAX_MID_PAGES_MOVED = 8  # a step moves at most this many mid pages' worth of KV pages (a few MB of device copies)
 
 
@@ -63,11 +76,11 @@ class KVMoves:
 
 
 def compact_kv(kv: KVCacheManager, running: Sequence[Request], mid_kind: str, mid_pages: int,
-               max_pages: int, hold: bool = False, grid_of: PageGrid | None = None) -> KVMoves | None:
+               max_pages: int, hold: bool = False, grids: PageGrids | None = None) -> KVMoves | None:
     """Empties up to `mid_pages` mid pages of `mid_kind` split into KV pages, moving at most `max_pages` KV pages;
     returns the moves (None when nothing moved). `running`: every request that holds KV pages. `hold`: the sources
     stay deferred until `allocator.release_held()` (the caller queues the copies after the pass in flight).
-    `grid_of`: a request's page grid as an array where one is at hand (the runner's), else None."""
+    `grids`: the requests' grids as arrays where they are kept (the runner's), told of the renamed ones."""
     if mid_pages <= 0:
         return None
     alloc, cache = kv.allocator, kv.cache
@@ -116,12 +129,12 @@ def compact_kv(kv: KVCacheManager, running: Sequence[Request], mid_kind: str, mi
     if relocated is None or not relocated[0].size:
         return None
     src, dst = relocated
-    _rename(kv, running, src, dst, grid_of)
+    _rename(kv, running, src, dst, grids)
     return KVMoves(src, dst)
 
 
 def _rename(kv: KVCacheManager, running: Sequence[Request], src: np.ndarray, dst: np.ndarray,
-            grid_of: PageGrid | None) -> None:
+            grids: PageGrids | None) -> None:
     """Every holder of a page in `src` names its `dst` instead: requests' page grids and the cached blocks they hold
     (a cached block is held by the requests whose rows carry its pages; refs-0 blocks were dropped)."""
     order = np.argsort(src)
@@ -133,7 +146,7 @@ def _rename(kv: KVCacheManager, running: Sequence[Request], src: np.ndarray, dst
     for req in running:
         if not req.kv_pages:
             continue
-        grid = grid_of(req) if grid_of is not None else None  # [blocks, attention layers]
+        grid = grids.page_grid(req) if grids is not None else None  # [blocks, attention layers]
         if grid is None:
             grid = np.asarray(req.kv_pages, dtype=np.int64)
         hit = moving[np.minimum(grid, moving.size - 1)] & (grid < moving.size)
@@ -148,6 +161,8 @@ def _rename(kv: KVCacheManager, running: Sequence[Request], src: np.ndarray, dst
                 block = cache.get(req.block_hashes[i])
                 if block is not None and block.pages == tuple(grid[i].tolist()):  # the cached block, not a copy
                     cache.move_block(block, new[i].tolist())
-        req.kv_pages = new.tolist()  # a new list: the runner's page array is rebuilt from it
+        req.kv_pages = new.tolist()  # a new list: the runner's page array is replaced
+        if grids is not None:
+            grids.grid_renamed(req, new)
     if cache is not None:
         cache.pages_changed(dst)  # their mid pages hold more used pages now

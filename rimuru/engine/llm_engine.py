@@ -466,7 +466,7 @@ class LLMEngine:
             # carried the last compaction's copies: the mid pages they empty merge only at its end, and the plan
             # still counts them as awaited
             self._kv_moves = compact_kv(self.kv, self.scheduler.running, EXPERT, awaited, self._max_kv_moves,
-                                        hold=True, grid_of=self.runner.page_grid)
+                                        hold=True, grids=self.runner)
             self.kv_pages_moved += len(self._kv_moves) if self._kv_moves is not None else 0
         trace.mark("compact")
         if self.async_scheduling:  # pass n+1 is queued behind pass n on the device: read pass n meanwhile

@@ -272,6 +272,14 @@ class ModelRunner:
             return None
         return entry[1][: entry[2]]
 
+    def grid_renamed(self, req: Request, grid: np.ndarray) -> None:
+        """KV compaction replaced `req.kv_pages` by `grid`'s pages: the next launch takes this array instead of
+        converting the new list (on the launch's host chain)."""
+        nb = grid.shape[0]
+        arr = np.empty((max(nb, 4), self.num_layers), dtype=np.int32)
+        arr[:nb] = grid
+        self._pages[req] = (req.kv_pages, arr, nb)
+
     def batch_order(self, scheduled: Sequence[ScheduledRequest]) -> list[int] | None:
         """A hybrid model's batch order where a step mixes prefill chunks and decodes: the single-token sequences first
         (their DeltaNet layers take the paged decode kernels over rows 0..D-1), scheduled order kept within each
