@@ -442,13 +442,14 @@ class LLMEngine:
             outputs += self._drain(previous)
             previous = None
             sched.scheduled = [s for s in sched.scheduled if not s.request.status.finished]
-        sched.kv_moves, self._kv_moves = self._kv_moves, None  # the last step's compaction
+        sched.kv_moves = self._kv_moves  # the last step's compaction (kept for the next step if the launch fails)
         try:
             launched = self._launch(sched)
             if sched.kv_moves is not None:
                 if launched is None:  # no pass to carry the copies: queued alone
                     self._copy_kv(sched.kv_moves)
                 self.pool.allocator.release_held()  # the copies are queued: the sources go at this step's end
+                self._kv_moves = None
         except WorkerFailed:
             raise
         except RuntimeError as e:
