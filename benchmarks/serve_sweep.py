@@ -238,30 +238,30 @@ class MetricsPoller:
         return {k: v for k, v in self.timeline.items() if any(x is not None for x in v)}
 
 
-def step_profile(base_url: str, start_steps: int | None = None) -> dict[str, Any] | None:
-    """Rimuru's serving step profiler (`/debug/step_profile`): starts it for `start_steps` steps, or reads its
-    report (per step kind: host phases, GPU forward time, expert waits). None when the server has none."""
+def _debug_route(base_url: str, path: str, post: bool = False) -> dict[str, Any] | None:
+    """A Rimuru debug route's JSON (server/debug_routes.py); None when the server has no answer (not Rimuru, or
+    nothing to report)."""
     try:
-        if start_steps is not None:
-            req = urllib.request.Request(f"{base_url}/debug/step_profile?steps={start_steps}", method="POST")
-        else:
-            req = urllib.request.Request(f"{base_url}/debug/step_profile")
+        req = urllib.request.Request(f"{base_url}{path}", method="POST" if post else "GET")
         with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - 127.0.0.1 only
             return json.loads(resp.read())
     except (OSError, urllib.error.URLError, ValueError):
         return None
+
+
+def step_profile(base_url: str, start_steps: int | None = None) -> dict[str, Any] | None:
+    """Rimuru's serving step profiler (`/debug/step_profile`): starts it for `start_steps` steps, or reads its
+    report (per step kind: host phases, GPU forward time, expert waits). None when the server has none."""
+    if start_steps is not None:
+        return _debug_route(base_url, f"/debug/step_profile?steps={start_steps}", post=True)
+    return _debug_route(base_url, "/debug/step_profile")
 
 
 def expert_routing(base_url: str, mark: bool = False) -> dict[str, Any] | None:
     """Rimuru's routing (`/debug/expert_routing`, elastic mode): `mark` starts counting from now; else the routing
     since the mark, as a ranking file (`rimuru simulate --expert-ranking`, `regime_map.py build --routing-profile`).
     None when the server counts none."""
-    try:
-        req = urllib.request.Request(f"{base_url}/debug/expert_routing", method="POST" if mark else "GET")
-        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - 127.0.0.1 only
-            return json.loads(resp.read())
-    except (OSError, urllib.error.URLError, ValueError):
-        return None
+    return _debug_route(base_url, "/debug/expert_routing", post=mark)
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:

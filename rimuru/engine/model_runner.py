@@ -260,10 +260,15 @@ class ModelRunner:
                     arr = grown
                 arr[filled:nb] = kv[filled:nb]
         else:
-            arr = np.empty((max(nb, 4), self.num_layers), dtype=np.int32)
-            arr[:nb] = kv
+            arr = self._new_page_array(kv)
         cache[req] = (kv, arr, nb)
         return arr[:nb]
+
+    def _new_page_array(self, rows: list[list[int]] | np.ndarray) -> np.ndarray:
+        """int32 [capacity, L] holding `rows` ([num_blocks, L]) in its first rows, room to grow after them."""
+        arr = np.empty((max(len(rows), 4), self.num_layers), dtype=np.int32)
+        arr[: len(rows)] = rows
+        return arr
 
     def page_grid(self, req: Request) -> np.ndarray | None:
         """`req.kv_pages` as the int32 array the last launch built, if it is still the request's grid (else None)."""
@@ -275,10 +280,7 @@ class ModelRunner:
     def grid_renamed(self, req: Request, grid: np.ndarray) -> None:
         """KV compaction replaced `req.kv_pages` by `grid`'s pages: the next launch takes this array instead of
         converting the new list (on the launch's host chain)."""
-        nb = grid.shape[0]
-        arr = np.empty((max(nb, 4), self.num_layers), dtype=np.int32)
-        arr[:nb] = grid
-        self._pages[req] = (req.kv_pages, arr, nb)
+        self._pages[req] = (req.kv_pages, self._new_page_array(grid), len(grid))
 
     def batch_order(self, scheduled: Sequence[ScheduledRequest]) -> list[int] | None:
         """A hybrid model's batch order where a step mixes prefill chunks and decodes: the single-token sequences first

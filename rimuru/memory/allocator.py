@@ -330,9 +330,7 @@ class PageAllocator:
         dst = np.asarray(out, dtype=np.int64)
         self._small_state[kind][dst] = USED
         self._used[kind] += dst.size
-        self.defer_free(kind, src)
-        if hold and src.size:
-            self._held.append(self._pending.pop())  # the entry defer_free just added
+        self.defer_free(kind, src, hold=hold)
         return src, dst
 
     def _take_from_parents(
@@ -502,13 +500,14 @@ class PageAllocator:
 
     # ================================================================== deferred release
 
-    def defer_free(self, kind: str, ids: Iterable[int]) -> None:
-        """Mark pages for release after the forward pass in flight; they stay unusable until then."""
+    def defer_free(self, kind: str, ids: Iterable[int], hold: bool = False) -> None:
+        """Mark pages for release after the forward pass in flight; they stay unusable until then (with `hold`,
+        until the complete_forward() after release_held())."""
         state = self._state_of(kind)
         arr = self._validated(kind, ids, USED, state)
         state[arr] = DEFERRED
         if arr.size:
-            self._pending.append((kind, arr))
+            (self._held if hold else self._pending).append((kind, arr))
 
     def release_held(self) -> None:
         """The copies that read the held pages are queued: they go with the next complete_forward()."""
