@@ -3,9 +3,11 @@
 Every static row of the given files that carries a step profile gives one sample per kind of pass with at least
 `--min-steps` steps (decode graphs, mixed graphs): its mean batch (tokens, sequences), the context per sequence
 from the timeline (KV pages held / running requests / attention layers x block size, averaged over the samples
-with requests running), and the mean GPU time of its forward pass. Static rows only: every expert resident, so the
-pass is compute and memory traffic alone. Prints each sample measured against the fitted profile and the H200
-profile in use, and writes the fitted coefficients.
+with requests running), and the mean GPU time of its forward pass. Where a row carries the profiler's
+`decode_by_batch` groups, each all-resident group is a decode sample of its own (its mean sequences and context per
+sequence) in place of the decode kind's mean: a step's time is concave in the batch, so the kind's mean time at its
+mean batch reads low. Static rows only: every expert resident, so the pass is compute and memory traffic alone.
+Prints each sample measured against the fitted profile and the profile in use, and writes the fitted coefficients.
 
     python benchmarks/calibrate_simulator.py benchmarks/results/*-serve-*static*-h200.json \\
         benchmarks/results/2026-12-01-regime-map-qwen3-59gib-zipf1.0-static-elastic-78f29f2-h200.json \\
@@ -49,15 +51,25 @@ def samples_of(doc: dict[str, Any], source: str, model_of: dict[str, str], min_s
         busy = running > 0
         layers = len(spec.attention_layer_ids)
         context = float((kv[busy] / running[busy]).mean()) / layers * BLOCK_SIZE if busy.any() else 0.0
+        label = f"{source} {name} {routing} {row['rate']:g} req/s"
+        groups = [g for g in profile.get("decode_by_batch", [])
+                  if not g["offloaded"] and g["steps"] >= min_steps and g.get("gpu_forward_ms")]
+        for g in groups:  # each batch size of decode on its own: a step's time is not linear in the batch
+            per_seq = g["context_tokens_mean"] / max(1.0, g["seqs_mean"])
+            out.append(StepSample(spec=spec, probabilities=pop.probabilities,
+                                  chunks=decode_chunks(g["seqs_mean"], per_seq), num_sampled=round(g["seqs_mean"]),
+                                  measured_s=g["gpu_forward_ms"] / 1e3,
+                                  label=f"{label} decode S={g['seqs_mean']:.1f} ctx={per_seq:.0f} "
+                                        f"({g['steps']} steps)"))
         for kind in KINDS:
             k = profile.get("kinds", {}).get(kind)
-            if not k or k["steps"] < min_steps or not k.get("gpu_forward_ms"):
+            if not k or k["steps"] < min_steps or not k.get("gpu_forward_ms") or (groups and kind == "decode-graph"):
                 continue
             chunks = decode_chunks(k["seqs_mean"], context) if kind == "decode-graph" \
                 else mixed_chunks(k["tokens_mean"], k["seqs_mean"], context)
             out.append(StepSample(spec=spec, probabilities=pop.probabilities, chunks=chunks,
                                   num_sampled=round(k["seqs_mean"]), measured_s=k["gpu_forward_ms"] / 1e3,
-                                  label=f"{source} {name} {routing} {row['rate']:g} req/s {kind} "
+                                  label=f"{label} {kind} "
                                         f"T={k['tokens_mean']:.0f} S={k['seqs_mean']:.1f} ctx={context:.0f}"))
     return out
 

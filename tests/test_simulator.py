@@ -205,7 +205,7 @@ def test_step_time_fit_recovers_the_profile_that_made_the_passes() -> None:
 
 
 @pytest.mark.parametrize("hardware, fit_file", [("h200", "2026-12-01-sim-calibration-static-steps-h200.json"),
-                                                ("h100", "2026-12-06-sim-calibration-static-steps-h100.json")])
+                                                ("h100", "2026-12-07-sim-calibration-static-steps-by-batch-h100.json")])
 def test_the_gpu_profiles_are_the_committed_fits(hardware: str, fit_file: str) -> None:
     """The simulator's step time on each GPU is the fit benchmarks/calibrate_simulator.py wrote from passes measured
     on that GPU."""

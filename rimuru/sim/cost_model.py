@@ -88,12 +88,14 @@ HARDWARE = {
     # benchmarks/results/2026-12-01-sim-calibration-static-steps-h200.json (sim/calibration.py says why a sum)
     "h200": HardwareConfig(flops_efficiency=0.3459, bandwidth_efficiency=1.475, layer_overhead_s=115.1e-6,
                            compute_plus_memory=True),
-    # fitted the same way to 12 kinds of static passes served on an H100 80GB HBM3 (Qwen1.5-MoE uniform, Qwen3-30B zipf
-    # 1.0): 3.7 % rms error, 8 % at most (the h200 profile misses them by 14 % rms).
-    # benchmarks/results/2026-12-06-sim-calibration-static-steps-h100.json. The shares are of the H200's measured
-    # ceilings above (the H100's were not measured; a step's time depends only on the products), and the PCIe
-    # bandwidth, piecewise overhead and workspace term are the H200 host's: not measured on the H100's
-    "h100": HardwareConfig(name="h100", flops_efficiency=0.2812, bandwidth_efficiency=1.7298, layer_overhead_s=181.0e-6,
+    # fitted to 38 passes served on an H100 80GB HBM3, static mode: every all-resident decode batch group of the step
+    # profiler (Qwen1.5-MoE uniform at 20/40/60 req/s, Qwen3-30B zipf 1.0 at 8 req/s) on its own, and the mixed
+    # kinds' means: 3.6 % rms error, 18 % at most (a Qwen3 mixed pass). Decode by batch group, not the decode kind's
+    # mean: a pass's time is concave in the batch, so a mean time at the mean batch reads low (16-21 % at 20+).
+    # benchmarks/results/2026-12-07-sim-calibration-static-steps-by-batch-h100.json. The shares are of the H200's
+    # measured ceilings above (the H100's were not measured; a step's time depends only on the products), and the
+    # PCIe bandwidth, piecewise overhead and workspace term are the H200 host's: not measured on the H100's
+    "h100": HardwareConfig(name="h100", flops_efficiency=0.4881, bandwidth_efficiency=0.7718, layer_overhead_s=78.39e-6,
                            compute_plus_memory=True),
     # RTX 5090 as the paper ran it (CUDA graphs off): 1.79 TB/s GDDR7, 209.5 TFLOP/s dense bf16, PCIe 5.0;
     # eager launch overhead 32 ms/step = our H200's eager TPOT (40 ms) minus its CUDA-graph TPOT (7.8 ms).
