@@ -27,13 +27,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import metadata, write_json  # noqa: E402
 from benchmarks.regime_map import routing_of, server_flags  # noqa: E402
-from rimuru.model_spec import load_model_spec  # noqa: E402
+from rimuru.model_spec import ModelSpec, load_model_spec  # noqa: E402
 from rimuru.sim.calibration import StepSample, decode_chunks, fit_step_time, mixed_chunks  # noqa: E402
 from rimuru.sim.cli import dummy_router_popularity  # noqa: E402
 from rimuru.sim.cost_model import HARDWARE, CostModel  # noqa: E402
 
 KINDS = ("decode-graph", "mixed-graph")
 BLOCK_SIZE = 16  # the servers' KV block (EngineConfig.block_size default)
+
+
+def sample(spec: ModelSpec, probabilities: np.ndarray, chunks: tuple[tuple[int, int], ...], measured: dict[str, Any],
+           label: str) -> StepSample:
+    """One fitting sample: `measured` is a step-profile entry (a decode group or a kind) with its mean sequences and
+    mean GPU forward time."""
+    return StepSample(spec=spec, probabilities=probabilities, chunks=chunks, num_sampled=round(measured["seqs_mean"]),
+                      measured_s=measured["gpu_forward_ms"] / 1e3, label=label)
 
 
 def samples_of(doc: dict[str, Any], source: str, model_of: dict[str, str], min_steps: int) -> list[StepSample]:
@@ -56,21 +64,16 @@ def samples_of(doc: dict[str, Any], source: str, model_of: dict[str, str], min_s
                   if not g["offloaded"] and g["steps"] >= min_steps and g.get("gpu_forward_ms")]
         for g in groups:  # each batch size of decode on its own: a step's time is not linear in the batch
             per_seq = g["context_tokens_mean"] / max(1.0, g["seqs_mean"])
-            out.append(StepSample(spec=spec, probabilities=pop.probabilities,
-                                  chunks=decode_chunks(g["seqs_mean"], per_seq), num_sampled=round(g["seqs_mean"]),
-                                  measured_s=g["gpu_forward_ms"] / 1e3,
-                                  label=f"{label} decode S={g['seqs_mean']:.1f} ctx={per_seq:.0f} "
-                                        f"({g['steps']} steps)"))
+            out.append(sample(spec, pop.probabilities, decode_chunks(g["seqs_mean"], per_seq), g,
+                              f"{label} decode S={g['seqs_mean']:.1f} ctx={per_seq:.0f} ({g['steps']} steps)"))
         for kind in KINDS:
             k = profile.get("kinds", {}).get(kind)
             if not k or k["steps"] < min_steps or not k.get("gpu_forward_ms") or (groups and kind == "decode-graph"):
                 continue
             chunks = decode_chunks(k["seqs_mean"], context) if kind == "decode-graph" \
                 else mixed_chunks(k["tokens_mean"], k["seqs_mean"], context)
-            out.append(StepSample(spec=spec, probabilities=pop.probabilities, chunks=chunks,
-                                  num_sampled=round(k["seqs_mean"]), measured_s=k["gpu_forward_ms"] / 1e3,
-                                  label=f"{label} {kind} "
-                                        f"T={k['tokens_mean']:.0f} S={k['seqs_mean']:.1f} ctx={context:.0f}"))
+            out.append(sample(spec, pop.probabilities, chunks, k,
+                              f"{label} {kind} T={k['tokens_mean']:.0f} S={k['seqs_mean']:.1f} ctx={context:.0f}"))
     return out
 
 
