@@ -6,18 +6,19 @@
 #   qwen35_vs_vllm.sh rimuru72   static, fixed, elastic at 72 GiB   (fla-core must be importable)
 #   qwen35_vs_vllm.sh rimuru60   fixed, elastic at 60 GiB
 #   qwen35_vs_vllm.sh vllm72     vLLM at 72 GiB
-# RATES (default 4,8) and NP (default 200) set the points.
+# RATES (default 4,8) and NP (default 200) set the points; TIME_BUDGET_S (default 540) the seconds the sweep may take.
 . "$(dirname "$0")/common.sh"
 dir=/tmp/models/qwen35moe
 [ -f $dir/config.json ] || python3 benchmarks/model_folder.py qwen3.5-35b-a3b $dir || exit 1
 common=(--model $dir --load-format dummy --client vllm --vllm-site "$VLLM_SITE" --dataset-path "$ANCHOR/sharegpt.json"
-  --rates "${RATES:-4,8}" --num-prompts "${NP:-200}" --label uniform --time-budget-s 540)
+  --rates "${RATES:-4,8}" --num-prompts "${NP:-200}" --label uniform --time-budget-s "${TIME_BUDGET_S:-540}")
+limit=$((${TIME_BUDGET_S:-540} + 20))
 case "${1:-}" in
-  rimuru72) timeout 560 $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --configs static,fixed,elastic \
+  rimuru72) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --configs static,fixed,elastic \
       --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-rimuru-$C-$G.json" ;;
-  rimuru60) timeout 560 $SWEEP "${common[@]}" --gpu-memory-budget 60GiB --configs fixed,elastic \
+  rimuru60) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 60GiB --configs fixed,elastic \
       --output-json "$OUT/$D-serve-qwen3.5-35b-60gib-uniform-rimuru-$C-$G.json" ;;
-  vllm72) timeout 560 $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --vllm-max-model-len 4096 \
+  vllm72) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --vllm-max-model-len 4096 \
       --define "vllm72=vllm:--language-model-only" --configs vllm72 \
       --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-vllm-beside-$C-$G.json" ;;
   *) echo "usage: qwen35_vs_vllm.sh rimuru72|rimuru60|vllm72" >&2; exit 2 ;;
