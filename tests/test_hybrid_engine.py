@@ -349,3 +349,30 @@ def test_snapshots_are_reclaimed_under_pressure_and_nothing_leaks(ckpt: Path, mo
     if shortfalls and mode == "elastic":
         assert llm.stats()["expert_evictions"] > 0
     assert_nothing_held(eng)
+
+
+def test_cached_kv_blocks_give_way_to_the_next_requests_state(ckpt: Path) -> None:
+    # Waves of new prompts, all at once, in a pool with room for about three requests: each wave's KV blocks stay
+    # cached and fill the pool, and the next wave's state pages (ssm mid pages, conv pages) must reclaim them, so
+    # as many requests run at once as without the cache (a pool that kept them would admit one at a time).
+    budget = tight_budget(ckpt, requests=3)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    peaks: dict[bool, list[int]] = {}
+    tokens: dict[bool, list[list[int]]] = {}
+    for caching in (False, True):
+        llm = LLM(str(ckpt), gpu_memory_budget=budget, device="cpu", max_num_batched_tokens=CHUNK,
+                  enable_prefix_caching=caching)
+        eng = llm.engine
+        peaks[caching], tokens[caching] = [], []
+        for wave in range(3):
+            eng.peak_running = 0
+            prompts = random_prompts([70 + 9 * i for i in range(5)], seed=40 + wave)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            tokens[caching] += [o.outputs[0].token_ids for o in outs]
+            peaks[caching].append(eng.peak_running)
+        if caching:
+            assert eng.kv.num_cached_pages > 0  # the last waves' blocks stayed
+        assert_nothing_held(eng)
+        llm.shutdown()
+    assert tokens[True] == tokens[False]
+    assert min(peaks[True][1:]) >= min(peaks[False]) >= 2, peaks

@@ -205,3 +205,45 @@ def test_state_allocations_reclaim_snapshots_lru_and_a_reset_frees_them() -> Non
     assert snaps.num_snapshots == 0 and alloc.num_used(SSM) == alloc.num_used(CONV) == 0
     kv.reset_prefix_cache()
     assert alloc.num_free_huge == 6
+
+
+# As Qwen3.5-35B-A3B's pages: one expert matrix = one ssm page = one huge page (64 B here, 2 MiB there); KV and
+# conv pages are small pages split out of expert-kind mid pages
+GEO_HUGE_SSM = PageGeometry.custom(mid_sizes={"expert": 64, SSM: 64}, small_sizes={"kv": 16, CONV: 16})
+
+
+def _fill_with_cached_blocks(alloc: PageAllocator, kv: KVCacheManager, n: int) -> list[Request]:
+    """n finished requests of one full block each (4 tokens, one KV page): their blocks stay cached, refs 0."""
+    done = []
+    for i in range(n):
+        r = request(100 + i, prompt=4)
+        r.prompt_token_ids = [100 + i] * 4
+        assert kv.allocate(r, 4)
+        kv.free(r)
+        done.append(r)
+    return done
+
+
+def test_a_requests_state_reclaims_cached_kv_blocks_of_the_other_mid_kind() -> None:
+    # The prefix cache's blocks fill every huge page; a new request's ssm pages (mid pages of another kind than the
+    # expert-kind mid pages the KV pages were split from) and conv pages must reclaim them, oldest first, or a pool
+    # full of cached KV would refuse every request's state and admission would stall.
+    alloc = PageAllocator(GEO_HUGE_SSM, num_huge_pages=6)
+    kv = KVCacheManager(alloc, 1, 4, enable_prefix_caching=True)
+    state = StateCacheManager(alloc, 2, kv_page_bytes=16, enable_prefix_caching=True)
+    kv.spill = state.snapshots.drop_lru
+    _fill_with_cached_blocks(alloc, kv, 6 * 4)  # 4 KV pages a huge page: all 6 hold cached blocks alone
+    assert alloc.num_free_huge == 0 and alloc.num_used("kv") == 24 and kv.cache.num_unreferenced_pages == 24
+    assert alloc.free_mid_capacity(SSM) == 0 and alloc.free_small_capacity(CONV) == 0
+    assert alloc.mid_capacity(SSM) == 6 and alloc.small_capacity(CONV) == 6 * 4
+    r = request(0)
+    assert state.missing_kv_pages(r) == 0
+    assert state.allocate(r)  # 2 ssm pages (2 huge pages) + 2 conv pages (one expert-kind mid page)
+    assert alloc.num_used("kv") == 24 - 3 * 4  # three huge pages' blocks reclaimed
+    left = {b.name for b in kv.cache._lru.values()}
+    assert len(left) == 12
+    kv.check()
+    state.check()
+    alloc.check_invariants()
+    state.free(r)
+    assert kv.reset_prefix_cache() == 12 and alloc.num_free_huge == 6

@@ -13,7 +13,9 @@ The pages of one block move through these states (the allocator sees every one b
          ├── the request ends ─────┘ (a partial last block, or a name cached                         │
          │                            already by another copy a request holds)                       │
          └──── reclaim: a KV allocation that free pages cannot serve (oldest block first), or ───────┘
-               the expert runtime wanting whole mid pages (mid pages used by refs-0 blocks alone)
+               another kind wanting whole mid pages (mid pages used by refs-0 blocks alone): experts, a
+               hybrid model's conv pages, and its ssm pages, which also take huge pages of another mid kind
+               whose every mid page that is not free is whole
 
 Invariants (`check`):
   * a name has at most one cached block; the refs-0 blocks are exactly the LRU's entries;
@@ -34,7 +36,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +81,7 @@ class PrefixCache:
         self._unref_blocks: dict[int, dict[BlockHash, CachedBlock]] = {}  # mid page key -> its refs-0 blocks
         self._whole: dict[int, str] = {}  # mid page key -> its mid kind, for mid pages used by refs-0 blocks alone
         self._whole_count: dict[str, int] = {}  # by mid kind
+        self._whole_by_huge: dict[int, set[int]] = {}  # huge page -> the whole mid pages in it (keys)
         self._clock = 0
         self.num_unreferenced_pages = 0
 
@@ -159,12 +162,24 @@ class PrefixCache:
         return pages
 
     # ------------------------------------------------------------------ the allocator's reclaimer
+    # Other kinds than KV (a hybrid model's ssm and conv state, experts) reclaim whole mid pages: a small kind takes
+    # an emptied mid page of any kind apart; a mid kind takes its own kind's whole mid pages, and huge pages of
+    # another mid kind in which every mid page that is not free is whole (emptied, the huge page merges).
     def reclaimable_small(self, kind: str) -> int:
-        return self.num_unreferenced_pages if kind == KV else 0
+        if kind == KV:
+            return self.num_unreferenced_pages
+        g = self.allocator.geometry
+        return sum(n * g.smalls_per_mid(kind, m) for m, n in self._whole_count.items())
 
     def reclaim_small(self, kind: str, count: int) -> None:
-        """Drops refs-0 blocks, least recently used first, until `count` pages are free."""
-        assert kind == KV and count <= self.num_unreferenced_pages
+        """KV: drops refs-0 blocks, least recently used first, until `count` pages are free. Another small kind:
+        empties whole mid pages of any kind, least recently used first, until `count` more of its pages are free."""
+        if kind != KV:
+            alloc = self.allocator
+            target = alloc.free_small_capacity(kind) + count
+            self._empty_whole(list(self._whole), lambda: alloc.free_small_capacity(kind) >= target)
+            return
+        assert count <= self.num_unreferenced_pages
         freed = 0
         while freed < count:
             block = next(iter(self._lru.values()))
@@ -172,17 +187,48 @@ class PrefixCache:
             freed += len(block.pages)
 
     def reclaimable_mid(self, kind: str) -> int:
-        return self._whole_count.get(kind, 0)
+        return self._whole_count.get(kind, 0) + self.allocator.geometry.mids_per_huge(kind) * len(
+            self._whole_huge_pages(kind))
 
     def reclaim_mid(self, kind: str, count: int) -> None:
-        """Empties `count` whole mid pages of `kind`, the least recently used first (a mid page is as recent as its
-        most recently released block): every block with a page in one is dropped, so the mid page merges."""
+        """Empties whole mid pages of `kind`, then whole huge pages of other kinds, the least recently used first (a
+        mid page is as recent as its most recently released block), until `count` more mid pages of `kind` are
+        free: every block with a page in one is dropped, so the mid page merges."""
         alloc = self.allocator
         target = alloc.free_mid_capacity(kind) + count
-        candidates = [key for key, k in self._whole.items() if k == kind]
-        candidates.sort(key=lambda key: max(b.last_used for b in self._unref_blocks[key].values()))
-        for key in candidates:
-            if alloc.free_mid_capacity(kind) >= target:
+
+        def done() -> bool:
+            return alloc.free_mid_capacity(kind) >= target
+
+        self._empty_whole([key for key, k in self._whole.items() if k == kind], done)
+        if not done():
+            huge = self._whole_huge_pages(kind)
+            huge.sort(key=lambda h: max(self._last_used(key) for key in self._whole_by_huge[h]))
+            for h in huge:
+                if done():
+                    break
+                for key in list(self._whole_by_huge.get(h, ())):
+                    if key in self._whole:
+                        self.drop_unreferenced_in(key)
+
+    def _whole_huge_pages(self, kind: str) -> list[int]:
+        """Huge pages split into another mid kind than `kind` whose every mid page that is not free is whole."""
+        if len(self.allocator.geometry.mid_kinds) == 1:
+            return []  # no other kind: the whole mid pages of `kind` are counted as such
+        out = []
+        for h, keys in self._whole_by_huge.items():
+            split_into, busy = self.allocator.huge_page_use(h)
+            if split_into != kind and busy == len(keys):
+                out.append(h)
+        return out
+
+    def _last_used(self, key: int) -> int:
+        return max(b.last_used for b in self._unref_blocks[key].values())
+
+    def _empty_whole(self, keys: list[int], done: Callable[[], bool]) -> None:
+        keys.sort(key=self._last_used)
+        for key in keys:
+            if done():
                 break
             if key in self._whole:  # an earlier drop may have emptied it already
                 self.drop_unreferenced_in(key)
@@ -245,9 +291,14 @@ class PrefixCache:
             assert info is not None
             self._whole[key] = info[0]
             self._whole_count[info[0]] = self._whole_count.get(info[0], 0) + 1
+            self._whole_by_huge.setdefault(key // self.allocator.geometry.huge_size, set()).add(key)
         elif not whole and was is not None:
             del self._whole[key]
             self._whole_count[was] -= 1
+            h = key // self.allocator.geometry.huge_size
+            self._whole_by_huge[h].discard(key)
+            if not self._whole_by_huge[h]:
+                del self._whole_by_huge[h]
 
     def check(self) -> None:
         """The invariants of the module docstring, recounted from the blocks and the allocator."""
@@ -275,3 +326,7 @@ class PrefixCache:
         for k in whole.values():
             counts[k] = counts.get(k, 0) + 1
         assert {k: c for k, c in self._whole_count.items() if c} == counts
+        by_huge: dict[int, set[int]] = {}
+        for key in whole:
+            by_huge.setdefault(key // self.allocator.geometry.huge_size, set()).add(key)
+        assert by_huge == self._whole_by_huge, "whole mid pages by huge page drifted"

@@ -20,8 +20,8 @@ Hence every free small page is "trapped": it sits in a mid page that cannot merg
 Reclaim: a holder of used pages that it can give back on demand (the prefix cache's unreferenced KV blocks,
 engine/prefix_cache.py) registers as `reclaimer`. Its pages stay USED here, but the capacities count them as
 obtainable, and an allocation that free pages cannot serve asks the reclaimer to free what is missing first
-(`reclaim_small`; for mid pages `reclaim_mid`, which empties whole mid pages), so a request never fails while
-reclaimable pages would make it fit.
+(`reclaim_small`; for mid pages `reclaim_mid`, which empties whole mid pages, of the kind asked for or, merging
+them, whole huge pages of another kind), so a request never fails while reclaimable pages would make it fit.
 
 Free lists: huge and mid pages are min-heaps (lowest address first). A mid page leaves its heap lazily:
 entries are checked against `mid_state` when popped, because a merge of its huge page removes free mids
@@ -201,6 +201,11 @@ class PageAllocator:
         if p is None:
             return None
         return p.mid_kind, self._spm[p.small_kind, p.mid_kind] - len(p.free)
+
+    def huge_page_use(self, h: int) -> tuple[str | None, int]:
+        """(the mid kind huge page `h` is split into, None when free; its mid pages that are not free)."""
+        k = int(self._huge_kind[h])
+        return (None if k < 0 else self._mid_kinds[k]), self._huge_busy[h]
 
     def num_used(self, kind: str) -> int:
         self.geometry.size(kind)
