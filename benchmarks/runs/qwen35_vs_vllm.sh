@@ -2,11 +2,14 @@
 # Qwen3.5-35B-A3B shapes (dummy weights, uniform routing) beside vLLM 0.26, text only, the same model folder, client
 # and data (vLLM's client, ShareGPT), at a budget where the weights just fit (72 GiB; vLLM the same 72 GiB as its
 # share of the card, --language-model-only so its vision tower takes nothing) and below it (60 GiB: static cannot
-# start):
+# start). vLLM refuses to start with its default --max-num-seqs (1024) where the budget holds fewer requests'
+# recurrent state (119 at 72 GiB on an H100): it runs with 96, more requests than these rates keep in flight.
 #   qwen35_vs_vllm.sh rimuru72   static, fixed, elastic at 72 GiB   (fla-core must be importable)
 #   qwen35_vs_vllm.sh rimuru60   fixed, elastic at 60 GiB
 #   qwen35_vs_vllm.sh vllm72     vLLM at 72 GiB
-# RATES (default 4,8) and NP (default 200) set the points; TIME_BUDGET_S (default 540) the seconds the sweep may take.
+# RATES (default 4,8) and NP (default 200) set the points, CONFIGS a subset of a Rimuru run's configurations (a
+# Qwen3.5-35B start takes ~2-3 min: one configuration at two rates fills a command), TIME_BUDGET_S (default 540) the
+# seconds the sweep may take.
 . "$(dirname "$0")/common.sh"
 dir=/tmp/models/qwen35moe
 [ -f $dir/config.json ] || python3 benchmarks/model_folder.py qwen3.5-35b-a3b $dir || exit 1
@@ -14,12 +17,12 @@ common=(--model $dir --load-format dummy --client vllm --vllm-site "$VLLM_SITE" 
   --rates "${RATES:-4,8}" --num-prompts "${NP:-200}" --label uniform --time-budget-s "${TIME_BUDGET_S:-540}")
 limit=$((${TIME_BUDGET_S:-540} + 20))
 case "${1:-}" in
-  rimuru72) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --configs static,fixed,elastic \
-      --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-rimuru-$C-$G.json" ;;
-  rimuru60) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 60GiB --configs fixed,elastic \
-      --output-json "$OUT/$D-serve-qwen3.5-35b-60gib-uniform-rimuru-$C-$G.json" ;;
+  rimuru72) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --configs "${CONFIGS:-static,fixed,elastic}" \
+      --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-rimuru${CONFIGS:+-${CONFIGS//,/-}}-$C-$G.json" ;;
+  rimuru60) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 60GiB --configs "${CONFIGS:-fixed,elastic}" \
+      --output-json "$OUT/$D-serve-qwen3.5-35b-60gib-uniform-rimuru${CONFIGS:+-${CONFIGS//,/-}}-$C-$G.json" ;;
   vllm72) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --vllm-max-model-len 4096 \
-      --define "vllm72=vllm:--language-model-only" --configs vllm72 \
+      --define "vllm72=vllm:--language-model-only --max-num-seqs 96" --configs vllm72 \
       --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-vllm-beside-$C-$G.json" ;;
   *) echo "usage: qwen35_vs_vllm.sh rimuru72|rimuru60|vllm72" >&2; exit 2 ;;
 esac
