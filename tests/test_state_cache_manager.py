@@ -247,3 +247,42 @@ def test_a_requests_state_reclaims_cached_kv_blocks_of_the_other_mid_kind() -> N
     alloc.check_invariants()
     state.free(r)
     assert kv.reset_prefix_cache() == 12 and alloc.num_free_huge == 6
+
+
+def test_expert_pages_reclaim_the_huge_pages_of_unheld_snapshots() -> None:
+    # Snapshots that no request holds are reclaimable for experts too where their ssm pages alone use huge pages
+    # (an ssm page is a huge page here, as at Qwen3.5-35B-A3B): an expert coming home must not wait behind them.
+    alloc = PageAllocator(GEO_HUGE_SSM, num_huge_pages=16)
+    kv = KVCacheManager(alloc, 1, 4, enable_prefix_caching=True)
+    state = StateCacheManager(alloc, 2, kv_page_bytes=16, enable_prefix_caching=True)
+    snaps = state.snapshots
+    names = []
+    for i in range(3):  # each leaves a snapshot: 2 ssm pages (2 huge pages) and 2 conv pages
+        r = request(i, prompt=6)
+        r.prompt_token_ids = [10 + i] * 6
+        assert state.allocate(r)
+        assert kv.allocate(r, 6)
+        name = kv.block_hashes(r, 1)[0]
+        assert state.take_snapshot(r, name, 4)
+        names.append(name)
+        state.take_copies()
+        kv.free(r)
+        state.free(r)
+    assert snaps.num_unreferenced == 3 and alloc.num_used(SSM) == 6
+    held = request(9, prompt=6)
+    assert state.allocate(held)  # a running request's ssm pages are not reclaimable
+    free = alloc.free_mid_capacity("expert")
+    assert snaps.reclaimable_mid("expert") == 6 and snaps.reclaimable_mid(SSM) == 6
+    assert alloc.mid_capacity("expert") >= free + 6
+    got = alloc.allocate_mid("expert", free + 3)
+    assert got is not None
+    assert snaps.get(names[0]) is None and snaps.get(names[1]) is None  # oldest first, two for three huge pages
+    assert snaps.get(names[2]) is not None
+    state.check()
+    kv.check()
+    alloc.check_invariants()
+    alloc.free_mid("expert", got)
+    state.free(held)
+    state.reset_prefix_cache()
+    kv.reset_prefix_cache()
+    assert alloc.num_free_huge == 16

@@ -59,13 +59,15 @@ StateCopy = tuple[list[int], list[int], list[int], list[int]]
 
 
 class StateSnapshots:
-    """The cached state snapshots of one pool; the allocator's reclaimer for the ssm and conv kinds."""
+    """The cached state snapshots of one pool; the allocator's reclaimer for the ssm and conv kinds, and for
+    another mid kind where unheld snapshots alone use a huge page."""
 
     def __init__(self, allocator: PageAllocator, num_layers: int) -> None:
         self.allocator = allocator
         self.num_layers = num_layers
         self._snaps: dict[bytes, StateSnapshot] = {}
         self._lru: OrderedDict[bytes, StateSnapshot] = OrderedDict()  # refs 0, least recently used first
+        self._unheld_by_huge: dict[int, int] = {}  # huge page -> ssm pages of the LRU's snapshots in it
 
     @property
     def num_snapshots(self) -> int:
@@ -96,18 +98,31 @@ class StateSnapshots:
     def acquire(self, snap: StateSnapshot) -> None:
         if snap.refs == 0:
             del self._lru[snap.name]
+            self._count_unheld(snap, -1)
         snap.refs += 1
 
     def release(self, snap: StateSnapshot) -> None:
         snap.refs -= 1
         if snap.refs == 0:
             self._lru[snap.name] = snap
+            self._count_unheld(snap, +1)
+
+    def _count_unheld(self, snap: StateSnapshot, sign: int) -> None:
+        g, by_huge = self.allocator.geometry, self._unheld_by_huge
+        for page in snap.ssm_pages:
+            h = g.huge_of_mid(SSM, page)
+            n = by_huge.get(h, 0) + sign
+            if n:
+                by_huge[h] = n
+            else:
+                del by_huge[h]
 
     def drop_lru(self) -> bool:
         """Frees the least recently used snapshot no request holds; False when there is none."""
         if not self._lru:
             return False
         _, snap = self._lru.popitem(last=False)
+        self._count_unheld(snap, -1)
         del self._snaps[snap.name]
         self.allocator.free_mid(SSM, snap.ssm_pages)
         self.allocator.free_small(CONV, snap.conv_pages)
@@ -129,11 +144,17 @@ class StateSnapshots:
             self._drop_until(self.allocator.free_small_capacity, kind, count)
 
     def reclaimable_mid(self, kind: str) -> int:
-        return self.num_layers * len(self._lru) if kind == SSM else 0
+        """ssm pages: every unheld snapshot's. Another mid kind (experts): the huge pages split into ssm pages that
+        unheld snapshots alone use (dropped, they merge), each that kind's mids per huge page (at Qwen3.5-35B-A3B an
+        ssm page is a huge page, so a dropped snapshot gives one expert page a linear-attention layer)."""
+        if kind == SSM:
+            return self.num_layers * len(self._lru)
+        a = self.allocator
+        whole = sum(1 for h, n in self._unheld_by_huge.items() if a.huge_page_use(h) == (SSM, n))
+        return whole * a.geometry.mids_per_huge(kind)
 
     def reclaim_mid(self, kind: str, count: int) -> None:
-        if kind == SSM:
-            self._drop_until(self.allocator.free_mid_capacity, kind, count)
+        self._drop_until(self.allocator.free_mid_capacity, kind, count)
 
     def _drop_until(self, free_capacity: Callable[[str], int], kind: str, count: int) -> None:
         """Drops unheld snapshots, least recently used first, until `count` more pages of `kind` are free."""
@@ -144,11 +165,18 @@ class StateSnapshots:
     def check(self) -> None:
         assert all(s.refs >= 0 and s.name == n for n, s in self._snaps.items())
         assert set(self._lru) == {n for n, s in self._snaps.items() if s.refs == 0}
+        by_huge: dict[int, int] = {}
+        for snap in self._lru.values():
+            for page in snap.ssm_pages:
+                h = self.allocator.geometry.huge_of_mid(SSM, page)
+                by_huge[h] = by_huge.get(h, 0) + 1
+        assert by_huge == self._unheld_by_huge, "unheld snapshot pages by huge page drifted"
 
 
 class Reclaimers:
-    """The allocator's one reclaimer over two: the state snapshots for the ssm and conv kinds (first), the prefix
-    cache's KV blocks for the rest (its KV pages, and whole mid pages of any mid kind emptied of refs-0 blocks)."""
+    """The allocator's one reclaimer over two: the state snapshots first (for the ssm and conv kinds, and huge pages
+    they alone use for another mid kind), then the prefix cache's KV blocks (its KV pages, whole mid pages emptied
+    of refs-0 blocks, and huge pages of whole ones)."""
 
     def __init__(self, kv: PageReclaimer, state: StateSnapshots) -> None:
         self.kv, self.state = kv, state
