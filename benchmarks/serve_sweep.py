@@ -106,7 +106,8 @@ ROW_FIELDS = (
     "prefetch_misses", "prefetch_hit_rate", "preemptions", "forward_steps", "kernel_variants_built",
     "kernel_warmup_s", "kernel_warmup_variants",
     "expert_evictions", "expert_grows", "kv_pages_moved",
-    "piecewise_overhead_ms", "expert_copy_bandwidth", "kv_tokens_max", "workspace_bytes", "prefix_cache_queries",
+    "piecewise_overhead_ms", "expert_copy_bandwidth", "kv_tokens_max", "workspace_bytes", "workspace_parts",
+    "prefix_cache_queries",
     "prefix_cache_hits",
     "prefix_cache_hit_rate", "total_input_tokens", "total_cached_tokens", "median_ttft_first_turn_ms",
     "median_ttft_later_turns_ms", "p99_ttft_first_turn_ms", "p99_ttft_later_turns_ms", "point_wall_s", "timeline",
@@ -293,6 +294,9 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "expert_copy_bandwidth": metric(after, "rimuru:expert_copy_bytes_per_second"),  # bytes/s, elastic
         "kv_tokens_max": metric(after, "rimuru:kv_tokens_max"),
         "workspace_bytes": metric(after, "rimuru:workspace_bytes"),
+        # its measured parts (GPU): forward, graphs, sampling, outside torch (engine/workspace_profile.py)
+        "workspace_parts": {part: metric(after, f"rimuru:workspace_{part}_bytes")
+                            for part in ("forward", "graphs", "sampling", "outside")},
         "kernel_warmup_s": metric(after, "rimuru:kernel_warmup_seconds"),  # levels fixed at start
         "kernel_warmup_variants": metric(after, "rimuru:kernel_warmup_variants"),
         "prefix_cache_queries": prefix_q,

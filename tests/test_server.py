@@ -419,3 +419,6 @@ def test_start_levels_reach_metrics(server: Server) -> None:
     engine = server.engine
     assert m["rimuru:kv_tokens_max"] == engine.max_kv_pages() // engine.kv.num_layers * engine.config.block_size
     assert m["rimuru:workspace_bytes"] == engine.budget_split["workspace"] > 0
+    # its parts are measured on a GPU only: on the CPU (a bound, not a profile) none is exported, rather than a 0
+    assert engine.workspace_profile is None
+    assert not any(k.startswith("rimuru:workspace_") and k != "rimuru:workspace_bytes" for k in m)

@@ -662,6 +662,9 @@ class LLMEngine:
             # budget reserved: levels fixed at start, what a serving sweep records beside its latencies
             "kv_tokens_max": self._max_kv_pages // max(1, self.kv.num_layers) * self.config.block_size,
             "workspace_bytes": self.budget_split["workspace"],
+            # its parts as measured on a GPU (engine/workspace_profile.py; None on the CPU, where it is a bound)
+            **{f"workspace_{part}_bytes": getattr(self.workspace_profile, part, None)
+               for part in ("forward", "graphs", "sampling", "outside")},
             **self.runtime.stats(),  # expert_bytes_loaded, prefetch hits/misses, evictions, grows, adjuster view
         }
 
