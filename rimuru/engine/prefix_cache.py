@@ -82,6 +82,8 @@ class PrefixCache:
         self._whole: dict[int, str] = {}  # mid page key -> its mid kind, for mid pages used by refs-0 blocks alone
         self._whole_count: dict[str, int] = {}  # by mid kind
         self._whole_by_huge: dict[int, set[int]] = {}  # huge page -> the whole mid pages in it (keys)
+        self._whole_changes = 0
+        self._whole_huge_counted: dict[str, tuple[tuple[int, int], int]] = {}  # kind -> (version, count)
         self._clock = 0
         self.num_unreferenced_pages = 0
 
@@ -187,8 +189,12 @@ class PrefixCache:
             freed += len(block.pages)
 
     def reclaimable_mid(self, kind: str) -> int:
-        return self._whole_count.get(kind, 0) + self.allocator.geometry.mids_per_huge(kind) * len(
-            self._whole_huge_pages(kind))
+        # the huge pages' count is cached until a mid page or the whole set changes: the adjusters ask every step
+        version = (self.allocator.mid_changes, self._whole_changes)
+        cached = self._whole_huge_counted.get(kind)
+        if cached is None or cached[0] != version:
+            cached = self._whole_huge_counted[kind] = (version, len(self._whole_huge_pages(kind)))
+        return self._whole_count.get(kind, 0) + self.allocator.geometry.mids_per_huge(kind) * cached[1]
 
     def reclaim_mid(self, kind: str, count: int) -> None:
         """Empties whole mid pages of `kind`, then whole huge pages of other kinds, the least recently used first (a
@@ -287,6 +293,8 @@ class PrefixCache:
         info = self.allocator.parent_used(key) if unref else None
         whole = info is not None and info[1] == unref
         was = self._whole.get(key)
+        if whole != (was is not None):
+            self._whole_changes += 1
         if whole and was is None:
             assert info is not None
             self._whole[key] = info[0]
@@ -330,3 +338,6 @@ class PrefixCache:
         for key in whole:
             by_huge.setdefault(key // self.allocator.geometry.huge_size, set()).add(key)
         assert by_huge == self._whole_by_huge, "whole mid pages by huge page drifted"
+        version = (self.allocator.mid_changes, self._whole_changes)
+        for kind, (seen, count) in self._whole_huge_counted.items():
+            assert seen != version or count == len(self._whole_huge_pages(kind)), f"stale count for {kind!r}"

@@ -68,6 +68,8 @@ class StateSnapshots:
         self._snaps: dict[bytes, StateSnapshot] = {}
         self._lru: OrderedDict[bytes, StateSnapshot] = OrderedDict()  # refs 0, least recently used first
         self._unheld_by_huge: dict[int, int] = {}  # huge page -> ssm pages of the LRU's snapshots in it
+        self._unheld_changes = 0
+        self._whole_counted: tuple[tuple[int, int], int] | None = None  # (version, huge pages unheld ones alone use)
 
     @property
     def num_snapshots(self) -> int:
@@ -109,6 +111,7 @@ class StateSnapshots:
 
     def _count_unheld(self, snap: StateSnapshot, sign: int) -> None:
         g, by_huge = self.allocator.geometry, self._unheld_by_huge
+        self._unheld_changes += 1
         for page in snap.ssm_pages:
             h = g.huge_of_mid(SSM, page)
             n = by_huge.get(h, 0) + sign
@@ -150,8 +153,11 @@ class StateSnapshots:
         if kind == SSM:
             return self.num_layers * len(self._lru)
         a = self.allocator
-        whole = sum(1 for h, n in self._unheld_by_huge.items() if a.huge_page_use(h) == (SSM, n))
-        return whole * a.geometry.mids_per_huge(kind)
+        version = (a.mid_changes, self._unheld_changes)  # cached until a mid page or the LRU changes
+        if self._whole_counted is None or self._whole_counted[0] != version:
+            whole = sum(1 for h, n in self._unheld_by_huge.items() if a.huge_page_use(h) == (SSM, n))
+            self._whole_counted = (version, whole)
+        return self._whole_counted[1] * a.geometry.mids_per_huge(kind)
 
     def reclaim_mid(self, kind: str, count: int) -> None:
         self._drop_until(self.allocator.free_mid_capacity, kind, count)
@@ -171,6 +177,11 @@ class StateSnapshots:
                 h = self.allocator.geometry.huge_of_mid(SSM, page)
                 by_huge[h] = by_huge.get(h, 0) + 1
         assert by_huge == self._unheld_by_huge, "unheld snapshot pages by huge page drifted"
+        if self._whole_counted is not None and self._whole_counted[0] == (self.allocator.mid_changes,
+                                                                          self._unheld_changes):
+            a = self.allocator
+            whole = sum(1 for h, n in by_huge.items() if a.huge_page_use(h) == (SSM, n))
+            assert self._whole_counted[1] == whole, "stale count of huge pages unheld snapshots alone use"
 
 
 class Reclaimers:

@@ -123,6 +123,7 @@ class PageAllocator:
 
         self._huge_kind = np.full(num_huge_pages, -1, dtype=np.int8)
         self._huge_busy = [0] * num_huge_pages  # a list: read and written one element at a time
+        self.mid_changes = 0  # counts every mid page taken or released: a reclaimer's cached counts' version
         self._huge_heap = list(range(num_huge_pages))  # sorted, hence already a heap
         self._free_huge = num_huge_pages
 
@@ -480,6 +481,7 @@ class PageAllocator:
                 break
         state[m] = new_state
         self._free_mids[kind] -= 1
+        self.mid_changes += 1
         self._huge_busy[self.geometry.huge_of_mid(kind, m)] += 1
         return m
 
@@ -487,6 +489,7 @@ class PageAllocator:
         g = self.geometry
         self._mid_bytes[kind][m] = FREE
         self._free_mids[kind] += 1
+        self.mid_changes += 1
         heap = self._mid_heap[kind]
         heapq.heappush(heap, m)
         h = g.huge_of_mid(kind, m)
