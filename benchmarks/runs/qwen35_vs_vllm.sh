@@ -4,8 +4,11 @@
 # share of the card, --language-model-only so its vision tower takes nothing) and below it (60 GiB: static cannot
 # start). vLLM refuses to start with its default --max-num-seqs (1024) where the budget holds fewer requests'
 # recurrent state (119 at 72 GiB on an H100): it runs with 96, more requests than these rates keep in flight.
-#   qwen35_vs_vllm.sh rimuru72   static, fixed, elastic at 72 GiB   (fla-core must be importable)
-#   qwen35_vs_vllm.sh rimuru60   fixed, elastic at 60 GiB
+#   qwen35_vs_vllm.sh rimuru72   static, fixed98, elastic at 72 GiB   (fla-core must be importable)
+#   qwen35_vs_vllm.sh rimuru60   fixed80, elastic at 60 GiB
+# fixedNN keeps NN % of each layer's experts resident: the splits `rimuru simulate` finds best at these budgets
+# (H100 profile, 200 prompts: at 72 GiB and 8 req/s 98 % 836 tok/s, 95 % 635, 85 % 331; at 60 GiB and 4 req/s
+# 80 % 206, 85 % 149, 70 % 181).
 #   qwen35_vs_vllm.sh vllm72     vLLM at 72 GiB
 # RATES (default 4,8) and NP (default 200) set the points, CONFIGS a subset of a Rimuru run's configurations (a
 # Qwen3.5-35B start takes ~2-3 min: one configuration at two rates fills a command), TIME_BUDGET_S (default 540) the
@@ -16,10 +19,12 @@ dir=/tmp/models/qwen35moe
 common=(--model $dir --load-format dummy --client vllm --vllm-site "$VLLM_SITE" --dataset-path "$ANCHOR/sharegpt.json"
   --rates "${RATES:-4,8}" --num-prompts "${NP:-200}" --label uniform --time-budget-s "${TIME_BUDGET_S:-540}")
 limit=$((${TIME_BUDGET_S:-540} + 20))
+fixed=(--define "fixed98=rimuru:--offload-mode fixed --resident-experts 0.98"
+  --define "fixed80=rimuru:--offload-mode fixed --resident-experts 0.8")
 case "${1:-}" in
-  rimuru72) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --configs "${CONFIGS:-static,fixed,elastic}" \
+  rimuru72) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --configs "${CONFIGS:-static,fixed98,elastic}" "${fixed[@]}" \
       --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-rimuru${CONFIGS:+-${CONFIGS//,/-}}-$C-$G.json" ;;
-  rimuru60) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 60GiB --configs "${CONFIGS:-fixed,elastic}" \
+  rimuru60) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 60GiB --configs "${CONFIGS:-fixed80,elastic}" "${fixed[@]}" \
       --output-json "$OUT/$D-serve-qwen3.5-35b-60gib-uniform-rimuru${CONFIGS:+-${CONFIGS//,/-}}-$C-$G.json" ;;
   vllm72) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --vllm-max-model-len 4096 \
       --define "vllm72=vllm:--language-model-only --max-num-seqs 96" --configs vllm72 \
