@@ -21,6 +21,7 @@ import torch
 from rimuru import LLM, SamplingParams
 from rimuru.engine.llm_engine import LLMEngine
 from rimuru.engine.scheduler import SchedulerOutput
+from rimuru.models import state_cache as state_cache_module
 from rimuru.models.forward_batch import StepLayout
 from rimuru.testing.op_count import OpCounter, box_kernels
 from rimuru.testing.paged_model import PagedModel
@@ -79,6 +80,40 @@ def test_split_passes_equal_the_reference_path(ckpt: Path) -> None:
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert bool(torch.isfinite(g).all()), i
         torch.testing.assert_close(g, w, atol=ATOL, rtol=0, msg=f"output {i}")
+
+
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_prefill_sequences_in_groups_equal_one_group(ckpt: Path, per_group: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # the chunk form takes a pass's prefill sequences in groups of a bounded state size (the workspace's worst step
+    # holds hundreds): groups of one and two sequences give the outputs of one group
+    def run(grouped: bool) -> tuple[list[torch.Tensor], list[int]]:
+        hm = PagedModel(ckpt, seed=1, num_state_pages=48)  # ten sequences' state
+        cache = hm.model.state_cache
+        assert cache is not None
+        cache.in_place_decode = True
+        seen: list[int] = []
+        if grouped:
+            monkeypatch.setattr(state_cache_module, "PREFILL_STATE_GROUP_BYTES", per_group * cache.ssm[0].numel() * 4)
+            groups = cache._prefill_seqs
+
+            def counted(*a):  # noqa: ANN002, ANN202
+                seqs = groups(*a)
+                seen.append(len(seqs.groups))
+                assert all(g.last - g.first <= per_group for g in seqs.groups)
+                return seqs
+
+            monkeypatch.setattr(cache, "_prefill_seqs", counted)
+        a, b, c = model_prompts(2, hm.spec.vocab_size, (5, 17, 70))
+        passes = _passes(a, b, c) + [[(0, [3]), (6, a[:3]), (7, b[:4]), (8, c[:6]), (9, a[:2]), (1, b[9:12])]]
+        return [out for chunks in passes for out in hm.step(chunks)], seen
+
+    want, _ = run(grouped=False)
+    got, seen = run(grouped=True)
+    monkeypatch.undo()
+    assert max(seen) >= 5 // per_group  # the last pass's five prefill sequences went in several groups
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=f"output {i}")
 
 
 def test_split_prefill_equals_transformers(ckpt: Path) -> None:

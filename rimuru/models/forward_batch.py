@@ -18,7 +18,7 @@ sequences after them (prefill chunks) the chunk form, with every shape the split
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -34,6 +34,8 @@ class StepLayout:
     num_seqs: int
     num_tokens: int
     max_prefill_len: int
+    # each prefill sequence's rows, in order (() where a layout is built by hand: the prefills then go as one group)
+    prefill_lens: tuple[int, ...] = field(default=(), compare=False)
 
     @classmethod
     def of(cls, query_lens: Sequence[int]) -> StepLayout:
@@ -41,9 +43,9 @@ class StepLayout:
         d = 0
         while d < len(query_lens) and query_lens[d] == 1:
             d += 1
-        rest = query_lens[d:]
+        rest = [int(n) for n in query_lens[d:]]
         return cls(num_decodes=d, num_seqs=len(query_lens), num_tokens=int(sum(query_lens)),
-                   max_prefill_len=int(max(rest)) if len(rest) else 0)
+                   max_prefill_len=max(rest) if rest else 0, prefill_lens=tuple(rest))
 
     @property
     def num_prefills(self) -> int:

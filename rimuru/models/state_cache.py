@@ -21,7 +21,8 @@ Three paths, picked per pass:
   * `mixed` (`splits`: a pass with prefill rows where the paged kernels run, its StepLayout known on the host):
     the runner puts the single-token sequences first, so rows 0..D-1 are decodes and take the same paged decode
     kernels (`begin_pass` names their pages once per pass), and only the prefill sequences D..B-1 take the chunk
-    form (`prefill_rows`), their rows num_decodes..T-1 contiguous, their states gathered and scattered by page id.
+    form (`prefill_rows`), their rows num_decodes..T-1 contiguous, their states gathered and scattered by page id,
+    in groups of a bounded state size (`PREFILL_STATE_GROUP_BYTES`).
     Every size is a host int of the layout (the longest prefill, the row ranges) and the pages of real sequences
     are never < 0, so nothing reads the device from the host; the offsets of the prefill rows are one int64 tensor
     per pass, so fla-core (whose chunk indices it derives from it on the host, cached by the tensor's identity)
@@ -91,16 +92,47 @@ class _GraphRows:
     o: Tensor  # [R, Hv, dv] model dtype
 
 
+# The chunk form of a pass's prefill sequences holds each one's initial and final recurrent state at once ([P, Hv,
+# dk, dv] fp32 twice: 1 GiB for 256 fresh prompts at Qwen3.5-35B-A3B, which the start-up profile's largest step
+# has). Sequences go through it in groups of at most this many bytes of ssm state, so that the workspace holds two
+# groups' states, not every sequence's; a pass of fewer sequences runs as one group, as before.
+PREFILL_STATE_GROUP_BYTES = 128 * 2**20
+
+
+@dataclass
+class _PrefillGroup:
+    """Prefill sequences first..last-1 of a pass (indices among its prefills), owning its prefill rows
+    row_start..row_end-1 (offsets from row num_decodes); their rows' offsets from row_start [n+1] int64, one tensor
+    object for every layer of the pass (fla-core caches what it derives from it on the host by identity)."""
+
+    first: int
+    last: int
+    row_start: int
+    row_end: int
+    max_len: int
+    cu_seqlens: Tensor
+
+
 @dataclass
 class _PrefillSeqs:
-    """The prefill sequences of one pass (layout.num_decodes .. num_seqs-1), from the batch's tensors: their rows'
-    offsets from row num_decodes [P+1] int64 (one tensor object for every layer of the pass: fla-core caches what
-    it derives from it on the host by identity), and whether each continues a state [P]."""
+    """The prefill sequences of one pass (layout.num_decodes .. num_seqs-1), from the batch's tensors: whether each
+    continues a state [P], and the groups they go through the chunk form in."""
 
     layout: StepLayout
     batch: ForwardBatch
-    cu_seqlens: Tensor
     has_state: Tensor
+    groups: list[_PrefillGroup]
+
+
+def prefill_groups(lens: tuple[int, ...], per_group: int) -> list[tuple[int, int, int, int, int]]:
+    """(first, last, row_start, row_end, max_len) of consecutive groups of at most `per_group` sequences with these
+    row counts."""
+    out, row = [], 0
+    for first in range(0, len(lens), per_group):
+        part = lens[first : first + per_group]
+        out.append((first, first + len(part), row, row + sum(part), max(part)))
+        row += sum(part)
+    return out
 
 
 class LinearStateCache:
@@ -220,19 +252,24 @@ class LinearStateCache:
         their outputs into those rows of `o`. Every size is a host int of the layout: no host sync."""
         if layout is None or layout.num_prefills == 0:
             return
-        d, b, t = layout.num_decodes, layout.num_seqs, layout.num_tokens
+        d, b = layout.num_decodes, layout.num_seqs
         seqs = self._prefill_seqs(batch, layout)
-        ssm_ids, conv_ids = self._pages(batch, linear_idx)
-        ssm_ids, conv_ids = ssm_ids[d:b], conv_ids[d:b]  # [P]: real sequences, every page >= 0
-        keep = seqs.has_state
-        # fresh sequences' states are selected as zero (their pages hold garbage, never multiplied)
-        conv0 = torch.where(keep[:, None, None], self.conv.index_select(0, conv_ids), 0)
-        state0 = torch.where(keep[:, None, None, None], self.ssm.index_select(0, ssm_ids), 0)
-        out, conv_f, state_f = layer.varlen_core(mixed[d:t], g[d:t], beta[d:t], conv0, state0, seqs.cu_seqlens,
-                                                 layout.max_prefill_len)
-        self.conv.index_copy_(0, conv_ids, conv_f.to(self.conv.dtype))
-        self.ssm.index_copy_(0, ssm_ids, state_f.to(self.ssm.dtype))
-        o[d:t] = out
+        ssm_all, conv_all = self._pages(batch, linear_idx)
+        ssm_all, conv_all = ssm_all[d:b], conv_all[d:b]  # [P]: real sequences, every page >= 0
+        for grp in seqs.groups:
+            ssm_ids, conv_ids = ssm_all[grp.first : grp.last], conv_all[grp.first : grp.last]
+            fresh = ~seqs.has_state[grp.first : grp.last]
+            # fresh sequences' states are selected as zero (their pages hold garbage, never multiplied), in the
+            # gathered copies themselves: no second copy of the states
+            conv0 = self.conv.index_select(0, conv_ids).masked_fill_(fresh[:, None, None], 0)
+            state0 = self.ssm.index_select(0, ssm_ids).masked_fill_(fresh[:, None, None, None], 0)
+            r0, r1 = d + grp.row_start, d + grp.row_end
+            out, conv_f, state_f = layer.varlen_core(mixed[r0:r1], g[r0:r1], beta[r0:r1], conv0, state0,
+                                                     grp.cu_seqlens, grp.max_len)
+            del conv0, state0
+            self.conv.index_copy_(0, conv_ids, conv_f.to(self.conv.dtype))
+            self.ssm.index_copy_(0, ssm_ids, state_f.to(self.ssm.dtype))
+            o[r0:r1] = out
 
     def _stretch(self, *args: object) -> None:
         """`prefill_rows`, looked up when it runs: what a graph's cut calls at replay (so a wrapper of prefill_rows,
@@ -246,7 +283,13 @@ class LinearStateCache:
         d, b = layout.num_decodes, layout.num_seqs
         qsl = batch.query_start_loc[d : b + 1].long()
         cu = qsl - d  # decodes are one row each: the prefill rows start at row d
-        self._prefill = _PrefillSeqs(layout, batch, cu, batch.seq_lens[d:b] > cu[1:] - cu[:-1])
+        per_group = max(1, PREFILL_STATE_GROUP_BYTES // (self.ssm[0].numel() * self.ssm.element_size()))
+        if len(layout.prefill_lens) <= per_group:  # one group (a layout made by hand names no lengths)
+            groups = [_PrefillGroup(0, b - d, 0, layout.num_tokens - d, layout.max_prefill_len, cu)]
+        else:
+            groups = [_PrefillGroup(first, last, r0, r1, max_len, cu[first : last + 1] - r0)
+                      for first, last, r0, r1, max_len in prefill_groups(layout.prefill_lens, per_group)]
+        self._prefill = _PrefillSeqs(layout, batch, batch.seq_lens[d:b] > cu[1:] - cu[:-1], groups)
         return self._prefill
 
     def decode(self, layer: GatedDeltaNet, linear_idx: int, batch: ForwardBatch, x: Tensor,
