@@ -178,6 +178,20 @@ def test_snapshot_at_the_prompts_last_boundary_and_a_hit_that_copies_it() -> Non
     assert alloc.num_used("kv") == 0 and alloc.num_free_huge == 8
 
 
+def _leave_a_snapshot(kv: KVCacheManager, state: StateCacheManager, i: int) -> bytes:
+    """A 6-token request that snapshots its state after its first block (4 tokens) and ends: the snapshot's name."""
+    r = request(i, prompt=6)
+    r.prompt_token_ids = [10 + i] * 6
+    assert state.allocate(r)
+    assert kv.allocate(r, 6)
+    name = kv.block_hashes(r, 1)[0]
+    assert state.take_snapshot(r, name, 4)
+    assert len(state.take_copies()) == 1
+    kv.free(r)
+    state.free(r)
+    return name
+
+
 def test_state_allocations_reclaim_snapshots_lru_and_a_reset_frees_them() -> None:
     alloc = PageAllocator(GEO, num_huge_pages=6)  # room for two requests' state pages and a little KV
     kv = KVCacheManager(alloc, 1, 4, enable_prefix_caching=True)
@@ -186,16 +200,7 @@ def test_state_allocations_reclaim_snapshots_lru_and_a_reset_frees_them() -> Non
     assert snaps is not None
     made = []
     for i in range(3):  # each leaves a snapshot: the third request's state and snapshot need the first's pages
-        r = request(i, prompt=6)
-        r.prompt_token_ids = [10 + i] * 6
-        assert state.allocate(r)
-        assert kv.allocate(r, 6)
-        name = kv.block_hashes(r, 1)[0]
-        assert state.take_snapshot(r, name, 4)
-        made.append(name)
-        assert len(state.take_copies()) == 1
-        kv.free(r)
-        state.free(r)
+        made.append(_leave_a_snapshot(kv, state, i))
         state.check()
         alloc.check_invariants()
     assert snaps.get(made[0]) is None and snaps.get(made[2]) is not None  # the oldest went first
@@ -258,16 +263,7 @@ def test_expert_pages_reclaim_the_huge_pages_of_unheld_snapshots() -> None:
     snaps = state.snapshots
     names = []
     for i in range(3):  # each leaves a snapshot: 2 ssm pages (2 huge pages) and 2 conv pages
-        r = request(i, prompt=6)
-        r.prompt_token_ids = [10 + i] * 6
-        assert state.allocate(r)
-        assert kv.allocate(r, 6)
-        name = kv.block_hashes(r, 1)[0]
-        assert state.take_snapshot(r, name, 4)
-        names.append(name)
-        state.take_copies()
-        kv.free(r)
-        state.free(r)
+        names.append(_leave_a_snapshot(kv, state, i))
     assert snaps.num_unreferenced == 3 and alloc.num_used(SSM) == 6
     held = request(9, prompt=6)
     assert state.allocate(held)  # a running request's ssm pages are not reclaimable
