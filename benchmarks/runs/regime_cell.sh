@@ -8,6 +8,7 @@
 #   RATES    comma separated req/s
 # e.g. regime_cell.sh qwen3-62gib-zipf static,elastic-slo 8,10,12
 #      RANKING=profile regime_cell.sh qwen3-59gib-zipf fixed126 8,12,16   (fixed ranked by a measured profile)
+#      RANKING=profile PROFILE=ranking.json regime_cell.sh ...             (by a profile measured before)
 # SWEEP_ARGS adds serve_sweep flags: a point longer than one command (the 48 GiB cell at 1 req/s: 400 s of arrivals
 # after a start of minutes) takes two calls, one configuration each: SWEEP_ARGS=--detach (starts the server, measures
 # nothing), then the same command with SWEEP_ARGS=--attach (measures on it and stops it).
@@ -35,6 +36,9 @@ if [ "$routing" = zipf ] && [[ ",$configs," == *,fixed[0-9]* ]]; then
   if [ "${RANKING:-promised}" = profile ]; then
     name="$D-profile-ranking-$model-$budget-zipf1.0-$C-$G.json"
     kept=/tmp/regime-profiles/$name
+    # PROFILE=FILE: a ranking `rimuru profile` wrote earlier for this model, budget and routing (one a run committed
+    # or carried), used instead of measuring one
+    if [ -n "${PROFILE:-}" ]; then mkdir -p /tmp/regime-profiles && cp "$PROFILE" "$kept" || exit; fi
     if [ ! -s "$kept" ]; then
       if [[ " ${SWEEP_ARGS:-} " == *" --attach "* ]]; then
         echo "no profile $kept to attach with: run the --detach call first on this machine" >&2; exit 2
