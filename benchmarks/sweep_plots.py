@@ -86,6 +86,13 @@ def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
             ax.stackplot(t, *[[(v or 0) / gib for v in vals] for _, vals in parts], labels=[p[0] for p in parts],
                          alpha=0.7)
             ax.set_ylabel("pool (GiB)")
+            # where the experts hold most of the pool throughout (weights that just fit), the axis starts below their
+            # least, so that the KV cache, the state and the free pages stay readable
+            experts = [(v or 0) / gib for v in tl["expert_bytes_used"]]
+            pool = max(sum((vals[i] or 0) for _, vals in parts) for i in range(len(t))) / gib
+            if pool and min(experts) > 0.8 * pool:
+                ax.set_ylim(max(0.0, min(experts) - 0.25 * (pool - min(experts))), pool * 1.01)
+                ax.set_ylabel("pool (GiB; axis cut below)")
         elif tl.get("kv_cache_usage"):
             ax.plot(t, [100 * (v or 0) for v in tl["kv_cache_usage"]], color="tab:orange", label="KV cache used")
             ax.set_ylabel("KV cache (%)")
