@@ -8,6 +8,8 @@ with requests running), and the mean GPU time of its forward pass. Where a row c
 sequence) in place of the decode kind's mean: a step's time is concave in the batch, so the kind's mean time at its
 mean batch reads low. Static rows only: every expert resident, so the pass is compute and memory traffic alone.
 Prints each sample measured against the fitted profile and the profile in use, and writes the fitted coefficients.
+With `--linear-layers` (a hybrid model's files) only the per-linear-attention-layer terms are fitted, on top of the
+profile in use (rimuru/sim/calibration.py fit_linear_layer_terms).
 
     python benchmarks/calibrate_simulator.py benchmarks/results/*-serve-*static*-h200.json \\
         benchmarks/results/2026-12-01-regime-map-qwen3-59gib-zipf1.0-static-elastic-78f29f2-h200.json \\
@@ -28,7 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import metadata, write_json  # noqa: E402
 from benchmarks.regime_map import routing_of, server_flags  # noqa: E402
 from rimuru.model_spec import ModelSpec, load_model_spec  # noqa: E402
-from rimuru.sim.calibration import StepSample, decode_chunks, fit_step_time, mixed_chunks  # noqa: E402
+from rimuru.sim.calibration import (  # noqa: E402
+    StepSample,
+    decode_chunks,
+    fit_linear_layer_terms,
+    fit_step_time,
+    mixed_chunks,
+)
 from rimuru.sim.cli import dummy_router_popularity  # noqa: E402
 from rimuru.sim.cost_model import HARDWARE, CostModel  # noqa: E402
 
@@ -84,6 +92,9 @@ def main() -> None:
                     help="what load_model_spec reads for a file's model name (default: the name, a preset)")
     ap.add_argument("--min-steps", type=int, default=20)
     ap.add_argument("--hardware", default="h200", choices=sorted(HARDWARE))
+    ap.add_argument("--linear-layers", action="store_true",
+                    help="a hybrid model's passes: fit only the profile's per-linear-attention-layer terms "
+                         "(linear_layer_s, linear_prefill_s), keeping the others as --hardware has them")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     model_of = dict(m.split("=", 1) for m in args.model_path)
@@ -91,7 +102,7 @@ def main() -> None:
     for path in args.files:
         samples += samples_of(json.loads(Path(path).read_text()), Path(path).name, model_of, args.min_steps)
     base = HARDWARE[args.hardware]
-    fitted, predicted = fit_step_time(samples, base)
+    fitted, predicted = (fit_linear_layer_terms if args.linear_layers else fit_step_time)(samples, base)
 
     def in_use(s: StepSample) -> float:
         return CostModel(s.spec, s.probabilities, base).step(
@@ -104,8 +115,11 @@ def main() -> None:
         print(f"{r['sample'][-95:]:95s} measured {r['measured_ms']:6.2f}  fitted {r['fitted_ms']:6.2f} "
               f"({100 * r['fitted_error']:+4.0f} %)  {args.hardware} {r[f'{args.hardware}_ms']:6.2f} "
               f"({100 * r[f'{args.hardware}_error']:+4.0f} %)")
-    fit = {"flops_efficiency": fitted.flops_efficiency, "bandwidth_efficiency": fitted.bandwidth_efficiency,
-           "layer_overhead_s": fitted.layer_overhead_s, "compute_plus_memory": True}
+    if args.linear_layers:
+        fit = {"linear_layer_s": fitted.linear_layer_s, "linear_prefill_s": fitted.linear_prefill_s}
+    else:
+        fit = {"flops_efficiency": fitted.flops_efficiency, "bandwidth_efficiency": fitted.bandwidth_efficiency,
+               "layer_overhead_s": fitted.layer_overhead_s, "compute_plus_memory": True}
     errors = np.array([r["fitted_error"] for r in rows])
     summary = {"rms_error": float(np.sqrt(np.mean(errors**2))), "max_abs_error": float(np.abs(errors).max()),
                f"{args.hardware}_rms_error": float(np.sqrt(np.mean([r[f'{args.hardware}_error'] ** 2

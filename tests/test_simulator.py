@@ -214,11 +214,39 @@ def test_the_gpu_profiles_are_the_committed_fits(hardware: str, fit_file: str) -
 
     from rimuru.sim.cost_model import HARDWARE
 
-    fit = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results" / fit_file).read_text())["fit"]
+    results = Path(__file__).resolve().parents[1] / "benchmarks/results"
+    fit = json.loads((results / fit_file).read_text())["fit"]
     hw = HARDWARE[hardware]
     assert hw.name == hardware and hw.compute_plus_memory and fit["compute_plus_memory"]
     assert (hw.flops_efficiency, hw.bandwidth_efficiency, hw.layer_overhead_s) == pytest.approx(
         (fit["flops_efficiency"], fit["bandwidth_efficiency"], fit["layer_overhead_s"]), rel=1e-3)
+    # the linear-attention terms (hybrid models): --linear-layers fits over that profile
+    linear = json.loads((results / f"2026-12-07-sim-calibration-linear-layers-qwen3.5-35b-{hardware}.json")
+                        .read_text())["fit"]
+    assert (hw.linear_layer_s, hw.linear_prefill_s) == pytest.approx(
+        (linear["linear_layer_s"], linear["linear_prefill_s"]), rel=1e-3)
+
+
+def test_linear_layer_fit_recovers_the_terms_that_made_the_passes() -> None:
+    """A hybrid's passes timed by a profile with known linear-attention terms: the fit over the same profile without
+    them gives both back, and every pass's time; passes of one kind alone are refused."""
+    from dataclasses import replace
+
+    from rimuru.sim.calibration import StepSample, decode_chunks, fit_linear_layer_terms, mixed_chunks
+
+    base = HardwareConfig(flops_efficiency=0.3, bandwidth_efficiency=1.2, layer_overhead_s=1e-4,
+                          compute_plus_memory=True)
+    truth = replace(base, linear_layer_s=2e-5, linear_prefill_s=7e-4)
+    pop = ExpertPopularity.zipf("tiny", TINY_HYBRID.num_moe_layers, 8, exponent=1.0, seed=0)
+    resident = np.ones(pop.probabilities.shape, dtype=bool)
+    shapes = [decode_chunks(4, 100), decode_chunks(32, 400), mixed_chunks(300, 8, 200), mixed_chunks(90, 20, 50)]
+    samples = [StepSample(TINY_HYBRID, pop.probabilities, c, 1, CostModel(TINY_HYBRID, pop.probabilities, truth).step(
+        list(c), 1, resident).time_s) for c in shapes]
+    fitted, times = fit_linear_layer_terms(samples, base)
+    assert (fitted.linear_layer_s, fitted.linear_prefill_s) == pytest.approx((2e-5, 7e-4), rel=1e-9)
+    assert times == pytest.approx([s.measured_s for s in samples], rel=1e-9)
+    with pytest.raises(ValueError, match="decode passes and passes with prefill rows"):
+        fit_linear_layer_terms(samples[:2], base)
 
 
 # a hybrid: three gated DeltaNet layers (state 4 x 16 x 16 fp32 = 4 KiB + conv 128 x 3 x 2 B padded to 1 KiB each)

@@ -76,3 +76,35 @@ def fit_step_time(samples: Sequence[StepSample], base: HardwareConfig) -> tuple[
     fitted = replace(base, flops_efficiency=float(1.0 / coef[0]), bandwidth_efficiency=float(1.0 / coef[1]),
                      layer_overhead_s=float(coef[2]), compute_plus_memory=True)
     return fitted, terms @ coef + base.step_overhead_s
+
+
+def fit_linear_layer_terms(samples: Sequence[StepSample], base: HardwareConfig) -> tuple[HardwareConfig, np.ndarray]:
+    """`base` with linear_layer_s and linear_prefill_s fitted to a hybrid model's passes (its other terms kept: they
+    are fitted to attention-only models' passes), and the fitted profile's time of each sample. What `base` leaves
+    unpriced per linear-attention layer is the mean residual of the pure-decode samples (linear_layer_s), and beyond
+    it that of the samples with prefill rows (linear_prefill_s). Raises ValueError without samples of both kinds, or
+    where a term would come out negative."""
+    bare = replace(base, linear_layer_s=0.0, linear_prefill_s=0.0)
+
+    def cost(s: StepSample, hw: HardwareConfig) -> float:
+        return CostModel(s.spec, s.probabilities, hw).step(
+            list(s.chunks), s.num_sampled, np.ones(s.probabilities.shape, dtype=bool)).time_s
+
+    decode, prefill = [], []
+    for s in samples:
+        n = len(s.spec.linear_layer_ids)
+        if not n:
+            raise ValueError(f"{s.label or 'a sample'}: not a hybrid model's pass")
+        residual = (s.measured_s - cost(s, bare)) / n
+        (prefill if any(k > 1 for _, k in s.chunks) else decode).append(residual)
+    if not decode or not prefill:
+        raise ValueError(f"the linear-layer terms need decode passes and passes with prefill rows, got {len(decode)} "
+                         f"and {len(prefill)}")
+    layer = float(np.mean(decode))
+    stretch = float(np.mean(prefill)) - layer
+    if layer < 0 or stretch < 0:
+        raise ValueError(f"the fit gives a negative linear-layer term (per layer {layer:.3g} s, prefill "
+                         f"{stretch:.3g} s)")
+    fitted = replace(base, linear_layer_s=layer, linear_prefill_s=stretch)
+    return fitted, np.array([cost(s, fitted) for s in samples])
+

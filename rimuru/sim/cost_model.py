@@ -69,6 +69,11 @@ class HardwareConfig:
     # per MoE layer, a pass with experts offloaded (piecewise graphs) against one with all resident (whole graphs)
     piecewise_overhead_per_layer_s: float = H200_PIECEWISE_OVERHEAD_PER_LAYER_S
     workspace_scratch_bytes: int = H200_WORKSPACE_SCRATCH  # the workspace bound's fixed term
+    # hybrid models, per linear-attention (gated DeltaNet) layer and pass, beyond what the roofline terms price: its
+    # kernels in every pass (conv, recurrence, gated norm), and in a pass with prefill rows the eager stretch that
+    # runs its prefill sequences between two pieces of the mixed graph (host-bound: fla's chunk launches)
+    linear_layer_s: float = 0.0
+    linear_prefill_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bandwidth", "flops_efficiency", "bandwidth_efficiency", "pcie_bandwidth"):
@@ -76,7 +81,8 @@ class HardwareConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.copy_overlap <= 1.0:
             raise ValueError(f"copy_overlap must be in [0, 1], got {self.copy_overlap}")
-        for name in ("step_overhead_s", "layer_overhead_s", "piecewise_overhead_per_layer_s"):
+        for name in ("step_overhead_s", "layer_overhead_s", "piecewise_overhead_per_layer_s", "linear_layer_s",
+                     "linear_prefill_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -86,17 +92,23 @@ HARDWARE = {
     # routing): 4 % rms error, 10 % at most, where the roofline above missed by 24 % rms (mixed passes by ~40 %);
     # fitted on Qwen1.5 alone it predicts Qwen3's passes within 7 %. benchmarks/calibrate_simulator.py,
     # benchmarks/results/2026-12-01-sim-calibration-static-steps-h200.json (sim/calibration.py says why a sum)
+    # The linear-attention terms (hybrid models), fitted on top to the two kinds of Qwen3.5-35B-A3B static passes of
+    # one served point (two passes, two terms: an exact solve, no check): benchmarks/calibrate_simulator.py
+    # --linear-layers, benchmarks/results/2026-12-07-sim-calibration-linear-layers-qwen3.5-35b-h200.json
     "h200": HardwareConfig(flops_efficiency=0.3459, bandwidth_efficiency=1.475, layer_overhead_s=115.1e-6,
-                           compute_plus_memory=True),
+                           compute_plus_memory=True, linear_layer_s=165.8e-6, linear_prefill_s=1.477e-3),
     # fitted to 38 passes served on an H100 80GB HBM3, static mode: every all-resident decode batch group of the step
     # profiler (Qwen1.5-MoE uniform at 20/40/60 req/s, Qwen3-30B zipf 1.0 at 8 req/s) on its own, and the mixed
     # kinds' means: 3.6 % rms error, 18 % at most (a Qwen3 mixed pass). Decode by batch group, not the decode kind's
     # mean: a pass's time is concave in the batch, so a mean time at the mean batch reads low (16-21 % at 20+).
     # benchmarks/results/2026-12-07-sim-calibration-static-steps-by-batch-h100.json. The shares are of the H200's
     # measured ceilings above (the H100's were not measured; a step's time depends only on the products), and the
-    # PCIe bandwidth, piecewise overhead and workspace term are the H200 host's: not measured on the H100's
+    # PCIe bandwidth, piecewise overhead and workspace term are the H200 host's: not measured on the H100's. The
+    # linear-attention terms, fitted on top to 10 Qwen3.5-35B-A3B static passes (8 decode batch groups, 2 mixed kinds,
+    # 4 and 8 req/s): 4.2 % rms, 11 % at most, where the profile without them missed by 31 % rms (mixed passes by
+    # 61-64 %); benchmarks/results/2026-12-07-sim-calibration-linear-layers-qwen3.5-35b-h100.json
     "h100": HardwareConfig(name="h100", flops_efficiency=0.4881, bandwidth_efficiency=0.7718, layer_overhead_s=78.39e-6,
-                           compute_plus_memory=True),
+                           compute_plus_memory=True, linear_layer_s=66.46e-6, linear_prefill_s=1.446e-3),
     # RTX 5090 as the paper ran it (CUDA graphs off): 1.79 TB/s GDDR7, 209.5 TFLOP/s dense bf16, PCIe 5.0;
     # eager launch overhead 32 ms/step = our H200's eager TPOT (40 ms) minus its CUDA-graph TPOT (7.8 ms).
     # eager: no graphs, so no piecewise overhead either
@@ -141,6 +153,7 @@ class CostModel:
         # updates and reads every linear layer's [Hv, dk, dv] state (about 6 flops per element: decay, S^T k,
         # the rank-1 update, S^T q)
         self.state_bytes_per_request = spec.state_bytes_per_request(dtype)
+        self.num_linear_layers = len(spec.linear_layer_ids)
         self.state_flops_per_token = 6.0 * len(spec.linear_layer_ids) * (
             spec.linear_num_value_heads * spec.linear_key_head_dim * spec.linear_value_head_dim)
         self.top_k = spec.num_experts_per_tok
@@ -173,6 +186,9 @@ class CostModel:
         byte_s = hbm / (hw.hbm_bandwidth * hw.bandwidth_efficiency)
         compute = ((flop_s + byte_s) if hw.compute_plus_memory else max(flop_s, byte_s)) \
             + hw.layer_overhead_s * self.spec.num_hidden_layers
+        if self.num_linear_layers:
+            prefill = any(n > 1 for _, n in chunks)
+            compute += self.num_linear_layers * (hw.linear_layer_s + (hw.linear_prefill_s if prefill else 0.0))
         read = offloaded * self.expert_bytes / hw.pcie_bandwidth if direct else 0.0
         copy = (grown * self.expert_bytes if direct else pcie) / hw.pcie_bandwidth
         piecewise = self.piecewise_overhead_s if not (direct or resident.all()) else 0.0
