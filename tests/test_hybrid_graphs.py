@@ -274,15 +274,34 @@ class EagerMixedReplay(PiecewiseGraph):
         g.logits_out[: logits.shape[0]].copy_(logits)
 
 
-def replay_through_static_buffers(engine: LLMEngine) -> StepGraphs:
+class EagerSinglePrefillReplay(EagerMixedReplay):
+    """Stands in for a captured single-prefill mixed graph on the CPU: an eager pass over the static mixed batch with
+    no layout at all, its one prefill sequence found on the device and run in a static window (as captured)."""
+
+    def replay(self, layout: StepLayout | None = None) -> None:
+        assert layout is None  # a whole graph: nothing of the step is handed to it
+        state_cache = self.graphs.model.state_cache
+        assert state_cache is not None
+        state_cache.single_prefill = True
+        try:
+            super().replay(StepLayout(0, 0, 0, 0))  # recorded, never read: the window path takes no layout
+        finally:
+            state_cache.single_prefill = False
+
+
+def replay_through_static_buffers(engine: LLMEngine, single_prefill: bool = False) -> StepGraphs:
     """Decode and mixed "graphs" for a CPU engine, each an eager pass over the static buffers (EagerReplay,
-    EagerMixedReplay), over the runtime's routing counter."""
+    EagerMixedReplay, and with `single_prefill` EagerSinglePrefillReplay for steps of one prefill sequence), over
+    the runtime's routing counter."""
     runner, cfg = engine.runner, engine.config
     graphs = StepGraphs(engine.model, engine.device, runner.num_layers, cfg.max_num_seqs, engine.max_model_len,
                         cfg.block_size, cfg.max_num_batched_tokens, counter=engine.runtime.graph_plan().counter,
                         num_linear_layers=runner.num_linear_layers)
     graphs.graphs.update({bs: EagerReplay(graphs, bs) for bs in graphs.sizes})
     graphs.mixed_graphs.update({t: EagerMixedReplay(graphs, t) for t in graphs.token_sizes})
+    if single_prefill:
+        graphs.single_prefill_graphs.update({t: EagerSinglePrefillReplay(graphs, t)  # type: ignore[misc]
+                                             for t in graphs.token_sizes})
     runner.use_cuda_graphs(graphs)
     return graphs
 
@@ -322,8 +341,9 @@ def _mode_did_its_part(mode: str, stats: dict, launches: Launches) -> None:
     assert launches.other > 0 and launches.pure_decode > 0
 
 
+@pytest.mark.parametrize("single_prefill", [False, True], ids=["cut", "single-prefill"])
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_serving_through_the_static_buffers_decodes_the_eager_tokens(ckpt: Path, mode: str,
+def test_serving_through_the_static_buffers_decodes_the_eager_tokens(ckpt: Path, mode: str, single_prefill: bool,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     args = MODES[mode][0]
     memory = _memory(ckpt, mode)
@@ -335,13 +355,17 @@ def test_serving_through_the_static_buffers_decodes_the_eager_tokens(ckpt: Path,
         cache = engine.model.state_cache
         assert cache is not None
         cache.in_place_decode = True  # the GPU's decode path (the paged kernels' torch references here)
-        graphs = replay_through_static_buffers(engine) if through_graphs else None
+        graphs = replay_through_static_buffers(engine, single_prefill) if through_graphs else None
         launches = Launches(engine, monkeypatch)
         got[through_graphs] = serve(engine)
         _mode_did_its_part(mode, llm.stats(), launches)
         if graphs is not None:  # every step through the buffers: the pure-decode ones decode graphs, the rest mixed
             assert engine.runner.graph_steps == launches.pure_decode + launches.other
             assert engine.runner.mixed_graph_steps == launches.other
+            # with them, steps of one prefill sequence took the single-prefill graphs, only the others the cut ones
+            assert (graphs.single_prefill_replays > 0) == single_prefill
+            cut = [lay for g in graphs.mixed_graphs.values() for lay in g.layouts]  # type: ignore[attr-defined]
+            assert not single_prefill or all(lay.num_prefills != 1 for lay in cut)
         assert_nothing_held(engine)
         llm.shutdown()
     assert got[True] == got[False]
@@ -441,6 +465,10 @@ def _cuda_serve(ckpt: Path, mode: str, dtype: str, eager: bool, monkeypatch: pyt
         # every step a replay: pure-decode steps decode graphs, the others (chunks, beside decodes or not) mixed
         assert runner.graph_steps == launches.pure_decode + launches.other
         assert runner.mixed_graph_steps == launches.other
+        # without table cuts, whole graphs for the steps of one prefill sequence (its DeltaNet prefill captured in a
+        # static window), and this serving had such steps
+        assert bool(graphs.single_prefill_graphs) == (graphs.boundaries is None)
+        assert (graphs.single_prefill_replays > 0) == (graphs.boundaries is None)
     assert_nothing_held(engine)
     llm.shutdown()  # one engine on the GPU at a time
     return got
@@ -452,8 +480,8 @@ def _cuda_serve(ckpt: Path, mode: str, dtype: str, eager: bool, monkeypatch: pyt
 def test_cuda_graphs_give_the_eager_tokens(ckpt: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Captured graphs (decode graphs whole in static and elastic-direct mode, piecewise with copies, elastic's whole
     ones over the resident tables too; mixed graphs cut at every gated DeltaNet layer, and at the table decisions
-    with copies) against the same engine run eagerly, float32: the same greedy tokens, every step a replay, nothing
-    held after."""
+    with copies; without copies whole single-prefill ones too) against the same engine run eagerly, float32: the
+    same greedy tokens, every step a replay, nothing held after."""
     memory = _memory(ckpt, mode, dtype="float32")
     eager = _cuda_serve(ckpt, mode, "float32", True, monkeypatch, memory)
     assert _cuda_serve(ckpt, mode, "float32", False, monkeypatch, memory) == eager

@@ -116,6 +116,43 @@ def test_prefill_sequences_in_groups_equal_one_group(ckpt: Path, per_group: int,
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=f"output {i}")
 
 
+@pytest.mark.parametrize("decodes", [0, 2])
+def test_a_single_prefill_in_a_static_window_equals_the_split(ckpt: Path, decodes: int) -> None:
+    # What a single-prefill mixed graph runs (engine/cuda_graphs.py): the pass's batch as a graph's (no layout, its
+    # one prefill sequence found on the device) and its sequence in a window of the pass's rows. Logits and the
+    # states left in the pages (the next passes read them) equal those of the split, which takes the layout's
+    # host ints; a continued chunk (a state read) and a fresh one, behind decodes or alone, past a 64-row chunk.
+    def run(window: bool) -> list[torch.Tensor]:
+        hm = PagedModel(ckpt, seed=1)
+        cache = hm.model.state_cache
+        assert cache is not None
+        cache.in_place_decode = True
+        a, b, c = model_prompts(2, hm.spec.vocab_size, (5, 17, 70))
+        outs = hm.step([(0, c[:30])] + [(1 + i, a[:1 + i]) for i in range(decodes)])  # states to continue
+        first = [(1 + i, [a[1 + i]]) for i in range(decodes)]
+
+        def step(chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+            batch = hm.batch(chunks)
+            if window:
+                batch.layout, batch.padded = None, True
+                cache.reserve_graph_rows(batch.num_tokens)
+                cache.single_prefill = True
+            with torch.inference_mode():
+                logits = hm.model.compute_logits(hm.model(batch)[batch.logits_indices])
+            cache.single_prefill = False
+            return list(logits.split([len(t) for _, t in chunks]))
+
+        outs += step(first + [(0, c[30:])])  # continues a state: 40 rows
+        outs += step(first + [(5, b)])  # a fresh sequence
+        outs += hm.step([(0, [9]), (5, [11])] + [(1 + i, [3]) for i in range(decodes)])  # decodes read the states
+        return outs
+
+    want, got = run(window=False), run(window=True)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert bool(torch.isfinite(g).all()), i
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=f"output {i}")
+
+
 def test_split_prefill_equals_transformers(ckpt: Path) -> None:
     from test_qwen3_5_model import hf_logits
 

@@ -186,6 +186,12 @@ class StepGraphs:
         # by token count; a hybrid's are cut at its eager stretches only (no table decision)
         self.whole_mixed_graphs: dict[int, torch.cuda.CUDAGraph | PiecewiseGraph] = {}
         self.whole_replays = 0  # passes that replayed a whole graph although the provider offloads
+        # a hybrid's mixed graphs, by token count, for a step with ONE prefill sequence: whole graphs that hold its
+        # gated DeltaNet prefill in a static window (models/state_cache.py single_prefill) instead of cutting at an
+        # eager stretch per layer; captured where no expert-table cut is (static mode, direct access)
+        self.single_prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.single_prefill_replays = 0
+        self._single_prefill_failed = False
         self.pool = None
         self.capture_s = 0.0
 
@@ -255,6 +261,8 @@ class StepGraphs:
             kind += " and whole (replayed while every expert is resident)"
         if self.num_linear_layers and self.token_sizes:
             kind += "; mixed graphs also cut at every gated DeltaNet layer's prefill rows"
+            if self.single_prefill_graphs:
+                kind += ", and whole ones for steps with one prefill sequence"
         logger.info("captured %s CUDA graphs in %.1f s: decode batch sizes %s; mixed token counts %s", kind,
                     self.capture_s, self.sizes, self.token_sizes)
 
@@ -271,10 +279,15 @@ class StepGraphs:
             # each one's activations given back before the next: no warm-up sits beside a graph pool that
             # already holds the largest graph's activations (interleaved, the start-up peak would be the pool
             # plus the next size's eager pass: above what serving holds).
+            singles = self._single_prefill_sizes()
             for mixed, size in todo:
                 batch = self._sized_batch(mixed, size)
                 for _ in range(2):
                     self._forward_into_logits(batch, piecewise)
+                if mixed and size in singles:
+                    with self._single_prefill():
+                        for _ in range(2):
+                            self._forward_into_logits(batch)
                 self._release_warmup_cache()
             if self.resident_provider is not None:
                 with self._resident_modules():
@@ -289,6 +302,8 @@ class StepGraphs:
                 else:
                     graph = self._capture_whole(batch, stream)
                 (self.mixed_graphs if mixed else self.graphs)[size] = graph
+                if mixed and size in singles:
+                    self._capture_single_prefill(batch, stream)
             if self.resident_provider is not None:
                 self._capture_resident(todo, stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -298,6 +313,37 @@ class StepGraphs:
         # the eager warm-ups cached activation blocks outside the graphs' pool: give them back, so the process
         # holds the pool once and not the same peak twice (the budget's workspace bound covers one)
         torch.cuda.empty_cache()
+
+    def _single_prefill_sizes(self) -> set[int]:
+        """Token counts of the single-prefill mixed graphs to capture: every mixed one of a hybrid model, where its
+        mixed graphs have no expert-table cut."""
+        if not self.num_linear_layers or self.boundaries is not None or self._single_prefill_failed:
+            return set()
+        return set(self.token_sizes)
+
+    @contextlib.contextmanager
+    def _single_prefill(self) -> Iterator[None]:
+        state_cache = self.model.state_cache
+        assert state_cache is not None
+        state_cache.single_prefill = True
+        try:
+            yield
+        finally:
+            state_cache.single_prefill = False
+
+    def _capture_single_prefill(self, batch: ForwardBatch, stream: torch.cuda.Stream) -> None:
+        """One whole single-prefill graph of `batch`'s size. A capture that fails (a kernel that cannot be captured)
+        leaves the hybrid's steps to the cut mixed graphs, which serve every step as before, and says so once."""
+        if self._single_prefill_failed:
+            return
+        try:
+            with self._single_prefill():
+                self.single_prefill_graphs[batch.num_tokens] = self._capture_whole(batch, stream)
+        except RuntimeError as err:
+            self._single_prefill_failed = True
+            self.single_prefill_graphs.clear()
+            logger.warning("single-prefill mixed graphs not captured (%s): every mixed step replays the graphs cut "
+                           "at the gated DeltaNet layers", str(err).splitlines()[0])
 
     def _release_warmup_cache(self) -> None:
         """The eager warm-up's activations are dead but cached outside the graphs' pool; give them back before
@@ -490,6 +536,12 @@ class StepGraphs:
             assert ssm_pages is not None and conv_pages is not None
             self.ssm_pages[:, : self.max_seqs].copy_(ssm_pages)
             self.conv_pages[:, : self.max_seqs].copy_(conv_pages)
+            single = self.single_prefill_graphs.get(tp)
+            if single is not None and layout is not None and layout.num_prefills == 1:
+                self.single_prefill_replays += 1
+                self._replay(single)
+                assert self.logits_out is not None
+                return self.logits_out[:num_sampled]
         self._replay(self.mixed_graphs[tp], self.whole_mixed_graphs.get(tp), layout)
         assert self.logits_out is not None
         return self.logits_out[:num_sampled]

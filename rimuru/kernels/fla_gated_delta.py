@@ -59,15 +59,17 @@ def fla_chunk_applies(x: Tensor) -> bool:
 
 
 def fla_chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
-                               cu_seqlens: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                               cu_seqlens: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
     """Packed varlen prefill. q, k [T, H, dk] raw (normalised in the kernel), v [T, H, dv], beta [T, H] in the model
     dtype; g [T, H] fp32; state [N, H, dk, dv] fp32 (each sequence's initial state, zeros for a fresh one);
-    cu_seqlens [N+1]. Returns o [T, H, dv] in the model dtype and the final states [N, H, dk, dv] fp32."""
+    cu_seqlens [N+1], or None for one sequence of all T rows (fla's fixed-length path: no chunk indices derived on
+    the host, so a CUDA graph can hold it). Returns o [T, H, dv] in the model dtype and the final states [N, H, dk,
+    dv] fp32."""
     chunk = _fla_chunk()
     if chunk is None:
         raise RuntimeError("fla_chunk_gated_delta_rule needs fla-core (check fla_chunk_applies first)")
     q, k, v, g, beta = (_aligned(t) for t in (q, k, v, g.float(), beta))
     o, final = chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale,
                      initial_state=state.float().contiguous(), output_final_state=True,
-                     cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=True)
+                     cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(), use_qk_l2norm_in_kernel=True)
     return o[0], final.float()

@@ -341,6 +341,40 @@ class GatedDeltaNet(nn.Module):
             o, state = chunk_gated_delta_rule(q, k, v, g_p, beta_p, state0, self.chunk_size)
         return unpad(o.transpose(1, 2)).to(mixed.dtype), conv_final, state  # [T, Hv, dv]
 
+    def window_core(
+        self,
+        mixed: Tensor,  # [W, conv_dim] one sequence's pre-conv inputs in its first rows, zeros after
+        g: Tensor,  # [W, Hv] fp32, 0 past the sequence (no decay)
+        beta: Tensor,  # [W, Hv], 0 past the sequence (no update)
+        conv0: Tensor,  # [1, conv_dim, K-1] initial conv state (zero for a fresh sequence, selected by the caller)
+        state0: Tensor,  # [1, Hv, dk, dv] fp32 initial recurrent state, likewise
+        length: Tensor,  # [1] int64 on the device: the sequence's rows
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The conv and the delta rule of ONE sequence in a fixed window of W rows, its length known on the device
+        only (a CUDA graph's static shapes): (o [W, Hv, dv] in mixed's dtype, rows past the sequence garbage; final
+        conv state [1, conv_dim, K-1], the K-1 inputs before row `length`; final recurrent state [1, Hv, dk, dv]
+        fp32). The rows past the sequence pass the recurrent state on unchanged: beta = 0 writes nothing, g = 0
+        decays nothing. The chunks start at row 0, as varlen_core's do, so the sequence's sums are the same."""
+        W = mixed.shape[0]
+        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        conv_out, conv_final = causal_conv1d(mixed[None].transpose(1, 2), conv0, self.conv1d.weight.squeeze(1),
+                                             length)
+        q, k, v = conv_out[0].transpose(0, 1).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        group = Hv // Hk
+        if fla_chunk_applies(mixed):  # fla's fixed-length path: no chunk indices built on the host
+            o, state = fla_chunk_gated_delta_rule(
+                q.reshape(W, Hk, dk).repeat_interleave(group, dim=1),
+                k.reshape(W, Hk, dk).repeat_interleave(group, dim=1),
+                v.reshape(W, Hv, dv), g, beta, state0, None, scale=dk**-0.5)
+            return o.to(mixed.dtype), conv_final, state
+        qf = l2_normalize(q.reshape(1, W, Hk, dk).float()) * dk**-0.5
+        kf = l2_normalize(k.reshape(1, W, Hk, dk).float())
+        qf, kf = qf.repeat_interleave(group, dim=2), kf.repeat_interleave(group, dim=2)  # [1, W, Hv, dk]
+        vf = v.reshape(1, W, Hv, dv).float()
+        qf, kf, vf = (t.transpose(1, 2) for t in (qf, kf, vf))  # [1, Hv, W, d]
+        o, state = chunk_gated_delta_rule(qf, kf, vf, g.T[None], beta.float().T[None], state0, self.chunk_size)
+        return o[0].transpose(0, 1).to(mixed.dtype), conv_final, state  # [W, Hv, dv]
+
     def _output(self, x: Tensor, o: Tensor) -> Tensor:  # x [T, hidden], o [T, Hv, dv] in x's dtype
         """The gated norm with z = in_proj_z(x), then out_proj: [T, hidden]."""
         T = x.shape[0]

@@ -92,6 +92,21 @@ class _GraphRows:
     o: Tensor  # [R, Hv, dv] model dtype
 
 
+@dataclass
+class _SinglePrefill:
+    """A graph's pass with exactly one prefill sequence (the single-prefill mixed graphs, engine/cuda_graphs.py),
+    found on the device from its static batch: the first sequence of more than one row. Its rows sit in a window of
+    the pass's W rows from its first: `read` [W] the rows to gather (clamped into the pass), `valid` [W] which are
+    its own, `write` [W] where its outputs go (past it: the static rows' scratch row, which no pass reads)."""
+
+    seq: Tensor  # [1] int64: its index among the batch's sequences
+    length: Tensor  # [1] int64: its rows
+    has_state: Tensor  # [1] bool: it continues a state
+    read: Tensor
+    valid: Tensor
+    write: Tensor
+
+
 # The chunk form of a pass's prefill sequences holds each one's initial and final recurrent state at once ([P, Hv,
 # dk, dv] fp32 twice: 1 GiB for 256 fresh prompts at Qwen3.5-35B-A3B, which the start-up profile's largest step
 # has). Sequences go through it in groups of at most this many bytes of ssm state, so that the workspace holds two
@@ -150,6 +165,10 @@ class LinearStateCache:
         self._rows: _DecodeRows | None = None  # this pass's (begin_pass)
         self._graph_rows: _GraphRows | None = None  # reserve_graph_rows
         self._prefill: _PrefillSeqs | None = None  # the last pass's prefill sequences, by (layout, batch)
+        # set while the single-prefill mixed graphs are captured: a graph's pass takes its one prefill sequence in a
+        # static window inside the graph (`_single_prefill_rows`) instead of cutting at an eager stretch
+        self.single_prefill = False
+        self._single: _SinglePrefill | None = None  # this pass's (begin_pass)
 
     @staticmethod
     def _pages(batch: ForwardBatch, linear_idx: int) -> tuple[Tensor, Tensor]:
@@ -182,6 +201,7 @@ class LinearStateCache:
         decode when the sequences before it are single tokens: query_start_loc[t] == t and [t + 1] == t + 1),
         among its first min(T, B) rows, so the graph's decode work is bounded by the batch's sequences."""
         self._rows = None
+        self._single = None
         if not self.splits(batch) or self.decodes_in_place(batch):
             return
         ssm, conv = batch.ssm_pages, batch.conv_pages
@@ -199,6 +219,47 @@ class LinearStateCache:
         decode = (qsl[:n] == t) & (qsl[1 : n + 1] == t + 1)  # [n]
         self._rows = _DecodeRows(n, torch.where(decode[None], ssm[:, :n], -1),
                                  torch.where(decode[None], conv[:, :n], -1), decode & (batch.seq_lens[:n] > 1))
+        self._single = self._find_single_prefill(batch, qsl) if self.single_prefill else None
+
+    def _find_single_prefill(self, batch: ForwardBatch, qsl: Tensor) -> _SinglePrefill:
+        W = batch.num_tokens
+        io = self._graph_rows
+        if io is None or io.mixed.shape[0] <= W:
+            raise RuntimeError(f"no static rows and scratch row reserved for a mixed graph of {W} rows")
+        lens = qsl[1:] - qsl[:-1]  # [B]; the graph's padding sequences have none
+        seq = (lens > 1).float().argmax().reshape(1)  # the first of more than one row (0 in a warm-up)
+        start, length = qsl.index_select(0, seq), lens.index_select(0, seq)
+        steps = torch.arange(W, device=qsl.device)
+        valid = steps < length
+        rows = start + steps
+        return _SinglePrefill(seq=seq, length=length, has_state=batch.seq_lens.index_select(0, seq).long() > length,
+                              read=rows.clamp(max=W - 1), valid=valid,
+                              write=torch.where(valid, rows, io.o.shape[0] - 1))
+
+    def _single_prefill_rows(self, layer: GatedDeltaNet, linear_idx: int, batch: ForwardBatch, mixed: Tensor,
+                             g: Tensor, beta: Tensor) -> None:
+        """The one prefill sequence of a graph's pass, all in static shapes (no host int of the step): its rows
+        gathered into a window of W rows (zeros past it, and beta = g = 0, so the state passes them unchanged), its
+        states read by page id (zero selected for a fresh one), the conv and delta rule (`window_core`), the outputs
+        scattered to its rows and the final states written back. A warm-up or capture batch names no page (-1):
+        page 0 is read and its own bytes written back."""
+        sp, io = self._single, self._graph_rows
+        assert sp is not None and io is not None
+        ssm_id = batch.ssm_pages[linear_idx].index_select(0, sp.seq)  # type: ignore[index]
+        conv_id = batch.conv_pages[linear_idx].index_select(0, sp.seq)  # type: ignore[index]
+        named = ssm_id >= 0
+        ssm_id, conv_id = ssm_id.clamp(min=0), conv_id.clamp(min=0)
+        keep = sp.has_state & named
+        conv0 = self.conv.index_select(0, conv_id).masked_fill_(~keep[:, None, None], 0)
+        state0 = self.ssm.index_select(0, ssm_id).masked_fill_(~keep[:, None, None, None], 0)
+        valid = sp.valid[:, None]
+        window = [torch.where(valid, t.index_select(0, sp.read), 0) for t in (mixed, g, beta)]
+        out, conv_f, state_f = layer.window_core(*window, conv0, state0, sp.length)
+        io.o.index_copy_(0, sp.write, torch.where(valid[..., None], out, 0))
+        conv_f = torch.where(named[:, None, None], conv_f.to(self.conv.dtype), self.conv.index_select(0, conv_id))
+        state_f = torch.where(named[:, None, None, None], state_f.to(self.ssm.dtype), self.ssm.index_select(0, ssm_id))
+        self.conv.index_copy_(0, conv_id, conv_f)
+        self.ssm.index_copy_(0, ssm_id, state_f)
 
     def reserve_graph_rows(self, rows: int) -> None:
         """The static buffers of mixed-step graphs of up to `rows` token rows (engine/cuda_graphs.py, before capture):
@@ -207,6 +268,7 @@ class LinearStateCache:
         _, conv_dim, _ = self.conv.shape
         _, hv, _, dv = self.ssm.shape
         dtype, dev = self.conv.dtype, self.conv.device
+        rows += 1  # a scratch row past every graph's: where a single-prefill window's rows past its sequence go
         self._graph_rows = _GraphRows(mixed=torch.zeros(rows, conv_dim, dtype=dtype, device=dev),
                                       g=torch.zeros(rows, hv, dtype=torch.float32, device=dev),
                                       beta=torch.zeros(rows, hv, dtype=dtype, device=dev),
@@ -236,6 +298,9 @@ class LinearStateCache:
             n = rows.n
             o[:n] = layer.decode_rows(mixed[:n], g[:n], beta[:n], self.conv, rows.conv[linear_idx], self.ssm,
                                       rows.ssm[linear_idx], rows.has_state)
+        if self._single is not None and batch.layout is None:  # a single-prefill graph's pass: no stretch to cut
+            self._single_prefill_rows(layer, linear_idx, batch, mixed, g, beta)
+            return layer._output(x, o)
         run = functools.partial(self._stretch, layer, linear_idx, batch, mixed, g, beta, o)
         if self.capture is not None and self.capture.capturing:
             self.capture.cut(run)
