@@ -97,3 +97,53 @@ def test_cuda_fla_prefill_equals_the_torch_chunk_form(monkeypatch: pytest.Monkey
     assert _rel(got, want) < 3e-2
     assert _rel(ssm_got, ssm_want) < 3e-2
     assert torch.equal(conv_got, conv_want)  # the conv runs the same torch code on both paths
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="needs CUDA and fla-core")
+def test_cuda_fla_window_in_a_cuda_graph_equals_the_varlen_prefill() -> None:
+    """The single-prefill graphs' form (GatedDeltaNet.window_core: one sequence in a window of W rows, zeros and
+    beta = g = 0 past it, fla's fixed-length path) captured once in a CUDA graph and replayed for sequences of
+    several lengths, continued and fresh: the outputs, final conv and recurrent states of fla's varlen path on the
+    sequence alone, within bf16 tolerance (the conv equal)."""
+    layer = make_layer(3, hidden=512, Hk=2, Hv=4, dk=128, dv=128).cuda().bfloat16()
+    (C, Km1), (Hv, dk, dv) = layer.state_shapes()
+    W = 256
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x_all = torch.randn(W, 512, device="cuda", generator=gen).bfloat16()
+    # the graph's static inputs
+    mixed_w = torch.zeros(W, C, device="cuda", dtype=torch.bfloat16)
+    g_w = torch.zeros(W, Hv, device="cuda")
+    beta_w = torch.zeros(W, Hv, device="cuda", dtype=torch.bfloat16)
+    conv0 = torch.zeros(1, C, Km1, device="cuda", dtype=torch.bfloat16)
+    state0 = torch.zeros(1, Hv, dk, dv, device="cuda")
+    length = torch.zeros(1, dtype=torch.int64, device="cuda")
+    assert fla_gated_delta.fla_chunk_applies(mixed_w)
+    with torch.no_grad():
+        for _ in range(2):  # compiles and autotunes fla's kernels before the capture
+            layer.window_core(mixed_w, g_w, beta_w, conv0, state0, length)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer.window_core(mixed_w, g_w, beta_w, conv0, state0, length)
+        for n, fresh in ((200, False), (65, True), (7, False), (W, False)):
+            mixed, g, beta = layer.project(x_all[:n])
+            c0 = torch.zeros(1, C, Km1, device="cuda", dtype=torch.bfloat16) if fresh else \
+                torch.randn(1, C, Km1, device="cuda", generator=gen).bfloat16()
+            s0 = torch.zeros(1, Hv, dk, dv, device="cuda") if fresh else \
+                torch.randn(1, Hv, dk, dv, device="cuda", generator=gen) * 0.05
+            qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+            want, conv_want, ssm_want = layer.varlen_core(mixed, g, beta, c0, s0, qsl, n)
+            for buf, t in ((mixed_w, mixed), (g_w, g), (beta_w, beta)):
+                buf.zero_()
+                buf[:n].copy_(t)
+            conv0.copy_(c0)
+            state0.copy_(s0)
+            length.fill_(n)
+            graph.replay()
+            got, conv_got, ssm_got = out
+            assert torch.isfinite(got[:n]).all() and torch.isfinite(ssm_got).all()
+            assert _rel(got[:n], want) < 3e-2, n
+            assert _rel(ssm_got, ssm_want) < 3e-2, n
+            assert torch.equal(conv_got, conv_want), n
