@@ -295,7 +295,6 @@ class GatedDeltaNet(nn.Module):
         final conv states [B, conv_dim, K-1], final recurrent states [B, Hv, dk, dv] fp32). With max_len given no
         step reads the device from the host. One sequence (B == 1) needs no padding gather at all."""
         T = mixed.shape[0]
-        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         B = query_start_loc.shape[0] - 1
         lens: Tensor | int
         if B == 1:  # the rows are the sequence: [1, T, ...] views, nothing padded
@@ -316,30 +315,45 @@ class GatedDeltaNet(nn.Module):
 
         conv_out, conv_final = causal_conv1d(padded.transpose(1, 2), conv0, self.conv1d.weight.squeeze(1), lens)
         q, k, v = conv_out.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        group = Hv // Hk  # value head j reads key head j // group
         if not recurrent and fla_chunk_applies(mixed):  # prefill on a GPU in bf16/fp16: fla's kernel, packed rows
-            o, state = fla_chunk_gated_delta_rule(
-                unpad(q).reshape(T, Hk, dk).repeat_interleave(group, dim=1),
-                unpad(k).reshape(T, Hk, dk).repeat_interleave(group, dim=1),
-                unpad(v).reshape(T, Hv, dv), g, beta, state0, query_start_loc, scale=dk**-0.5)
+            o, state = self._fla_rule(unpad(q), unpad(k), unpad(v), g, beta, state0, query_start_loc)
             return o.to(mixed.dtype), conv_final, state
-        q = q.reshape(B, L, Hk, dk).float()  # [B, L, Hk, dk]
-        k = k.reshape(B, L, Hk, dk).float()
-        v = v.reshape(B, L, Hv, dv).float()  # [B, L, Hv, dv]
-        q = l2_normalize(q) * dk**-0.5
-        k = l2_normalize(k)
-        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)  # [B, L, Hv, dk]
         beta_p, g_p = pad(beta).float(), pad(g)  # [B, L, Hv]; beta rounded to the model dtype first, as HF
         if valid is not None:  # padded steps must not touch the state: select beta = 0 and g = 0 there
             beta_p = torch.where(valid[..., None], beta_p, 0.0)
             g_p = torch.where(valid[..., None], g_p, 0.0)
+        o, state = self._torch_rule(q, k, v, g_p, beta_p, state0, recurrent)
+        return unpad(o).to(mixed.dtype), conv_final, state  # [T, Hv, dv]
+
+    def _fla_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state0: Tensor,
+                  cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
+        """fla's chunk form over packed rows: q, k [T, key_dim] raw (normalised in the kernel), v [T, value_dim],
+        g, beta [T, Hv]; cu_seqlens None for one sequence of all T rows. (o [T, Hv, dv], final states fp32)."""
+        T = q.shape[0]
+        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        group = Hv // Hk  # value head j reads key head j // group
+        return fla_chunk_gated_delta_rule(q.reshape(T, Hk, dk).repeat_interleave(group, dim=1),
+                                          k.reshape(T, Hk, dk).repeat_interleave(group, dim=1),
+                                          v.reshape(T, Hv, dv), g, beta, state0, cu_seqlens, scale=dk**-0.5)
+
+    def _torch_rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state0: Tensor,
+                    recurrent: bool = False) -> tuple[Tensor, Tensor]:
+        """The torch form over B padded sequences: q, k [B, L, key_dim] raw, v [B, L, value_dim], g, beta [B, L, Hv]
+        fp32 (0 on padded steps). (o [B, L, Hv, dv] fp32, final states [B, Hv, dk, dv] fp32)."""
+        B, L = q.shape[:2]
+        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        group = Hv // Hk
+        q = l2_normalize(q.reshape(B, L, Hk, dk).float()) * dk**-0.5  # [B, L, Hk, dk]
+        k = l2_normalize(k.reshape(B, L, Hk, dk).float())
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)  # [B, L, Hv, dk]
+        v = v.reshape(B, L, Hv, dv).float()  # [B, L, Hv, dv]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, Hv, L, d]
-        g_p, beta_p = g_p.transpose(1, 2), beta_p.transpose(1, 2)  # [B, Hv, L]
+        g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, Hv, L]
         if recurrent:
-            o, state = recurrent_gated_delta_rule(q, k, v, g_p, beta_p, state0)
+            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state0)
         else:
-            o, state = chunk_gated_delta_rule(q, k, v, g_p, beta_p, state0, self.chunk_size)
-        return unpad(o.transpose(1, 2)).to(mixed.dtype), conv_final, state  # [T, Hv, dv]
+            o, state = chunk_gated_delta_rule(q, k, v, g, beta, state0, self.chunk_size)
+        return o.transpose(1, 2), state
 
     def window_core(
         self,
@@ -355,25 +369,14 @@ class GatedDeltaNet(nn.Module):
         conv state [1, conv_dim, K-1], the K-1 inputs before row `length`; final recurrent state [1, Hv, dk, dv]
         fp32). The rows past the sequence pass the recurrent state on unchanged: beta = 0 writes nothing, g = 0
         decays nothing. The chunks start at row 0, as varlen_core's do, so the sequence's sums are the same."""
-        W = mixed.shape[0]
-        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         conv_out, conv_final = causal_conv1d(mixed[None].transpose(1, 2), conv0, self.conv1d.weight.squeeze(1),
                                              length)
         q, k, v = conv_out[0].transpose(0, 1).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        group = Hv // Hk
         if fla_chunk_applies(mixed):  # fla's fixed-length path: no chunk indices built on the host
-            o, state = fla_chunk_gated_delta_rule(
-                q.reshape(W, Hk, dk).repeat_interleave(group, dim=1),
-                k.reshape(W, Hk, dk).repeat_interleave(group, dim=1),
-                v.reshape(W, Hv, dv), g, beta, state0, None, scale=dk**-0.5)
+            o, state = self._fla_rule(q, k, v, g, beta, state0, None)
             return o.to(mixed.dtype), conv_final, state
-        qf = l2_normalize(q.reshape(1, W, Hk, dk).float()) * dk**-0.5
-        kf = l2_normalize(k.reshape(1, W, Hk, dk).float())
-        qf, kf = qf.repeat_interleave(group, dim=2), kf.repeat_interleave(group, dim=2)  # [1, W, Hv, dk]
-        vf = v.reshape(1, W, Hv, dv).float()
-        qf, kf, vf = (t.transpose(1, 2) for t in (qf, kf, vf))  # [1, Hv, W, d]
-        o, state = chunk_gated_delta_rule(qf, kf, vf, g.T[None], beta.float().T[None], state0, self.chunk_size)
-        return o[0].transpose(0, 1).to(mixed.dtype), conv_final, state  # [W, Hv, dv]
+        o, state = self._torch_rule(q[None], k[None], v[None], g[None], beta[None].float(), state0)
+        return o[0].to(mixed.dtype), conv_final, state  # [W, Hv, dv]
 
     def _output(self, x: Tensor, o: Tensor) -> Tensor:  # x [T, hidden], o [T, Hv, dv] in x's dtype
         """The gated norm with z = in_proj_z(x), then out_proj: [T, hidden]."""
