@@ -249,17 +249,25 @@ class LinearStateCache:
         conv_id = batch.conv_pages[linear_idx].index_select(0, sp.seq)  # type: ignore[index]
         named = ssm_id >= 0
         ssm_id, conv_id = ssm_id.clamp(min=0), conv_id.clamp(min=0)
-        keep = sp.has_state & named
-        conv0 = self.conv.index_select(0, conv_id).masked_fill_(~keep[:, None, None], 0)
-        state0 = self.ssm.index_select(0, ssm_id).masked_fill_(~keep[:, None, None, None], 0)
+        conv0, state0 = self._initial_states(conv_id, ssm_id, ~(sp.has_state & named))
         valid = sp.valid[:, None]
         window = [torch.where(valid, t.index_select(0, sp.read), 0) for t in (mixed, g, beta)]
         out, conv_f, state_f = layer.window_core(*window, conv0, state0, sp.length)
         io.o.index_copy_(0, sp.write, torch.where(valid[..., None], out, 0))
         conv_f = torch.where(named[:, None, None], conv_f.to(self.conv.dtype), self.conv.index_select(0, conv_id))
         state_f = torch.where(named[:, None, None, None], state_f.to(self.ssm.dtype), self.ssm.index_select(0, ssm_id))
-        self.conv.index_copy_(0, conv_id, conv_f)
-        self.ssm.index_copy_(0, ssm_id, state_f)
+        self._store_states(conv_id, ssm_id, conv_f, state_f)
+
+    def _initial_states(self, conv_ids: Tensor, ssm_ids: Tensor, fresh: Tensor) -> tuple[Tensor, Tensor]:
+        """The conv [n, conv_dim, K-1] and recurrent [n, Hv, dk, dv] states in these pages, gathered, a fresh
+        sequence's selected as zero in the gathered copy itself (its page holds garbage; nothing is multiplied)."""
+        return (self.conv.index_select(0, conv_ids).masked_fill_(fresh[:, None, None], 0),
+                self.ssm.index_select(0, ssm_ids).masked_fill_(fresh[:, None, None, None], 0))
+
+    def _store_states(self, conv_ids: Tensor, ssm_ids: Tensor, conv: Tensor, recurrent: Tensor) -> None:
+        """Final states [n, ...] into these pages."""
+        self.conv.index_copy_(0, conv_ids, conv.to(self.conv.dtype))
+        self.ssm.index_copy_(0, ssm_ids, recurrent.to(self.ssm.dtype))
 
     def reserve_graph_rows(self, rows: int) -> None:
         """The static buffers of mixed-step graphs of up to `rows` token rows (engine/cuda_graphs.py, before capture):
@@ -323,17 +331,12 @@ class LinearStateCache:
         ssm_all, conv_all = ssm_all[d:b], conv_all[d:b]  # [P]: real sequences, every page >= 0
         for grp in seqs.groups:
             ssm_ids, conv_ids = ssm_all[grp.first : grp.last], conv_all[grp.first : grp.last]
-            fresh = ~seqs.has_state[grp.first : grp.last]
-            # fresh sequences' states are selected as zero (their pages hold garbage, never multiplied), in the
-            # gathered copies themselves: no second copy of the states
-            conv0 = self.conv.index_select(0, conv_ids).masked_fill_(fresh[:, None, None], 0)
-            state0 = self.ssm.index_select(0, ssm_ids).masked_fill_(fresh[:, None, None, None], 0)
+            conv0, state0 = self._initial_states(conv_ids, ssm_ids, ~seqs.has_state[grp.first : grp.last])
             r0, r1 = d + grp.row_start, d + grp.row_end
             out, conv_f, state_f = layer.varlen_core(mixed[r0:r1], g[r0:r1], beta[r0:r1], conv0, state0,
                                                      grp.cu_seqlens, grp.max_len)
             del conv0, state0
-            self.conv.index_copy_(0, conv_ids, conv_f.to(self.conv.dtype))
-            self.ssm.index_copy_(0, ssm_ids, state_f.to(self.ssm.dtype))
+            self._store_states(conv_ids, ssm_ids, conv_f, state_f)
             o[r0:r1] = out
 
     def _stretch(self, *args: object) -> None:
@@ -378,8 +381,7 @@ class LinearStateCache:
         if bool((ssm_ids < 0).any()):
             keep = ssm_ids >= 0
             ssm_ids, conv_ids, conv, recurrent = ssm_ids[keep], conv_ids[keep], conv[keep], recurrent[keep]
-        self.conv.index_copy_(0, conv_ids, conv.to(self.conv.dtype))
-        self.ssm.index_copy_(0, ssm_ids, recurrent.to(self.ssm.dtype))
+        self._store_states(conv_ids, ssm_ids, conv, recurrent)
 
 
 def no_state_cache(device: torch.device | str, dtype: torch.dtype) -> LinearStateCache:
