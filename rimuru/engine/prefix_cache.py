@@ -228,6 +228,10 @@ class PrefixCache:
                 out.append(h)
         return out
 
+    def _huge_of(self, key: int) -> int:
+        """The huge page holding the mid page at byte offset `key`."""
+        return key // self.allocator.geometry.huge_size
+
     def _last_used(self, key: int) -> int:
         return max(b.last_used for b in self._unref_blocks[key].values())
 
@@ -299,11 +303,11 @@ class PrefixCache:
             assert info is not None
             self._whole[key] = info[0]
             self._whole_count[info[0]] = self._whole_count.get(info[0], 0) + 1
-            self._whole_by_huge.setdefault(key // self.allocator.geometry.huge_size, set()).add(key)
+            self._whole_by_huge.setdefault(self._huge_of(key), set()).add(key)
         elif not whole and was is not None:
             del self._whole[key]
             self._whole_count[was] -= 1
-            h = key // self.allocator.geometry.huge_size
+            h = self._huge_of(key)
             self._whole_by_huge[h].discard(key)
             if not self._whole_by_huge[h]:
                 del self._whole_by_huge[h]
@@ -336,7 +340,7 @@ class PrefixCache:
         assert {k: c for k, c in self._whole_count.items() if c} == counts
         by_huge: dict[int, set[int]] = {}
         for key in whole:
-            by_huge.setdefault(key // self.allocator.geometry.huge_size, set()).add(key)
+            by_huge.setdefault(self._huge_of(key), set()).add(key)
         assert by_huge == self._whole_by_huge, "whole mid pages by huge page drifted"
         version = (self.allocator.mid_changes, self._whole_changes)
         for kind, (seen, count) in self._whole_huge_counted.items():

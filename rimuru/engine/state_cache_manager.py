@@ -109,9 +109,12 @@ class StateSnapshots:
             self._lru[snap.name] = snap
             self._count_unheld(snap, +1)
 
-    def _count_unheld(self, snap: StateSnapshot, sign: int) -> None:
-        g, by_huge = self.allocator.geometry, self._unheld_by_huge
-        self._unheld_changes += 1
+    def _count_unheld(self, snap: StateSnapshot, sign: int, by_huge: dict[int, int] | None = None) -> None:
+        """Adds (sign +1) or takes (-1) the snapshot's ssm pages to / from the per-huge-page count of the LRU's."""
+        if by_huge is None:
+            by_huge = self._unheld_by_huge
+            self._unheld_changes += 1
+        g = self.allocator.geometry
         for page in snap.ssm_pages:
             h = g.huge_of_mid(SSM, page)
             n = by_huge.get(h, 0) + sign
@@ -155,9 +158,12 @@ class StateSnapshots:
         a = self.allocator
         version = (a.mid_changes, self._unheld_changes)  # cached until a mid page or the LRU changes
         if self._whole_counted is None or self._whole_counted[0] != version:
-            whole = sum(1 for h, n in self._unheld_by_huge.items() if a.huge_page_use(h) == (SSM, n))
-            self._whole_counted = (version, whole)
+            self._whole_counted = (version, self._huge_pages_alone(self._unheld_by_huge))
         return self._whole_counted[1] * a.geometry.mids_per_huge(kind)
+
+    def _huge_pages_alone(self, by_huge: dict[int, int]) -> int:
+        """Huge pages split into ssm pages whose every used ssm page is one of `by_huge`'s count there."""
+        return sum(1 for h, n in by_huge.items() if self.allocator.huge_page_use(h) == (SSM, n))
 
     def reclaim_mid(self, kind: str, count: int) -> None:
         self._drop_until(self.allocator.free_mid_capacity, kind, count)
@@ -173,15 +179,12 @@ class StateSnapshots:
         assert set(self._lru) == {n for n, s in self._snaps.items() if s.refs == 0}
         by_huge: dict[int, int] = {}
         for snap in self._lru.values():
-            for page in snap.ssm_pages:
-                h = self.allocator.geometry.huge_of_mid(SSM, page)
-                by_huge[h] = by_huge.get(h, 0) + 1
+            self._count_unheld(snap, +1, by_huge)
         assert by_huge == self._unheld_by_huge, "unheld snapshot pages by huge page drifted"
         if self._whole_counted is not None and self._whole_counted[0] == (self.allocator.mid_changes,
                                                                           self._unheld_changes):
-            a = self.allocator
-            whole = sum(1 for h, n in by_huge.items() if a.huge_page_use(h) == (SSM, n))
-            assert self._whole_counted[1] == whole, "stale count of huge pages unheld snapshots alone use"
+            assert self._whole_counted[1] == self._huge_pages_alone(by_huge), \
+                "stale count of huge pages unheld snapshots alone use"
 
 
 class Reclaimers:
