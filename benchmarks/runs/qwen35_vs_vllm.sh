@@ -7,8 +7,7 @@
 #   qwen35_vs_vllm.sh rimuru72   static, fixed98, elastic at 72 GiB   (fla-core must be importable)
 #   qwen35_vs_vllm.sh rimuru60   fixed80, elastic at 60 GiB
 # fixedNN keeps NN % of each layer's experts resident: the splits `rimuru simulate` finds best at these budgets
-# (H100 profile, 200 prompts: at 72 GiB and 8 req/s 98 % 836 tok/s, 95 % 635, 85 % 331; at 60 GiB and 4 req/s
-# 80 % 206, 85 % 149, 70 % 181).
+# (benchmarks/runs/sim_qwen35.sh; docs/benchmarks.md section 11).
 #   qwen35_vs_vllm.sh vllm72     vLLM at 72 GiB
 # RATES (default 4,8) and NP (default 200) set the points, CONFIGS a subset of a Rimuru run's configurations (a
 # Qwen3.5-35B start takes ~2-3 min: one configuration at two rates fills a command), TIME_BUDGET_S (default 540) the
