@@ -102,7 +102,10 @@ def main() -> None:
     for path in args.files:
         samples += samples_of(json.loads(Path(path).read_text()), Path(path).name, model_of, args.min_steps)
     base = HARDWARE[args.hardware]
-    fitted, predicted = (fit_linear_layer_terms if args.linear_layers else fit_step_time)(samples, base)
+    try:
+        fitted, predicted = (fit_linear_layer_terms if args.linear_layers else fit_step_time)(samples, base)
+    except ValueError as err:  # too few passes, a term priced below 0, a file of another model than --linear-layers'
+        raise SystemExit(f"calibrate_simulator: {err}") from None
 
     def in_use(s: StepSample) -> float:
         return CostModel(s.spec, s.probabilities, base).step(
