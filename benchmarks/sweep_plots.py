@@ -69,7 +69,7 @@ def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
         for row in doc["rows"]:
             tl = row.get("timeline") or {}
             if row.get("status") == "ok" and float(row["rate"]) == float(rate) and tl.get("t"):
-                rows.append({**row, "run": run})
+                rows.append({**row, "run": run, "budget": doc.get("gpu_memory_budget")})
     if not rows:
         raise SystemExit(f"no ok rows with a timeline at {rate} req/s")
     fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.8 * len(rows)), squeeze=False)
@@ -101,7 +101,8 @@ def plot_memory(json_paths: list[Path], rate: float, out: Path) -> None:
             if tl.get(key):
                 twin.plot(t, [v or 0 for v in tl[key]], style, color="black", linewidth=1, label=key)
         twin.set_ylabel("requests")
-        ax.set_title(f"{name} at {rate:g} req/s" + (f", code {row['run']}" if row["run"] else ""))
+        ax.set_title(f"{name}" + (f", {row['budget']}" if row["budget"] else "") + f" at {rate:g} req/s"
+                     + (f", code {row['run']}" if row["run"] else ""))
         handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
         labels = ax.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
         ax.legend(handles, labels, fontsize=7, loc="upper right")

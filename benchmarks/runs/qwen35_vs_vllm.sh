@@ -3,7 +3,10 @@
 # and data (vLLM's client, ShareGPT), at a budget where the weights just fit (72 GiB; vLLM the same 72 GiB as its
 # share of the card, --language-model-only so its vision tower takes nothing) and below it (60 GiB: static cannot
 # start). vLLM refuses to start with its default --max-num-seqs (1024) where the budget holds fewer requests'
-# recurrent state (119 at 72 GiB on an H100): it runs with 96, more requests than these rates keep in flight.
+# recurrent state (119 at 72 GiB on an H100): it runs with 96, more requests than these rates keep in flight. On
+# Hopper (SM90) vLLM picks FlashInfer's GDN prefill kernel, whose SM90 build is missing from the installed wheels
+# ("SM90 GDN prefill DSL kernel is unavailable"): its engine dies on the first prefill. It runs with its Triton/FLA
+# prefill kernels (--gdn-prefill-backend triton), its own copy of fla's, the same family Rimuru's prefill uses.
 #   qwen35_vs_vllm.sh rimuru72   static, fixed98, elastic at 72 GiB   (fla-core must be importable)
 #   qwen35_vs_vllm.sh rimuru60   fixed80, elastic at 60 GiB
 # fixedNN keeps NN % of each layer's experts resident: the splits `rimuru simulate` finds best at these budgets
@@ -26,7 +29,7 @@ case "${1:-}" in
   rimuru60) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 60GiB --configs "${CONFIGS:-fixed80,elastic}" "${fixed[@]}" \
       --output-json "$OUT/$D-serve-qwen3.5-35b-60gib-uniform-rimuru${CONFIGS:+-${CONFIGS//,/-}}-$C-$G.json" ;;
   vllm72) timeout $limit $SWEEP "${common[@]}" --gpu-memory-budget 72GiB --vllm-max-model-len 4096 \
-      --define "vllm72=vllm:--language-model-only --max-num-seqs 96" --configs vllm72 \
+      --define "vllm72=vllm:--language-model-only --max-num-seqs 96 --gdn-prefill-backend triton" --configs vllm72 \
       --output-json "$OUT/$D-serve-qwen3.5-35b-72gib-uniform-vllm-beside-$C-$G.json" ;;
   *) echo "usage: qwen35_vs_vllm.sh rimuru72|rimuru60|vllm72" >&2; exit 2 ;;
 esac
