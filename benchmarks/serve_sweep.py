@@ -107,7 +107,7 @@ ROW_FIELDS = (
     "kernel_warmup_s", "kernel_warmup_variants",
     "expert_evictions", "expert_grows", "kv_pages_moved",
     "piecewise_overhead_ms", "expert_copy_bandwidth", "kv_tokens_max", "workspace_bytes", "workspace_parts",
-    "prefix_cache_queries",
+    "startup_phases", "prefix_cache_queries",
     "prefix_cache_hits",
     "prefix_cache_hit_rate", "total_input_tokens", "total_cached_tokens", "median_ttft_first_turn_ms",
     "median_ttft_later_turns_ms", "p99_ttft_first_turn_ms", "p99_ttft_later_turns_ms", "point_wall_s", "timeline",
@@ -297,6 +297,9 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         # its measured parts (GPU): forward, graphs, sampling, outside torch (engine/workspace_profile.py)
         "workspace_parts": {part: metric(after, f"rimuru:workspace_{part}_bytes")
                             for part in ("forward", "graphs", "sampling", "outside")},
+        # the engine's start-up by phase (rimuru/engine/startup_clock.py's keys), and in all
+        "startup_phases": {key: metric(after, f"rimuru:startup_{key}_seconds")
+                           for key in ("model", "memory_plan", "pool", "weights", "graphs", "total")},
         "kernel_warmup_s": metric(after, "rimuru:kernel_warmup_seconds"),  # levels fixed at start
         "kernel_warmup_variants": metric(after, "rimuru:kernel_warmup_variants"),
         "prefix_cache_queries": prefix_q,

@@ -422,3 +422,7 @@ def test_start_levels_reach_metrics(server: Server) -> None:
     # its parts are measured on a GPU only: on the CPU (a bound, not a profile) none is exported, rather than a 0
     assert engine.workspace_profile is None
     assert not any(k.startswith("rimuru:workspace_") and k != "rimuru:workspace_bytes" for k in m)
+    # where the start went: the phases a CPU start runs (no graphs), each a positive time, summing to the total
+    phases = {key: m[f"rimuru:startup_{key}_seconds"] for key in ("model", "memory_plan", "pool", "weights")}
+    assert "rimuru:startup_graphs_seconds" not in m and all(s > 0 for s in phases.values()), phases
+    assert sum(phases.values()) == pytest.approx(m["rimuru:startup_total_seconds"], rel=1e-6)

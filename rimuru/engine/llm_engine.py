@@ -135,7 +135,7 @@ class LLMEngine:
         self.geometry = geometry
         # non-expert weights first: the workspace is measured with them, before the pool exists
         model = build_model(spec, dtype, device, torch.empty(0, device=device), tp=tp)
-        clock.mark("model built")
+        clock.mark("model built", "model")
         self.workspace_profile: WorkspaceProfile | None = None  # measured on a GPU
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device.type == "cuda")
@@ -144,7 +144,7 @@ class LLMEngine:
             self.async_scheduling = False
         self._host_store: HostExpertStore | None = None  # made before the pool where the mode needs one
         memory = self._agree(self._plan_memory(model, geometry, dtype, start_memory))
-        clock.mark("memory plan (the workspace profile and kernel warm-up)")
+        clock.mark("memory plan (the workspace profile and kernel warm-up)", "memory_plan")
         self.pool = PagePool(geometry, memory.pool_bytes, device)
         num_attn = len(spec.attention_layer_ids)
         model.bind_kv_cache(self.pool.kv_view(max(1, spec.num_key_value_heads // config.tensor_parallel_size),
@@ -157,11 +157,11 @@ class LLMEngine:
         self.runtime = build_runtime(self._runtime_settings(memory.mode), spec, dtype, self.pool, model,
                                      load_popularity(config, spec), self.fence, self._host_store)
         self._host_store = None  # the runtime's now
-        clock.mark("pool and expert runtime")
+        clock.mark("pool and expert runtime", "pool")
         load_weights(model, spec, config, load_format, self.runtime, device)
         if device.type == "cuda":  # start-up transients (the copy-bandwidth probe, weight staging) go back
             torch.cuda.empty_cache()
-        clock.mark("weights" + (" (random)" if load_format == "dummy" else ""))
+        clock.mark("weights" + (" (random)" if load_format == "dummy" else ""), "weights")
         self.model = model
         prefix_caching = config.enable_prefix_caching
         self.kv = KVCacheManager(self.pool.allocator, num_attn, config.block_size,
@@ -196,11 +196,12 @@ class LLMEngine:
                             "(%s): every step runs eager", spec.model_type)
             else:
                 if state_cache is not None:
-                    logger.info("hybrid model (%s): pure-decode steps replay CUDA graphs; steps with a prefill chunk "
-                                "replay piecewise graphs cut at every gated DeltaNet layer, whose prefill sequences "
-                                "run eagerly between the pieces", spec.model_type)
+                    logger.info("hybrid model (%s): pure-decode steps replay CUDA graphs; steps with one prefill "
+                                "sequence replay whole single-prefill graphs where every expert is resident in "
+                                "pages, the others piecewise graphs cut at every gated DeltaNet layer, whose "
+                                "prefill sequences run eagerly between the pieces", spec.model_type)
                 self._capture_graphs()
-                clock.mark("CUDA graphs")
+                clock.mark("CUDA graphs", "graphs")
         if start_memory is not None:
             self._check_workspace(start_memory)
         logger.info("start-up: %s; %d Triton kernel variants built", clock.describe(),
@@ -665,6 +666,9 @@ class LLMEngine:
             # its parts as measured on a GPU (engine/workspace_profile.py; None on the CPU, where it is a bound)
             **{f"workspace_{part}_bytes": getattr(self.workspace_profile, part, None)
                for part in ("forward", "graphs", "sampling", "outside")},
+            # where the start-up went (engine/startup_clock.py): seconds per phase, levels fixed at start
+            **{f"startup_{key}_s": seconds for key, seconds in self._clock.seconds.items()},
+            "startup_total_s": self._clock.total_s,
             **self.runtime.stats(),  # expert_bytes_loaded, prefetch hits/misses, evictions, grows, adjuster view
         }
 

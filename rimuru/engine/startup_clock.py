@@ -2,12 +2,17 @@
 
 A server of a 30B model starts in 30 s to over 2 minutes depending on the mode (building the model, the workspace
 profile, pinning the host expert store, drawing or reading the weights, capturing the graphs); this names the
-phases so that a slow start says which one it was.
+phases so that a slow start says which one it was. Each phase also has a short key (`PHASE_KEYS`), under which
+`seconds` holds its time: the engine's stats and /metrics carry them (`rimuru:startup_<key>_seconds`), so a serving
+sweep records where each server's start went.
 """
 
 from __future__ import annotations
 
 import time
+
+# the engine's start-up phases, in order (engine/llm_engine.py); a phase a start skips (graphs when eager) is absent
+PHASE_KEYS = ("model", "memory_plan", "pool", "weights", "graphs")
 
 
 class StartupClock:
@@ -15,11 +20,15 @@ class StartupClock:
         self._last = self._start = time.monotonic()
         self.phases: list[tuple[str, float, list[tuple[str, float]]]] = []  # (phase, seconds, parts), in order
         self._parts: list[tuple[str, float]] = []
+        self.seconds: dict[str, float] = {}  # PHASE_KEYS -> seconds, for the phases marked so far
 
-    def mark(self, phase: str) -> None:
-        """The phase that ends now (since the previous mark or the clock's start)."""
+    def mark(self, phase: str, key: str) -> None:
+        """The phase that ends now (since the previous mark or the clock's start), `key` one of PHASE_KEYS."""
+        if key not in PHASE_KEYS:
+            raise ValueError(f"start-up phase key {key!r} is not one of {PHASE_KEYS}")
         now = time.monotonic()
         self.phases.append((phase, now - self._last, self._parts))
+        self.seconds[key] = self.seconds.get(key, 0.0) + now - self._last
         self._parts = []
         self._last = now
 

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from rimuru.engine.startup_clock import PHASE_KEYS
 from rimuru.engine.step_metrics import StepMetrics, StepMetricsRing
 from rimuru.server.async_engine import FinishedRequest
 
@@ -48,6 +49,9 @@ GAUGES = {
                                 "Workspace profile: device memory the passes made outside torch's allocator."),
     "kernel_warmup_s": ("kernel_warmup_seconds", "Start-up's kernel warm-up (passes building Triton kernel variants)."),
     "kernel_warmup_variants": ("kernel_warmup_variants", "Triton kernel variants the start-up warm-up built."),
+    **{f"startup_{key}_s": (f"startup_{key}_seconds", f"Engine start-up: seconds of its {key} phase.")
+       for key in PHASE_KEYS},
+    "startup_total_s": ("startup_total_seconds", "Engine start-up: seconds from building the model to ready."),
     "piecewise_overhead_ms": ("piecewise_overhead_ms", "Elastic: measured extra time of a piecewise-graph pass."),
     "expert_copy_bandwidth": ("expert_copy_bytes_per_second",
                               "Elastic: host-to-device expert copy bandwidth measured at start-up (bytes/s)."),
