@@ -246,7 +246,8 @@ class EagerReplay:
 
 class EagerMixedReplay(PiecewiseGraph):
     """Stands in for a captured mixed graph of `tokens` rows on the CPU: an eager pass over the graphs' static mixed
-    batch, its gated DeltaNet layers' eager stretches run with the step's layout (as between a replay's pieces)."""
+    batch, a hybrid's gated DeltaNet layers' eager stretches run with the step's layout (as between a replay's
+    pieces)."""
 
     def __init__(self, graphs: StepGraphs, tokens: int) -> None:
         super().__init__()
@@ -257,15 +258,17 @@ class EagerMixedReplay(PiecewiseGraph):
         g = self.graphs
         batch = g.mixed_batch(self.tokens)
         state_cache = g.model.state_cache
-        assert state_cache is not None and layout is not None
+        assert (state_cache is None) == (layout is None)  # a layout for a hybrid's stretches, and only for them
         self.layouts.append(layout)
-        state_cache.step_layout = layout
+        if state_cache is not None:
+            state_cache.step_layout = layout
         if g.counter is not None:
             g.counter.row_mask = batch.slot_mapping[0] >= 0
         try:
             hidden = g.model(batch)  # [tokens, d]
         finally:
-            state_cache.step_layout = None
+            if state_cache is not None:
+                state_cache.step_layout = None
             if g.counter is not None:
                 g.counter.row_mask = None
         logits = g.model.compute_logits(hidden[batch.logits_indices])  # [S, V]

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rimuru.config import EngineConfig
 from rimuru.engine.piecewise_graphs import ExpertTableBoundaries, PieceCapture, PiecewiseGraph
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.routing_counter import RoutingCounter
@@ -82,6 +83,20 @@ def release_cublas_workspaces(device: torch.device) -> None:
     Safe for graphs captured here, whose workspace lives in their pool; eager passes find theirs made anew."""
     torch.cuda.synchronize(device)
     torch._C._cuda_clearCublasWorkspaces()
+
+
+def why_no_graphs(config: EngineConfig, mode: str, in_place_decode: bool) -> str | None:
+    """Why an engine on a GPU captures no CUDA graphs in offload `mode` (None: it captures them), one rule for the
+    engine and its workspace profile. `in_place_decode`: a hybrid model's state decodes by the paged kernels in place
+    (the gather path syncs the host). Under tensor parallelism every rank replays rank 0's graph choice, which
+    copy access cannot give: its passes decide on the host at every expert-table cut inside the graph."""
+    if config.enforce_eager:
+        return "--enforce-eager"
+    if not in_place_decode:
+        return "a hybrid model without Triton's paged decode kernels (the state gather path syncs the host)"
+    if config.tensor_parallel_size > 1 and mode != "static" and config.offload_access == "copy":
+        return "tensor parallelism with copy access (each rank's passes decide at every expert-table cut)"
+    return None
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

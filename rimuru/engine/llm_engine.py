@@ -23,7 +23,8 @@ another thread (the server); they only queue.
 
 With `tensor_parallel_size` N > 1 this process is rank 0 of N (engine/tp_workers.py): it starts the other ranks,
 which build the same engine over their shards, and sends them every pass; only rank 0 schedules, plans and
-samples. Such an engine runs every pass eagerly and without async scheduling.
+samples. Such an engine runs without async scheduling; its passes replay CUDA graphs as one GPU's do (every rank
+the graph rank 0 chose), except with copy access, where every pass runs eager (cuda_graphs.why_no_graphs).
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ import torch
 
 from rimuru.config import EngineConfig, format_bytes
 from rimuru.distributed.parallel_state import SINGLE, TensorParallel
-from rimuru.engine.cuda_graphs import capture_step_graphs
+from rimuru.engine.cuda_graphs import capture_step_graphs, why_no_graphs
 from rimuru.engine.kv_cache_manager import KV, KVCacheManager
 from rimuru.engine.kv_compaction import KVMoves, compact_kv, max_pages_moved
-from rimuru.engine.model_runner import HostBatch, ModelRunner, SampledTokens
+from rimuru.engine.model_runner import GraphStep, HostBatch, ModelRunner, SampledTokens
 from rimuru.engine.output_processor import OutputProcessor, final_output
 from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.recent_tpot import RecentTpot
@@ -188,12 +189,10 @@ class LLMEngine:
                                   num_linear_layers=len(spec.linear_layer_ids),
                                   peers=self._send_pass if self.workers is not None else None)
         self.piecewise_overhead_s: float | None = None  # measured after capture where whole graphs exist too
-        if device.type == "cuda" and not config.enforce_eager:
-            if tp.size > 1:  # the other ranks would have to replay each graph with rank 0
-                logger.info("CUDA graphs are not captured under tensor parallelism: every step runs eager")
-            elif state_cache is not None and not state_cache.in_place_decode:  # the gather path syncs the host
-                logger.info("CUDA graphs are not captured for hybrid models without Triton's paged decode kernels "
-                            "(%s): every step runs eager", spec.model_type)
+        if device.type == "cuda":
+            no_graphs = why_no_graphs(config, self.runtime.mode, state_cache is None or state_cache.in_place_decode)
+            if no_graphs is not None:
+                logger.info("CUDA graphs are not captured (%s): every step runs eager", no_graphs)
             else:
                 if state_cache is not None:
                     logger.info("hybrid model (%s): pure-decode steps replay CUDA graphs; steps with one prefill "
@@ -255,9 +254,10 @@ class LLMEngine:
         plan: MemoryPlan = self.tp.broadcast_object(memory)
         return replace(plan, pool_bytes=self.tp.min_int(memory.pool_bytes))
 
-    def _send_pass(self, h: HostBatch, sample: bool, state_copies: list[StateCopy], kv_moves: KVMoves | None) -> None:
-        """Rank 0: the pass about to run, to every other rank (with the expert tables where they move, and the state
-        copies and KV moves queued before it)."""
+    def _send_pass(self, h: HostBatch, sample: bool, state_copies: list[StateCopy], kv_moves: KVMoves | None,
+                   graph: GraphStep | None) -> None:
+        """Rank 0: the pass about to run, to every other rank (with the expert tables where they move, the state
+        copies and KV moves queued before it, and the graph it replays)."""
         assert self.workers is not None
         elastic = self.runtime.mode == "elastic"
         tables = self.runtime.cache.host_tables.numpy().copy() if elastic else None
@@ -267,7 +267,7 @@ class LLMEngine:
             if pages != self._sent_buffer_pages:
                 buffers = self._sent_buffer_pages = pages
         self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies), h.prompt_rows,
-                                   buffer_pages=buffers, kv_moves=kv_moves))
+                                   buffer_pages=buffers, kv_moves=kv_moves, graph=graph))
 
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:

@@ -195,10 +195,20 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-# Tensor parallelism, rank 0: sends each eager pass's host arrays (and whether it samples) to the other ranks before
-# running it (engine/tp_workers.py)
-# rank 0's pass to the other tensor-parallel ranks: the batch, whether it samples, and the state copies before it
-PassSender = Callable[[HostBatch, bool, list[StateCopy], KVMoves | None], None]
+@dataclass(frozen=True)
+class GraphStep:
+    """Which captured graph a pass replays, as rank 0 chose it, for the other tensor-parallel ranks to replay the
+    same one: every rank captured the same ladders in the same order, so the collectives inside pair up. The
+    pass's host arrays are already padded to the graph's size."""
+
+    kind: str  # "decode" | "mixed"
+    num_rows: int  # decode: the real sequences; mixed: the sampled rows
+    layout: StepLayout | None = None  # a hybrid model's mixed step: its eager stretches' split (single-prefill choice)
+
+
+# Tensor parallelism, rank 0: each pass to the other ranks before running it (engine/tp_workers.py): the batch's host
+# arrays, whether it samples, the state copies and KV moves queued before it, and the graph it replays (None: eager)
+PassSender = Callable[[HostBatch, bool, list[StateCopy], KVMoves | None, GraphStep | None], None]
 
 
 class ModelRunner:
@@ -445,25 +455,55 @@ class ModelRunner:
 
     def follow(self, arrays: list[np.ndarray], max_query_len: int, sample: bool,
                state_copies: list[StateCopy] | None = None, prompt_rows: np.ndarray | None = None,
-               kv_moves: KVMoves | None = None) -> None:
+               kv_moves: KVMoves | None = None, graph: GraphStep | None = None) -> torch.Tensor | None:
         """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample, its
         prompt rows' logits rank 0's to turn into prompt logprobs), after the state copies and KV moves rank 0 queued
-        before it (the same page ids in every rank's pool)."""
+        before it (the same page ids in every rank's pool); replayed from the graph rank 0 replayed, or eager.
+        Returns the pass's logits (this rank's copy of the gathered ones; None where it samples nothing)."""
         if state_copies:
             self.copy_states(state_copies)
         if kv_moves is not None:
             self.copy_kv(kv_moves)
-        ids, pos, qsl, seq_lens, bt, slots, li, *state = arrays
-        ssm, conv = state if state else (None, None)
+        ids, pos, qsl, seq_lens, bt, slots, li, *rest = arrays
+        qts = rest.pop(0) if graph is not None and graph.kind == "mixed" else None
+        ssm, conv = rest if rest else (None, None)
         h = HostBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
-                      slot_mapping=slots, logits_indices=li, max_query_len=max_query_len, ssm_pages=ssm,
-                      conv_pages=conv)
+                      slot_mapping=slots, logits_indices=li, max_query_len=max_query_len, q_tile_start=qts,
+                      ssm_pages=ssm, conv_pages=conv, layout=graph.layout if graph is not None else None)
+        if graph is not None:
+            if self.graphs is None:
+                raise RuntimeError("rank 0 replayed a CUDA graph but this rank captured none")
+            if graph.kind == "decode":
+                return self._replay_decode(graph.num_rows, self.to_device(h))
+            h.num_sampled = graph.num_rows
+            logits = self._replay_mixed(h, self.to_device(h))
+            if prompt_rows is not None:
+                follow_prompt_logits(self.model.compute_logits, self.graphs.mixed_hidden(), prompt_rows)
+            return logits
         batch = self.device_batch(h)
         hidden = self.model(batch)  # [T, d]
-        if sample:
-            self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sample else None
         if prompt_rows is not None:
             follow_prompt_logits(self.model.compute_logits, hidden, prompt_rows)
+        return logits
+
+    def _replay_decode(self, num_seqs: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The decode graph of the padded batch `tensors` (to_device of host_arrays(pad_to=Bp)): logits
+        [num_seqs, V]."""
+        assert self.graphs is not None
+        ids, pos, _, seq_lens, bt, slots, _, *state = tensors
+        ssm_pages, conv_pages = state if state else (None, None)  # a hybrid's state page ids: -1 in the padding rows
+        return self.graphs.run(num_seqs, ids, pos, seq_lens, bt, slots, ssm_pages, conv_pages)
+
+    def _replay_mixed(self, h: HostBatch, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The mixed graph of the padded batch `tensors` (to_device of host_arrays(pad_tokens=, pad_seqs=)): logits
+        [h.num_sampled, V]; a hybrid's state page ids (-1 past the real sequences) and layout go to its graphs'
+        eager stretches."""
+        assert self.graphs is not None
+        ids, pos, qsl, seq_lens, bt, slots, li, qts, *state = tensors
+        ssm_pages, conv_pages = state if state else (None, None)
+        return self.graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts, ssm_pages,
+                                     conv_pages, h.layout if ssm_pages is not None else None)
 
     # ---- the step --------------------------------------------------------------------------------------
     def _fill_pending(self, input_ids: torch.Tensor, h: HostBatch) -> None:
@@ -495,25 +535,27 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(sched):
             assert prompt is None, "a decode step has no prompt rows: each of its rows samples"
             B = len(sched.scheduled)
-            bp = graphs.padded_size(B)
-            h = self.host_arrays(sched, pad_to=bp)  # a hybrid's state page ids: -1 in the padding rows
-            ids, pos, _, seq_lens, bt, slots, _, *state = self.to_device(h)
-            self._fill_pending(ids, h)
-            ssm_pages, conv_pages = state if state else (None, None)
+            h = self.host_arrays(sched, pad_to=graphs.padded_size(B))
+            if self.peers is not None:
+                self.peers(h, True, sched.state_copies, sched.kv_moves, GraphStep("decode", B))
+            tensors = self.to_device(h)
+            self._fill_pending(tensors[0], h)
             trace.mark("prepare")
             trace.forward_begin()
-            logits = graphs.run(B, ids, pos, seq_lens, bt, slots, ssm_pages, conv_pages)
+            logits = self._replay_decode(B, tensors)
             self.graph_steps += 1
         elif graphs is not None and graphs.can_run_mixed(sched):
             h = self.host_arrays(sched, pad_tokens=graphs.padded_tokens(sched.num_tokens), pad_seqs=graphs.max_seqs)
-            ids, pos, qsl, seq_lens, bt, slots, li, qts, *state = self.to_device(h)
-            self._fill_pending(ids, h)
-            ssm_pages, conv_pages = state if state else (None, None)
+            if prompt is not None:
+                h.prompt_rows = prompt.hidden_rows
+            if self.peers is not None:
+                self.peers(h, bool(sampling), sched.state_copies, sched.kv_moves,
+                           GraphStep("mixed", h.num_sampled, h.layout if h.ssm_pages is not None else None))
+            tensors = self.to_device(h)
+            self._fill_pending(tensors[0], h)
             trace.mark("prepare")
             trace.forward_begin()
-            # a hybrid's state page ids (-1 past the real sequences) and layout: its graphs' eager stretches
-            logits = graphs.run_mixed(h.num_sampled, ids, pos, qsl, seq_lens, bt, slots, li, qts, ssm_pages, conv_pages,
-                                      h.layout if ssm_pages is not None else None)
+            logits = self._replay_mixed(h, tensors)
             if prompt is not None:
                 hidden = graphs.mixed_hidden()  # valid until the next replay: read below, in this launch
             self.graph_steps += 1
@@ -523,7 +565,7 @@ class ModelRunner:
             if prompt is not None:
                 h.prompt_rows = prompt.hidden_rows
             if self.peers is not None:
-                self.peers(h, bool(sampling), sched.state_copies, sched.kv_moves)
+                self.peers(h, bool(sampling), sched.state_copies, sched.kv_moves, None)
             batch = self.device_batch(h)
             trace.mark("prepare")
             trace.forward_begin()

@@ -7,15 +7,21 @@ pass it sends a `PassPlan` and every rank runs the same pass, meeting in the col
 
     rank 0                                              rank r > 0 (`_worker_main`)
     schedule, plan (evictions, grows: its allocator)
-    PassPlan(batch arrays, expert tables) --broadcast-->  receive; new table rows: copy this rank's slice of the
-                                                          expert from its host store into the named pages
+    PassPlan(batch arrays, expert tables, graph) --broadcast-->  receive; new table rows: copy this rank's slice
+                                                          of the expert from its host store into the named pages
     forward + LM head  <------- all-reduce / all-gather ------->  forward + LM head (sampled rows, then any
-    sample, stream outputs                              prompt-logprob rows in rank 0's chunks; logits dropped)
+    (eager, or the graph      inside the pass or the graph     prompt-logprob rows in rank 0's chunks; logits
+     of the step's size)                                        dropped): the same graph where rank 0 replays one
+    sample, stream outputs
     ...
     shutdown: None --broadcast-->                         exit
 
 Workers never allocate: their allocators stay as start-up left them, the ids all come from rank 0. The batch
-arrays already hold the input tokens (no async scheduling under tensor parallelism). Between passes rank 0 may send
+arrays already hold the input tokens (no async scheduling under tensor parallelism). CUDA graphs: every rank
+captures the same ladders in the same order at start (the same config and code), so the collectives captured in
+them pair up; a pass rank 0 replays from a graph carries its choice (`GraphStep`) and arrays padded to its size, and
+every rank replays the same graph. Where passes decide per expert-table cut inside the graph (copy access), the
+ranks run eager (`graphs_captured`). Between passes rank 0 may send
 a `KVCopy` (KV compaction's moves in a step without a pass) or a `PoolProbe`: every rank answers the probe with its
 `pool_report` (the tests' check that no rank holds a page after a run and that every rank's expert tables are rank
 0's).
@@ -42,6 +48,7 @@ from rimuru.config import EngineConfig
 from rimuru.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, free_port, init_tensor_parallel
 from rimuru.engine.kv_cache_manager import KV
 from rimuru.engine.kv_compaction import KVMoves
+from rimuru.engine.model_runner import GraphStep
 from rimuru.engine.state_cache_manager import StateCopy
 from rimuru.experts.offload_runtime import OffloadRuntime
 from rimuru.experts.residency import EXPERT
@@ -76,6 +83,7 @@ class PassPlan:
     # since the last plan ([] once detached); which expert a slot holds stays each rank's own
     buffer_pages: list[int] | None = None
     kv_moves: KVMoves | None = None  # KV compaction's page moves, copied before the pass (engine/kv_compaction.py)
+    graph: GraphStep | None = None  # the captured graph rank 0 replays (its arrays padded to it); None: eager
 
 
 @dataclass
@@ -205,11 +213,11 @@ class TensorParallelWorkers:
                 p.join(timeout=5)
 
 
-def follow(engine: LLMEngine, plan: PassPlan) -> None:
-    """Runs rank 0's pass on this rank: its expert tables first, then the forward pass and the LM head. Fixed mode
-    with copies decides its loads inside the pass, from the routing, which is the same on every rank: each rank's
-    provider copies its own slice of the experts it routes into its own load buffers (the pass hooks around it
-    as on rank 0)."""
+def follow(engine: LLMEngine, plan: PassPlan) -> torch.Tensor | None:
+    """Runs rank 0's pass on this rank: its expert tables first, then the forward pass and the LM head (eager, or
+    the graph rank 0 replays). Fixed mode with copies decides its loads inside the pass, from the routing, which is
+    the same on every rank: each rank's provider copies its own slice of the experts it routes into its own load
+    buffers (the pass hooks around it as on rank 0). Returns this rank's copy of the pass's logits."""
     if plan.expert_tables is not None:
         apply_expert_tables(engine, plan.expert_tables)
     if plan.buffer_pages is not None:
@@ -218,8 +226,8 @@ def follow(engine: LLMEngine, plan: PassPlan) -> None:
     # rank 0's bookkeeping (the adjusters' observations), which the workers do not keep
     if engine.config.offload_access == "copy" and engine.runtime.mode != "static":
         OffloadRuntime.before_pass(engine.runtime, len(plan.arrays[0]))  # the input ids: no padding rows eagerly
-    engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows,
-                         plan.kv_moves)
+    return engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows,
+                                plan.kv_moves, plan.graph)
 
 
 def apply_buffer_pages(engine: LLMEngine, pages: list[int]) -> None:

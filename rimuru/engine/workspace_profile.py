@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from rimuru.config import EngineConfig, format_bytes
-from rimuru.engine.cuda_graphs import StepGraphs, release_cublas_workspaces
+from rimuru.engine.cuda_graphs import StepGraphs, release_cublas_workspaces, why_no_graphs
 from rimuru.engine.kernel_warmup import WarmupReport, warm_up_kernels
 from rimuru.engine.kv_cache_manager import KV
 from rimuru.engine.piecewise_graphs import ExpertTableBoundaries
@@ -226,10 +226,9 @@ def profile_workspace(model: MoECausalLM, spec: ModelSpec, config: EngineConfig,
     outside = engine_start.outside_torch_since(device)
     graphs = sampling = 0
     eager_beside = False
-    # the engine's choice: no graphs under tensor parallelism, nor for a hybrid model whose decode is not the paged
-    # kernels' (the gather path syncs the host)
+    # the engine's choice (why_no_graphs): the graphs it will capture in this mode are measured
     in_place = scratch.state is None or scratch.state.in_place_decode
-    if not config.enforce_eager and config.tensor_parallel_size == 1 and in_place:
+    if why_no_graphs(config, mode, in_place) is None:
         release_cublas_workspaces(device)  # the capture counts the workspace it makes in the graphs' pool
         torch.cuda.empty_cache()
         before = _device_used(device)
