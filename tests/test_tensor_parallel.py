@@ -640,10 +640,14 @@ def test_a_worker_that_raises_reports_its_error(parity_checkpoints: dict[str, Pa
 
 @pytest.mark.gpu
 @two_gpus
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cuda_two_ranks_serve_the_tokens_of_transformers(arch: str, parity_checkpoints: dict[str, Path]) -> None:
+def test_cuda_two_ranks_serve_the_tokens_of_transformers(arch: str, eager: bool,
+                                                          parity_checkpoints: dict[str, Path]) -> None:
+    """With CUDA graphs (every rank replaying rank 0's choice, the all-reduces captured inside) and eagerly."""
     path = parity_checkpoints[arch]
-    llm = LLM(str(path), device="cuda", dtype="float32", gpu_memory_budget="2GiB", tensor_parallel_size=2)
+    llm = LLM(str(path), device="cuda", dtype="float32", gpu_memory_budget="2GiB", tensor_parallel_size=2,
+              enforce_eager=eager)
     try:
         got = run_greedy(llm, prompts(), STEPS)
     finally:

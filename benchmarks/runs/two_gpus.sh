@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The two-GPU runs (one host, two H200s), in the order a short lease wants them; each step one command:
-#   two_gpus.sh tests        the tensor-parallel GPU tests (NCCL, float32 tiny models: TP=2 tokens equal TP=1)
 #   two_gpus.sh allreduce    whether captured NCCL all-reduces replay and shut down (benchmarks/
 #                            check_captured_allreduce.py), over the GPUs' own link and with NCCL_P2P_DISABLE=1
-#                            (closer to two consumer cards on PCIe); `nvidia-smi topo -m` beside the results
+#                            (closer to two consumer cards on PCIe); `nvidia-smi topo -m` beside the results.
+#                            First: a tensor-parallel engine captures its collectives in CUDA graphs by default
+#   two_gpus.sh tests        the tensor-parallel GPU tests (NCCL, float32 tiny models: TP=2 tokens equal TP=1 and
+#                            transformers, with graphs and eager)
 #   two_gpus.sh rimuru CONFIGS RATES   Qwen3-30B-A3B shapes at 2 x 32 GiB, --tensor-parallel-size 2, uniform
 #                            routing (ROUTING=zipf for zipf 1.0), 400 ShareGPT requests a point, vLLM's client
 #   two_gpus.sh vllm RATES   vLLM 0.26 --tensor-parallel-size 2 at 32 GiB a GPU, the same client
