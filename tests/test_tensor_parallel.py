@@ -394,6 +394,38 @@ def hybrid_checkpoint(tiny_checkpoint, case: str) -> Path:
 
 
 @slow
+@pytest.mark.parametrize(("arch", "mode"), [("qwen2_moe", "static"), ("qwen3_moe", "elastic"), ("mixtral", "fixed")])
+def test_async_scheduling_two_ranks_serve_the_tokens_of_one(arch: str, mode: str,
+                                                            parity_checkpoints: dict[str, Path]) -> None:
+    """Async scheduling: each pass is sent before rank 0 reads the last one's tokens; every rank fills those pending
+    rows from its copy of rank 0's sampled tokens (broadcast at the end of each sampling pass). Chunked prefill, and
+    elastic and fixed mode's expert tables and loads in the same plans."""
+    path = parity_checkpoints[arch]
+    extra = {"elastic": {"adjuster": "paper", "expert_offload_limit": 5}, "fixed": {"resident_experts": 4}}
+    kwargs = {"device": "cpu", "gpu_memory_budget": "64MiB", "max_num_batched_tokens": 48, "offload_mode": mode,
+              **extra.get(mode, {})}
+    one = LLM(str(path), **kwargs)
+    want = run_greedy(one, prompts(), STEPS)
+    one.shutdown()
+    two = LLM(str(path), tensor_parallel_size=2, async_scheduling=True, **kwargs)
+    try:
+        assert two.engine.async_scheduling and two.engine.runner.share_sampled_tokens is not None
+        got = run_greedy(two, prompts(), STEPS)
+        assert_no_rank_holds_a_page(two)
+    finally:
+        two.shutdown()
+    assert got == want
+
+
+@slow
+@pytest.mark.parametrize("case", ["qwen3_5-LLLF", "qwen3_next-per_expert"])
+def test_async_scheduling_two_ranks_serve_a_hybrid_model_as_one(case: str, tiny_checkpoint) -> None:
+    path = hybrid_checkpoint(tiny_checkpoint, case)
+    want, got = serve_both(path, offload_mode="static", max_num_batched_tokens=16, async_scheduling=True)
+    assert got == want
+
+
+@slow
 @pytest.mark.parametrize("case", list(HYBRID_CASES))
 def test_two_ranks_serve_a_hybrid_model_as_one(case: str, tiny_checkpoint) -> None:
     """Static mode with chunked prefill: each rank's ssm and conv pages hold its DeltaNet heads."""
@@ -545,9 +577,12 @@ def test_elastic_mode_moves_the_same_experts_on_both_ranks(case: str, parity_che
 
 
 @slow
-def test_two_ranks_compute_the_prompt_logprobs_and_penalties_of_one(parity_checkpoints: dict[str, Path]) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_two_ranks_compute_the_prompt_logprobs_and_penalties_of_one(async_scheduling: bool,
+                                                                   parity_checkpoints: dict[str, Path]) -> None:
     """The LM head over a chunked prefill's prompt rows (more rows than one sampler chunk) joins every rank's
-    all-gather; penalties are rank 0's alone."""
+    all-gather; penalties are rank 0's alone. With async scheduling the sampled tokens' broadcast comes after the
+    prompt rows' gathers on every rank."""
     path = parity_checkpoints["qwen2_moe"]
     ps = [{"prompt_token_ids": p} for p in random_prompts((45, 9))]
     params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=3,
@@ -555,8 +590,9 @@ def test_two_ranks_compute_the_prompt_logprobs_and_penalties_of_one(parity_check
               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, frequency_penalty=1.0)]
     kwargs = {"device": "cpu", "gpu_memory_budget": "64MiB", "max_num_batched_tokens": 40}
     want = LLM(str(path), **kwargs).generate(ps, params)
-    two = LLM(str(path), tensor_parallel_size=2, **kwargs)
+    two = LLM(str(path), tensor_parallel_size=2, async_scheduling=async_scheduling, **kwargs)
     try:
+        assert two.engine.async_scheduling == async_scheduling
         got = two.generate(ps, params)
     finally:
         two.shutdown()

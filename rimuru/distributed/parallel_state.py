@@ -81,6 +81,12 @@ class TensorParallel:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: Tensor) -> Tensor:
+        """Rank 0's `x` into every rank's `x`, in place, over the device group (stream-ordered on a GPU)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (pickled over the cpu group); other ranks pass nothing."""
         if self.size == 1:

@@ -23,8 +23,9 @@ another thread (the server); they only queue.
 
 With `tensor_parallel_size` N > 1 this process is rank 0 of N (engine/tp_workers.py): it starts the other ranks,
 which build the same engine over their shards, and sends them every pass; only rank 0 schedules, plans and
-samples. Such an engine runs without async scheduling; its passes replay CUDA graphs as one GPU's do (every rank
-the graph rank 0 chose), except with copy access, where every pass runs eager (cuda_graphs.why_no_graphs).
+samples. Its passes replay CUDA graphs as one GPU's do (every rank the graph rank 0 chose), except with copy
+access, where every pass runs eager (cuda_graphs.why_no_graphs); with async scheduling every rank fills the pending
+rows from its copy of rank 0's sampled tokens (engine/tp_workers.py).
 """
 
 from __future__ import annotations
@@ -140,9 +141,6 @@ class LLMEngine:
         self.workspace_profile: WorkspaceProfile | None = None  # measured on a GPU
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else device.type == "cuda")
-        if tp.size > 1 and self.async_scheduling:  # the other ranks get each pass's input tokens from the host
-            logger.info("async scheduling is off under tensor parallelism")
-            self.async_scheduling = False
         self._host_store: HostExpertStore | None = None  # made before the pool where the mode needs one
         memory = self._agree(self._plan_memory(model, geometry, dtype, start_memory))
         clock.mark("memory plan (the workspace profile and kernel warm-up)", "memory_plan")
@@ -188,6 +186,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, device, num_attn, config.block_size, Sampler(device, config.seed),
                                   num_linear_layers=len(spec.linear_layer_ids),
                                   peers=self._send_pass if self.workers is not None else None)
+        if tp.size > 1 and self.async_scheduling:  # every rank fills pending rows from its copy of rank 0's tokens
+            self.runner.share_sampled_tokens = tp.broadcast
         self.piecewise_overhead_s: float | None = None  # measured after capture where whole graphs exist too
         if device.type == "cuda":
             no_graphs = why_no_graphs(config, self.runtime.mode, state_cache is None or state_cache.in_place_decode)
@@ -266,8 +266,10 @@ class LLMEngine:
             pages = self.runtime.loader.buffer_pages
             if pages != self._sent_buffer_pages:
                 buffers = self._sent_buffer_pages = pages
+        pending = (h.pending_rows, h.pending_src) if h.pending_rows is not None and h.pending_src is not None else None
         self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies), h.prompt_rows,
-                                   buffer_pages=buffers, kv_moves=kv_moves, graph=graph))
+                                   buffer_pages=buffers, kv_moves=kv_moves, graph=graph, pending=pending,
+                                   share_sampled=sample and self.async_scheduling))
 
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:

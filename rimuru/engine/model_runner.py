@@ -69,9 +69,10 @@ class HostBatch:
     num_sampled: int = 0  # real sampled rows (logits_indices may be padded past them)
     q_tile_start: np.ndarray | None = None  # [B+1] int32, mixed graphs only
     # async scheduling: input rows whose token the previous step sampled and nobody has read yet (input_ids
-    # holds 0 there), and the seq_id of each row's request; the runner fills them on the device
+    # holds 0 there), and each one's row in that step's sampled tokens; the runner fills them on the device (every
+    # tensor-parallel rank from its copy of those tokens)
     pending_rows: list[int] | None = None
-    pending_seq_ids: list[int] | None = None
+    pending_src: list[int] | None = None
     # hybrid models: [L_lin, B] int64 state page ids (models/state_cache.py), None for the others
     ssm_pages: np.ndarray | None = None
     conv_pages: np.ndarray | None = None
@@ -217,6 +218,9 @@ class ModelRunner:
                  peers: PassSender | None = None) -> None:
         self.model = model
         self.peers = peers
+        # tensor parallelism with async scheduling: rank 0's sampled tokens to every rank (a device broadcast in
+        # place: the other ranks' tensors receive), for the next pass's pending rows
+        self.share_sampled_tokens: Callable[[torch.Tensor], object] | None = None
         self.device = device
         self.num_layers = num_attention_layers
         self.num_linear_layers = num_linear_layers  # hybrid models: linear-attention layers, each with state pages
@@ -319,7 +323,8 @@ class ModelRunner:
         cache: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}
         pages = []
         pending_rows: list[int] | None = None
-        pending_seq_ids: list[int] = []
+        pending_src: list[int] = []
+        sampled_row = self._last_sampled[1] if self._last_sampled is not None else {}
         for s in scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             starts_l.append(start)
@@ -333,7 +338,7 @@ class ModelRunner:
                     assert len(known) == n - 1 and req.num_pending_tokens >= 1, (req.request_id, start, n)
                     pending_rows = pending_rows if pending_rows is not None else []
                     pending_rows.append(len(tokens))
-                    pending_seq_ids.append(req.seq_id)
+                    pending_src.append(sampled_row[req.seq_id])  # KeyError: the last launch did not sample it
                     tokens.append(0)
             else:
                 tokens += _token_slice(req, start, start + n)
@@ -395,7 +400,7 @@ class ModelRunner:
                          seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
                          logits_indices=logits_indices, max_query_len=max(ns_l), num_sampled=num_sampled,
                          q_tile_start=q_tile_start, pending_rows=pending_rows,
-                         pending_seq_ids=pending_seq_ids if pending_rows is not None else None,
+                         pending_src=pending_src if pending_rows is not None else None,
                          ssm_pages=ssm_pages, conv_pages=conv_pages, layout=layout)
 
     def _state_pages(self, scheduled: list[ScheduledRequest], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -455,11 +460,15 @@ class ModelRunner:
 
     def follow(self, arrays: list[np.ndarray], max_query_len: int, sample: bool,
                state_copies: list[StateCopy] | None = None, prompt_rows: np.ndarray | None = None,
-               kv_moves: KVMoves | None = None, graph: GraphStep | None = None) -> torch.Tensor | None:
+               kv_moves: KVMoves | None = None, graph: GraphStep | None = None,
+               pending: tuple[list[int], list[int]] | None = None, share_sampled: bool = False) -> torch.Tensor | None:
         """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample, its
         prompt rows' logits rank 0's to turn into prompt logprobs), after the state copies and KV moves rank 0 queued
         before it (the same page ids in every rank's pool); replayed from the graph rank 0 replayed, or eager.
-        Returns the pass's logits (this rank's copy of the gathered ones; None where it samples nothing)."""
+        Async scheduling: `pending` rows take tokens from this rank's copy of the previous pass's sampled ones, and
+        with `share_sampled` this pass's come from rank 0 at its end (`share_sampled_tokens`), in the order rank
+        0's launch makes its collectives. Returns the pass's logits (this rank's copy of the gathered ones; None
+        where it samples nothing)."""
         if state_copies:
             self.copy_states(state_copies)
         if kv_moves is not None:
@@ -469,22 +478,34 @@ class ModelRunner:
         ssm, conv = rest if rest else (None, None)
         h = HostBatch(input_ids=ids, positions=pos, query_start_loc=qsl, seq_lens=seq_lens, block_tables=bt,
                       slot_mapping=slots, logits_indices=li, max_query_len=max_query_len, q_tile_start=qts,
+                      pending_rows=pending[0] if pending is not None else None,
+                      pending_src=pending[1] if pending is not None else None,
                       ssm_pages=ssm, conv_pages=conv, layout=graph.layout if graph is not None else None)
+        logits: torch.Tensor | None
         if graph is not None:
             if self.graphs is None:
                 raise RuntimeError("rank 0 replayed a CUDA graph but this rank captured none")
+            tensors = self.to_device(h)
+            self._fill_pending(tensors[0], h)
             if graph.kind == "decode":
-                return self._replay_decode(graph.num_rows, self.to_device(h))
-            h.num_sampled = graph.num_rows
-            logits = self._replay_mixed(h, self.to_device(h))
+                logits = self._replay_decode(graph.num_rows, tensors)
+            else:
+                h.num_sampled = graph.num_rows
+                logits = self._replay_mixed(h, tensors)
+                if prompt_rows is not None:
+                    follow_prompt_logits(self.model.compute_logits, self.graphs.mixed_hidden(), prompt_rows)
+        else:
+            batch = self.device_batch(h)
+            hidden = self.model(batch)  # [T, d]
+            logits = self.model.compute_logits(hidden[batch.logits_indices]) if sample else None
             if prompt_rows is not None:
-                follow_prompt_logits(self.model.compute_logits, self.graphs.mixed_hidden(), prompt_rows)
-            return logits
-        batch = self.device_batch(h)
-        hidden = self.model(batch)  # [T, d]
-        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sample else None
-        if prompt_rows is not None:
-            follow_prompt_logits(self.model.compute_logits, hidden, prompt_rows)
+                follow_prompt_logits(self.model.compute_logits, hidden, prompt_rows)
+        self._last_sampled = None
+        if share_sampled:
+            assert logits is not None and self.share_sampled_tokens is not None
+            tokens = torch.empty(logits.shape[0], dtype=torch.long, device=self.device)
+            self.share_sampled_tokens(tokens)  # rank 0's, into this rank's copy
+            self._last_sampled = (tokens, {})
         return logits
 
     def _replay_decode(self, num_seqs: int, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -511,10 +532,9 @@ class ModelRunner:
         if h.pending_rows is None:
             return
         last = self._last_sampled
-        assert last is not None, "a pending token without a launched step"
-        tokens, index = last
-        src = [index[sid] for sid in h.pending_seq_ids]  # KeyError: the token was not sampled by that step
-        idx = torch.tensor([h.pending_rows, src], dtype=torch.int64)
+        assert last is not None and h.pending_src is not None, "a pending token without a launched step"
+        tokens = last[0]
+        idx = torch.tensor([h.pending_rows, h.pending_src], dtype=torch.int64)
         if self.device.type == "cuda":
             idx = idx.pin_memory().to(self.device, non_blocking=True)
         input_ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))
@@ -588,6 +608,8 @@ class ModelRunner:
         logprobs = None if asked is None else (compute_logprobs(logits, tokens, asked), asked)
         # after the sampler: the prompt rows' chunks reuse its working set
         packed = None if prompt is None else (self._prompt_logprobs(hidden, prompt), prompt)
+        if self.share_sampled_tokens is not None:  # the pass's last collective, as in `follow`
+            self.share_sampled_tokens(tokens)
         out = SampledTokens(tokens, self.device, trace, logprobs, packed)
         trace.mark("sample")
         return out

@@ -16,15 +16,16 @@ pass it sends a `PassPlan` and every rank runs the same pass, meeting in the col
     ...
     shutdown: None --broadcast-->                         exit
 
-Workers never allocate: their allocators stay as start-up left them, the ids all come from rank 0. The batch
-arrays already hold the input tokens (no async scheduling under tensor parallelism). CUDA graphs: every rank
-captures the same ladders in the same order at start (the same config and code), so the collectives captured in
-them pair up; a pass rank 0 replays from a graph carries its choice (`GraphStep`) and arrays padded to its size, and
-every rank replays the same graph. Where passes decide per expert-table cut inside the graph (copy access), the
-ranks run eager (`graphs_captured`). Between passes rank 0 may send
-a `KVCopy` (KV compaction's moves in a step without a pass) or a `PoolProbe`: every rank answers the probe with its
-`pool_report` (the tests' check that no rank holds a page after a run and that every rank's expert tables are rank
-0's).
+Workers never allocate: their allocators stay as start-up left them, the ids all come from rank 0. The batch arrays
+hold the input tokens, but for async scheduling's pending rows (the previous pass's sampled tokens, which rank 0 had
+not read when it sent the plan): every rank fills those on its device from its copy of that pass's tokens, which
+rank 0 broadcasts on the device group as the last collective of each sampling pass. CUDA graphs: every rank captures
+the same ladders in the same order at start (the same config and code), so the collectives captured in them pair up;
+a pass rank 0 replays from a graph carries its choice (`GraphStep`) and arrays padded to its size, and every rank
+replays the same graph. Where passes decide per expert-table cut inside the graph (copy access), the ranks run eager
+(`cuda_graphs.why_no_graphs`). Between passes rank 0 may send a `KVCopy` (KV compaction's moves in a step without a
+pass) or a `PoolProbe`: every rank answers the probe with its `pool_report` (the tests' check that no rank holds a
+page after a run and that every rank's expert tables are rank 0's).
 
 Failure: a worker that raises reports its traceback on a queue and exits; one that dies closes its sockets. Either
 way the collective rank 0 is in fails within about a second (gloo), and the engine raises one `WorkerFailed`
@@ -84,6 +85,9 @@ class PassPlan:
     buffer_pages: list[int] | None = None
     kv_moves: KVMoves | None = None  # KV compaction's page moves, copied before the pass (engine/kv_compaction.py)
     graph: GraphStep | None = None  # the captured graph rank 0 replays (its arrays padded to it); None: eager
+    # async scheduling: the input rows whose tokens the previous pass sampled, and their rows among those tokens
+    pending: tuple[list[int], list[int]] | None = None
+    share_sampled: bool = False  # async scheduling: rank 0 broadcasts this pass's sampled tokens at its end
 
 
 @dataclass
@@ -227,7 +231,7 @@ def follow(engine: LLMEngine, plan: PassPlan) -> torch.Tensor | None:
     if engine.config.offload_access == "copy" and engine.runtime.mode != "static":
         OffloadRuntime.before_pass(engine.runtime, len(plan.arrays[0]))  # the input ids: no padding rows eagerly
     return engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows,
-                                plan.kv_moves, plan.graph)
+                                plan.kv_moves, plan.graph, plan.pending, plan.share_sampled)
 
 
 def apply_buffer_pages(engine: LLMEngine, pages: list[int]) -> None:
