@@ -142,3 +142,21 @@ def test_a_follower_fed_only_the_plans_gives_rank_0s_logits(hybrid_ckpt: Path, m
     leader.workers = None
     leader_llm.shutdown()
     follower_llm.shutdown()
+
+
+def test_which_tensor_parallel_engines_capture_graphs_reads_the_configured_mode() -> None:
+    """Every rank profiles its workspace before the ranks agree on a mode, so under tensor parallelism the rule must
+    not depend on the mode a rank picks: copy access captures no graphs unless static is set."""
+    from rimuru.config import EngineConfig
+    from rimuru.engine.cuda_graphs import why_no_graphs
+
+    def why(mode: str, **kw: object) -> str | None:
+        return why_no_graphs(EngineConfig(model="m", **kw), mode, in_place_decode=True)  # type: ignore[arg-type]
+
+    for picked in ("static", "fixed", "elastic"):  # auto mode: whichever a rank's memory picked, the same answer
+        assert "copy access" in (why(picked, tensor_parallel_size=2, offload_access="copy") or "")
+        assert why(picked, tensor_parallel_size=2, offload_access="direct") is None
+        assert why(picked, offload_access="copy") is None  # one GPU: piecewise graphs decide on the host, alone
+    assert why("static", tensor_parallel_size=2, offload_access="copy", offload_mode="static") is None
+    assert why("static", enforce_eager=True) == "--enforce-eager"
+    assert why_no_graphs(EngineConfig(model="m"), "static", in_place_decode=False) is not None

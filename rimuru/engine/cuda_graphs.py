@@ -89,13 +89,16 @@ def why_no_graphs(config: EngineConfig, mode: str, in_place_decode: bool) -> str
     """Why an engine on a GPU captures no CUDA graphs in offload `mode` (None: it captures them), one rule for the
     engine and its workspace profile. `in_place_decode`: a hybrid model's state decodes by the paged kernels in place
     (the gather path syncs the host). Under tensor parallelism every rank replays rank 0's graph choice, which
-    copy access cannot give: its passes decide on the host at every expert-table cut inside the graph."""
+    copy access cannot give: its passes decide on the host at every expert-table cut inside the graph. There the
+    rule reads the configured mode, not the one chosen from a rank's measured memory (`mode`): every rank's
+    profile must capture alike, before the ranks agree on the mode, or its captures' collectives would not pair."""
     if config.enforce_eager:
         return "--enforce-eager"
     if not in_place_decode:
         return "a hybrid model without Triton's paged decode kernels (the state gather path syncs the host)"
-    if config.tensor_parallel_size > 1 and mode != "static" and config.offload_access == "copy":
-        return "tensor parallelism with copy access (each rank's passes decide at every expert-table cut)"
+    if config.tensor_parallel_size > 1 and config.offload_mode != "static" and config.offload_access == "copy":
+        return ("tensor parallelism with copy access, unless --offload-mode static (each rank's passes decide at "
+                "every expert-table cut)")
     return None
 
 

@@ -24,8 +24,8 @@ another thread (the server); they only queue.
 With `tensor_parallel_size` N > 1 this process is rank 0 of N (engine/tp_workers.py): it starts the other ranks,
 which build the same engine over their shards, and sends them every pass; only rank 0 schedules, plans and
 samples. Its passes replay CUDA graphs as one GPU's do (every rank the graph rank 0 chose), except with copy
-access, where every pass runs eager (cuda_graphs.why_no_graphs); with async scheduling every rank fills the pending
-rows from its copy of rank 0's sampled tokens (engine/tp_workers.py).
+access outside static mode, where every pass runs eager (cuda_graphs.why_no_graphs); with async scheduling every
+rank fills the pending rows from its copy of rank 0's sampled tokens (engine/tp_workers.py).
 """
 
 from __future__ import annotations
@@ -298,6 +298,8 @@ class LLMEngine:
         graphs = capture_step_graphs(self.model, self.runtime.graph_plan(), self.device, self.runner.num_layers,
                                      cfg.max_num_seqs, self.max_model_len, cfg.block_size, cfg.max_num_batched_tokens,
                                      cfg.max_cudagraph_capture_size, num_linear_layers=self.runner.num_linear_layers)
+        if self.tp.size > 1 and self.tp.min_int(int(bool(graphs.single_prefill_graphs))) == 0:
+            graphs.single_prefill_graphs.clear()  # a capture that failed on any rank: every rank serves without them
         self.runner.use_cuda_graphs(graphs)
         overhead = graphs.measure_piecewise_overhead()
         if overhead is not None:  # step times are measured without it; the cost adjuster charges it to offloading
@@ -600,11 +602,15 @@ class LLMEngine:
             engine -> its step profiler -> the expert-wait callback -> the engine
         """
         self.disable_step_profiler()
-        self.model.attach_experts(NO_EXPERTS)
-        self.pool.allocator.reclaimer = None
         if self.workers is not None:  # the other ranks exit, and this process leaves the group
             workers, self.workers = self.workers, None
+            if self._in_flight is not None and workers.failure is None:  # its collectives end before the group does
+                self._in_flight = None
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
             workers.stop()
+        self.model.attach_experts(NO_EXPERTS)
+        self.pool.allocator.reclaimer = None
 
     def pool_reports(self) -> list[dict[str, Any]]:
         """Every rank's pool (engine/tp_workers.py `pool_report`: pages in use by kind, expert tables), rank 0's

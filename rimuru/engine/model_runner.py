@@ -231,7 +231,8 @@ class ModelRunner:
         self.graph_steps = 0  # steps replayed from a CUDA graph (decode or mixed)
         self.mixed_graph_steps = 0
         self.stager = InputStager(device) if device.type == "cuda" else None
-        # the last launch's sampled tokens (device) and each sampling request's row in them, by seq_id
+        # the last launch's sampled tokens (device) and each sampling request's row in them, by seq_id (a
+        # tensor-parallel follower's: rank 0's tokens, with no index; the plans name the rows)
         self._last_sampled: tuple[torch.Tensor, dict[int, int]] | None = None
         # request -> (its kv_pages list, int32 [capacity, L] pages, blocks filled): the pages as an array
         self._pages: dict[Request, tuple[list[list[int]], np.ndarray, int]] = {}

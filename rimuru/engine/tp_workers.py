@@ -12,7 +12,9 @@ pass it sends a `PassPlan` and every rank runs the same pass, meeting in the col
     forward + LM head  <------- all-reduce / all-gather ------->  forward + LM head (sampled rows, then any
     (eager, or the graph      inside the pass or the graph     prompt-logprob rows in rank 0's chunks; logits
      of the step's size)                                        dropped): the same graph where rank 0 replays one
-    sample, stream outputs
+    sample; with async scheduling
+    broadcast the sampled  --------- device broadcast -------->  keep them for the next pass's pending rows
+    tokens, stream outputs
     ...
     shutdown: None --broadcast-->                         exit
 
@@ -297,6 +299,8 @@ def _worker_main(rank: int, config: EngineConfig, port: int, errors: Any) -> Non
         os._exit(1)
     engine.shutdown()
     if tp is not None:
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)  # no collective of the last pass still queued on the device
         destroy_tensor_parallel(tp)
     # no interpreter teardown: the communication library's threads would be torn down under it (and say so on stderr)
     os._exit(0)
