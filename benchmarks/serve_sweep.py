@@ -298,8 +298,8 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "workspace_parts": {part: metric(after, f"rimuru:workspace_{part}_bytes")
                             for part in ("forward", "graphs", "sampling", "outside")},
         # the engine's start-up by phase (rimuru/engine/startup_clock.py's keys), and in all
-        "startup_phases": {key: metric(after, f"rimuru:startup_{key}_seconds")
-                           for key in ("model", "memory_plan", "pool", "weights", "graphs", "total")},
+        "startup_phases": {name[len("rimuru:startup_"):-len("_seconds")]: value for name, value in after.items()
+                           if name.startswith("rimuru:startup_") and name.endswith("_seconds")} or None,
         "kernel_warmup_s": metric(after, "rimuru:kernel_warmup_seconds"),  # levels fixed at start
         "kernel_warmup_variants": metric(after, "rimuru:kernel_warmup_variants"),
         "prefix_cache_queries": prefix_q,

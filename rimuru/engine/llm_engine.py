@@ -268,8 +268,7 @@ class LLMEngine:
                 buffers = self._sent_buffer_pages = pages
         pending = (h.pending_rows, h.pending_src) if h.pending_rows is not None and h.pending_src is not None else None
         self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies), h.prompt_rows,
-                                   buffer_pages=buffers, kv_moves=kv_moves, graph=graph, pending=pending,
-                                   share_sampled=sample and self.async_scheduling))
+                                   buffer_pages=buffers, kv_moves=kv_moves, graph=graph, pending=pending))
 
     def _plan_memory(self, model: MoECausalLM, geometry: PageGeometry, dtype: torch.dtype,
                      start_memory: DeviceMemoryMark | None) -> MemoryPlan:

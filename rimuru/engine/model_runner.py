@@ -462,13 +462,13 @@ class ModelRunner:
     def follow(self, arrays: list[np.ndarray], max_query_len: int, sample: bool,
                state_copies: list[StateCopy] | None = None, prompt_rows: np.ndarray | None = None,
                kv_moves: KVMoves | None = None, graph: GraphStep | None = None,
-               pending: tuple[list[int], list[int]] | None = None, share_sampled: bool = False) -> torch.Tensor | None:
+               pending: tuple[list[int], list[int]] | None = None) -> torch.Tensor | None:
         """Tensor parallelism, ranks > 0: rank 0's pass over this rank's shard (its logits are rank 0's to sample, its
         prompt rows' logits rank 0's to turn into prompt logprobs), after the state copies and KV moves rank 0 queued
         before it (the same page ids in every rank's pool); replayed from the graph rank 0 replayed, or eager.
         Async scheduling: `pending` rows take tokens from this rank's copy of the previous pass's sampled ones, and
-        with `share_sampled` this pass's come from rank 0 at its end (`share_sampled_tokens`), in the order rank
-        0's launch makes its collectives. Returns the pass's logits (this rank's copy of the gathered ones; None
+        a sampling pass's come from rank 0 at its end (`share_sampled_tokens`), in the order rank 0's launch makes
+        its collectives. Returns the pass's logits (this rank's copy of the gathered ones; None
         where it samples nothing)."""
         if state_copies:
             self.copy_states(state_copies)
@@ -483,6 +483,7 @@ class ModelRunner:
                       pending_src=pending[1] if pending is not None else None,
                       ssm_pages=ssm, conv_pages=conv, layout=graph.layout if graph is not None else None)
         logits: torch.Tensor | None
+        hidden: torch.Tensor | None = None  # where prompt rows are read
         if graph is not None:
             if self.graphs is None:
                 raise RuntimeError("rank 0 replayed a CUDA graph but this rank captured none")
@@ -493,17 +494,16 @@ class ModelRunner:
             else:
                 h.num_sampled = graph.num_rows
                 logits = self._replay_mixed(h, tensors)
-                if prompt_rows is not None:
-                    follow_prompt_logits(self.model.compute_logits, self.graphs.mixed_hidden(), prompt_rows)
+                hidden = self.graphs.mixed_hidden() if prompt_rows is not None else None
         else:
             batch = self.device_batch(h)
             hidden = self.model(batch)  # [T, d]
             logits = self.model.compute_logits(hidden[batch.logits_indices]) if sample else None
-            if prompt_rows is not None:
-                follow_prompt_logits(self.model.compute_logits, hidden, prompt_rows)
+        if prompt_rows is not None:
+            follow_prompt_logits(self.model.compute_logits, hidden, prompt_rows)
         self._last_sampled = None
-        if share_sampled:
-            assert logits is not None and self.share_sampled_tokens is not None
+        if sample and self.share_sampled_tokens is not None:  # rank 0 shares every sampling pass's, as its launch
+            assert logits is not None
             tokens = torch.empty(logits.shape[0], dtype=torch.long, device=self.device)
             self.share_sampled_tokens(tokens)  # rank 0's, into this rank's copy
             self._last_sampled = (tokens, {})

@@ -89,7 +89,6 @@ class PassPlan:
     graph: GraphStep | None = None  # the captured graph rank 0 replays (its arrays padded to it); None: eager
     # async scheduling: the input rows whose tokens the previous pass sampled, and their rows among those tokens
     pending: tuple[list[int], list[int]] | None = None
-    share_sampled: bool = False  # async scheduling: rank 0 broadcasts this pass's sampled tokens at its end
 
 
 @dataclass
@@ -233,7 +232,7 @@ def follow(engine: LLMEngine, plan: PassPlan) -> torch.Tensor | None:
     if engine.config.offload_access == "copy" and engine.runtime.mode != "static":
         OffloadRuntime.before_pass(engine.runtime, len(plan.arrays[0]))  # the input ids: no padding rows eagerly
     return engine.runner.follow(plan.arrays, plan.max_query_len, plan.sample, plan.state_copies, plan.prompt_rows,
-                                plan.kv_moves, plan.graph, plan.pending, plan.share_sampled)
+                                plan.kv_moves, plan.graph, plan.pending)
 
 
 def apply_buffer_pages(engine: LLMEngine, pages: list[int]) -> None:
