@@ -311,3 +311,24 @@ def test_several_served_model_names_as_vllm_takes_them() -> None:
         assert [c["id"] for c in httpx.get(srv.url + "/v1/models").json()["data"]] == [MODEL, "alias"]
         resp = httpx.post(srv.url + "/v1/completions", json={"model": "other", "prompt": [1]})
         assert resp.status_code == 404 and "'alias'" in resp.json()["error"]["message"]
+
+
+class LostRanksEngine(FakeEngine):
+    """A tensor-parallel engine whose workers are gone: every step raises the engine's `WorkerFailed`."""
+
+    def step(self) -> list[RequestOutput]:
+        from rimuru.engine.tp_workers import WorkerFailed
+
+        raise WorkerFailed("a tensor-parallel worker failed; the engine cannot run another pass:\nrank 1 exited")
+
+
+def test_lost_ranks_fail_the_request_and_mark_the_engine_dead() -> None:
+    """A step that raises `WorkerFailed` fails its requests with the error, and the server says it cannot serve
+    any more (/health 503, later requests 503 engine_dead) rather than taking requests no step can run."""
+    with BackgroundServer(LostRanksEngine(FakeTokenizer()), ServerConfig(served_model_name=MODEL)) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        resp = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": [1], "max_tokens": 2})
+        assert resp.status_code >= 500 and "rank 1 exited" in resp.json()["error"]["message"]
+        assert httpx.get(srv.url + "/health").status_code == 503
+        later = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": [1], "max_tokens": 2})
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"

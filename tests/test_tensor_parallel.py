@@ -672,6 +672,33 @@ def test_a_worker_that_raises_reports_its_error(parity_checkpoints: dict[str, Pa
     assert all(not p.is_alive() for p in workers.procs)
 
 
+@slow
+def test_rank_0_raising_after_it_sent_a_pass_fails_the_engine_clearly(parity_checkpoints: dict[str, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 raises in a step after it sent the pass's plan, before the pass's collectives: the worker waits in
+    them, where the next plan would meet the wrong collective. The step raises one WorkerFailed naming rank 0's
+    error within seconds, the worker is ended, and the engine stays failed (no later step pairs with it)."""
+    llm = LLM(str(parity_checkpoints["qwen2_moe"]), device="cpu", gpu_memory_budget="64MiB", tensor_parallel_size=2)
+    try:
+        workers = llm.engine.workers
+        runner = llm.engine.runner
+
+        def broken(*args, **kwargs):
+            raise ValueError("rank 0 broke after sending the plan")
+
+        monkeypatch.setattr(runner, "device_batch", broken)  # the eager pass, after `peers` sent the plan
+        llm.engine.add_request("r", prompts()[0], SamplingParams(max_tokens=4))
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailed, match="rank 0 raised with every worker alive: ValueError: rank 0 broke"):
+            llm.engine.step()
+        assert time.monotonic() - t0 < 10
+        assert all(not p.is_alive() for p in workers.procs)
+        with pytest.raises(WorkerFailed):  # and stays failed
+            llm.engine.step()
+    finally:
+        llm.shutdown()
+
+
 # ---------------------------------------------------------------- two GPUs (NCCL)
 
 @pytest.mark.gpu

@@ -219,6 +219,7 @@ class LLMEngine:
         self._kv_moves: KVMoves | None = None  # the last compaction's, copied before the next pass (sources held)
         self._max_kv_moves = max_pages_moved(geometry, EXPERT)
         self._sent_buffer_pages: list[int] | None = None  # the load-buffer pages the workers last got
+        self._passes_sent = 0  # plans sent to the workers (a step that raises after sending one leaves them mid-pass)
         self.kernel_variants_built = 0  # Triton kernel variants steps built (kernels/kernel_builds.py)
         self.start_time = time.monotonic()
         self.step_metrics = StepMetricsRing()
@@ -267,6 +268,7 @@ class LLMEngine:
             if pages != self._sent_buffer_pages:
                 buffers = self._sent_buffer_pages = pages
         pending = (h.pending_rows, h.pending_src) if h.pending_rows is not None and h.pending_src is not None else None
+        self._passes_sent += 1
         self.workers.send(PassPlan(h.fields(), h.max_query_len, sample, tables, list(state_copies), h.prompt_rows,
                                    buffer_pages=buffers, kv_moves=kv_moves, graph=graph, pending=pending))
 
@@ -447,6 +449,7 @@ class LLMEngine:
             previous = None
             sched.scheduled = [s for s in sched.scheduled if not s.request.status.finished]
         sched.kv_moves = self._kv_moves  # the last step's compaction (kept for the next step if the launch fails)
+        sent = self._passes_sent
         try:
             launched = self._launch(sched)
             if sched.kv_moves is not None:
@@ -456,10 +459,15 @@ class LLMEngine:
                 self._kv_moves = None
         except WorkerFailed:
             raise
-        except RuntimeError as e:
-            if self.workers is None:
+        except BaseException as e:
+            if self.workers is None or not (isinstance(e, RuntimeError) or self._passes_sent != sent):
                 raise
-            raise self.workers.failed(e) from e  # a collective with a lost peer
+            # a collective with a lost peer, or rank 0 raised after it sent the pass: the other ranks wait in the
+            # pass's collectives, where the next plan would meet the wrong one
+            failure = self.workers.failed(e)
+            if not isinstance(e, Exception):  # an interrupt stays one (the workers are gone all the same)
+                raise
+            raise failure from e
         # The memory plan for the steps after this one, while the GPU runs: the pass just launched reads the tables
         # as they are (evictions leave them after it, grows enter once their copies are done)
         plan = self.runtime.plan(demand)

@@ -31,7 +31,10 @@ page after a run and that every rank's expert tables are rank 0's).
 
 Failure: a worker that raises reports its traceback on a queue and exits; one that dies closes its sockets. Either
 way the collective rank 0 is in fails within about a second (gloo), and the engine raises one `WorkerFailed`
-naming the rank and its error; every later step raises it again; `stop` ends the workers that are left.
+naming the rank and its error; every later step raises it again; `stop` ends the workers that are left. Rank 0
+raising in a step after it sent the pass's plan (before the pass's collectives) fails the same way: the workers
+wait in that pass, where no later plan can meet them, so they are killed and the engine raises `WorkerFailed`
+naming rank 0's error. The server marks its engine dead on a `WorkerFailed` (/health answers 503).
 """
 
 from __future__ import annotations
@@ -193,8 +196,8 @@ class TensorParallelWorkers:
         dead = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
                 for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
         lines = [f"rank {r} raised:\n{tb.rstrip()}" for r, tb in reports] + dead
-        if not lines:
-            lines = [f"a collective failed with every worker alive: {error}"]
+        if not lines:  # a collective timed out, or rank 0 itself raised after it sent the pass
+            lines = [f"rank 0 raised with every worker alive: {type(error).__name__}: {error}"]
         self.kill()
         return WorkerFailed("a tensor-parallel worker failed; the engine cannot run another pass:\n"
                             + "\n".join(lines))

@@ -29,6 +29,7 @@ import numpy as np
 from rimuru.engine.outputs import RequestOutput
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.step_metrics import StepMetricsRing
+from rimuru.engine.tp_workers import WorkerFailed
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_INTERVAL_S = 0.0005  # see AsyncEngine.start
@@ -282,6 +283,8 @@ class AsyncEngine:
                         outputs = self._engine.step()
                     except Exception as exc:  # a failed step fails its requests, not the server
                         log.exception("engine step failed")
+                        if isinstance(exc, WorkerFailed):  # no later step can run: /health answers 503
+                            self._dead = exc
                         self._fail_all(exc)
                         continue
                     self._route(outputs)
