@@ -14,7 +14,7 @@ Request lifecycle (one generation request):
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -31,7 +31,10 @@ from rimuru.server.state import ServerState
 __all__ = ["ServerConfig", "build_app"]
 
 
-def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
+def build_app(engine: EngineLike, config: ServerConfig, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine`; `on_shutdown` runs once the engine thread has stopped, at the end of
+    the app's lifespan (the CLI's server shuts its engine down there: its tensor-parallel workers exit before the
+    process does, also on SIGTERM, after which uvicorn ends the process with the signal's status)."""
     # The metrics read the AsyncEngine's stats snapshot and observe the requests it finishes, so each needs
     # the other: the snapshot is read through a closure over the AsyncEngine made on the next line.
     metrics = ServerMetrics(lambda: async_engine.stats(), config.served_model_name, engine.max_model_len,
@@ -44,6 +47,8 @@ def build_app(engine: EngineLike, config: ServerConfig) -> FastAPI:
         async_engine.start()
         yield
         async_engine.shutdown()
+        if on_shutdown is not None:
+            on_shutdown()
 
     app = FastAPI(title="Rimuru", lifespan=lifespan)
     install_error_handlers(app, metrics.count_error)

@@ -75,6 +75,6 @@ def run(args: argparse.Namespace) -> int:
                                                enable_log_requests=args.enable_log_requests,
                                                enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                                                sampling_defaults=defaults)
-    app = build_app(engine, server_config)
+    app = build_app(engine, server_config, on_shutdown=engine.shutdown)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
