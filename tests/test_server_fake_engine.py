@@ -319,7 +319,7 @@ class LostRanksEngine(FakeEngine):
     def step(self) -> list[RequestOutput]:
         from rimuru.engine.tp_workers import WorkerFailed
 
-        raise WorkerFailed("a tensor-parallel worker failed; the engine cannot run another pass:\nrank 1 exited")
+        raise WorkerFailed("a tensor-parallel rank failed; the engine cannot run another pass:\nrank 1 exited")
 
 
 def test_lost_ranks_fail_the_request_and_mark_the_engine_dead() -> None:

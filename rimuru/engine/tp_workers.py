@@ -70,7 +70,7 @@ REPORT_WAIT_S = 3.0
 
 
 class WorkerFailed(RuntimeError):
-    """A tensor-parallel worker died or raised: the engine cannot run another pass."""
+    """A tensor-parallel rank died or raised (a worker, or rank 0 mid-pass): the engine cannot run another pass."""
 
 
 @dataclass
@@ -199,7 +199,7 @@ class TensorParallelWorkers:
         if not lines:  # a collective timed out, or rank 0 itself raised after it sent the pass
             lines = [f"rank 0 raised with every worker alive: {type(error).__name__}: {error}"]
         self.kill()
-        return WorkerFailed("a tensor-parallel worker failed; the engine cannot run another pass:\n"
+        return WorkerFailed("a tensor-parallel rank failed; the engine cannot run another pass:\n"
                             + "\n".join(lines))
 
     def stop(self) -> None:
