@@ -20,6 +20,7 @@ import torch
 from rimuru import LLM
 from rimuru.config import EngineConfig
 from rimuru.distributed.parallel_state import SINGLE, TensorParallel
+from rimuru.engine import tp_workers
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.tp_workers import PassPlan, WorkerFailed
 from rimuru.memory.geometry import CONV, SSM, PageGeometry
@@ -654,6 +655,46 @@ def test_a_killed_worker_fails_the_engine_clearly_and_soon(parity_checkpoints: d
     finally:
         llm.shutdown()
     assert not worker.is_alive()
+
+
+@slow
+def test_rank_0_aborts_the_groups_when_a_worker_dies_where_collectives_would_block(
+        parity_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under NCCL rank 0 watches its workers and aborts the process groups on a death (a collective blocked on the
+    dead peer then returns). Armed here on gloo: the abort runs within seconds of the kill, while rank 0 idles, and
+    the engine still fails with the dead rank's WorkerFailed and shuts down cleanly on the aborted groups."""
+    monkeypatch.setattr(tp_workers, "device_groups_need_abort", lambda: True)
+    llm = LLM(str(parity_checkpoints["qwen2_moe"]), device="cpu", gpu_memory_budget="64MiB", tensor_parallel_size=2)
+    try:
+        workers = llm.engine.workers
+        assert workers.watcher is not None and torch.distributed.is_initialized()
+        run_greedy(llm, prompts()[:1], 2)  # a step through the armed group first
+        assert not workers.watcher.fired.is_set()
+        os.kill(workers.procs[0].pid, signal.SIGKILL)
+        assert workers.watcher.fired.wait(timeout=5)
+        workers.watcher.stop()  # waits for the abort to finish
+        assert not torch.distributed.is_initialized()
+        with pytest.raises(WorkerFailed, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            run_greedy(llm, prompts(), STEPS)
+    finally:
+        llm.shutdown()
+    assert all(not p.is_alive() for p in workers.procs)
+
+
+@slow
+def test_a_stopped_engine_does_not_abort_its_groups(parity_checkpoints: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers told to exit end on purpose: the watch stops first, so shutdown destroys the groups, never aborts."""
+    aborts: list[int] = []
+    monkeypatch.setattr(tp_workers, "device_groups_need_abort", lambda: True)
+    monkeypatch.setattr(tp_workers, "abort_device_groups", lambda: aborts.append(1))
+    llm = LLM(str(parity_checkpoints["qwen2_moe"]), device="cpu", gpu_memory_budget="64MiB", tensor_parallel_size=2)
+    workers = llm.engine.workers
+    run_greedy(llm, prompts()[:1], 2)
+    llm.shutdown()
+    assert all(not p.is_alive() for p in workers.procs)
+    time.sleep(0.3)
+    assert aborts == [] and not workers.watcher.fired.is_set()
 
 
 @slow

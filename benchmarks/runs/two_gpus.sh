@@ -4,6 +4,8 @@
 #                            check_captured_allreduce.py), over the GPUs' own link and with NCCL_P2P_DISABLE=1
 #                            (closer to two consumer cards on PCIe); `nvidia-smi topo -m` beside the results.
 #                            First: a tensor-parallel engine captures its collectives in CUDA graphs by default
+#   two_gpus.sh deadpeer     whether a rank blocked in an NCCL collective on a dead peer gets out (the engine's peer
+#                            watch: benchmarks/check_nccl_dead_peer.py), with the watch and without it
 #   two_gpus.sh tests        the tensor-parallel GPU tests (NCCL, float32 tiny models: TP=2 tokens equal TP=1 and
 #                            transformers, with graphs and eager)
 #   two_gpus.sh rimuru CONFIGS RATES   Qwen3-30B-A3B shapes at 2 x 32 GiB, --tensor-parallel-size 2, uniform
@@ -14,6 +16,7 @@
 dir=/tmp/models/qwen3moe
 case "${1:-}" in
   tests) bash "$(dirname "$0")/gpu_tests.sh" tests/test_tensor_parallel.py ;;
+  deadpeer) timeout 280 python3 benchmarks/check_nccl_dead_peer.py --output-json "$OUT/$D-nccl-dead-peer-$C-${G}x2.json" ;;
   allreduce) nvidia-smi topo -m > "$OUT/$D-gpu-topology-${G}x2.txt"
     timeout 280 python3 benchmarks/check_captured_allreduce.py --world-size 2 \
       --output-json "$OUT/$D-captured-allreduce-$C-${G}x2.json"
@@ -35,5 +38,5 @@ case "${1:-}" in
         --configs vllm-tp2 --rates "$rates" --label uniform \
         --output-json "$OUT/$D-serve-qwen3-2x32gib-tp2-uniform-vllm-${rates//,/-}rps-${G}x2.json"
     fi ;;
-  *) echo "usage: two_gpus.sh tests | allreduce | rimuru CONFIGS RATES | vllm RATES" >&2; exit 2 ;;
+  *) echo "usage: two_gpus.sh tests | allreduce | deadpeer | rimuru CONFIGS RATES | vllm RATES" >&2; exit 2 ;;
 esac

@@ -34,7 +34,10 @@ way the collective rank 0 is in fails within about a second (gloo), and the engi
 naming the rank and its error; every later step raises it again; `stop` ends the workers that are left. Rank 0
 raising in a step after it sent the pass's plan (before the pass's collectives) fails the same way: the workers
 wait in that pass, where no later plan can meet them, so they are killed and the engine raises `WorkerFailed`
-naming rank 0's error. The server marks its engine dead on a `WorkerFailed` (/health answers 503).
+naming rank 0's error. The server marks its engine dead on a `WorkerFailed` (/health answers 503). Under NCCL a
+collective blocked on a dead peer does not fail by itself: rank 0 watches its workers' process sentinels and aborts
+the process groups on a death, and every worker watches rank 0 and ends itself if it dies
+(distributed/peer_watcher.py).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import torch.multiprocessing as mp
 
 from rimuru.config import EngineConfig
 from rimuru.distributed.parallel_state import TensorParallel, destroy_tensor_parallel, free_port, init_tensor_parallel
+from rimuru.distributed.peer_watcher import PeerWatcher, abort_device_groups, device_groups_need_abort
 from rimuru.engine.kv_cache_manager import KV
 from rimuru.engine.kv_compaction import KVMoves
 from rimuru.engine.model_runner import GraphStep
@@ -143,6 +147,7 @@ class TensorParallelWorkers:
         ctx = mp.get_context("spawn")
         self._errors: Any = ctx.Queue()
         self.failure: WorkerFailed | None = None
+        self.watcher: PeerWatcher | None = None
         self.procs = [ctx.Process(target=_worker_main, args=(rank, config, port, self._errors), daemon=True,
                                   name=f"rimuru-tp-rank{rank}") for rank in range(1, size)]
         for p in self.procs:
@@ -153,6 +158,9 @@ class TensorParallelWorkers:
         except BaseException:
             self.kill()
             raise
+        # NCCL: a collective blocked on a dead worker returns only when the communicators are aborted
+        self.watcher = PeerWatcher([p.sentinel for p in self.procs], abort_device_groups,
+                                   name="rimuru-tp-worker-watcher") if device_groups_need_abort() else None
         logger.info("tensor parallelism: %d ranks (%s), workers %s", size, self.device.type,
                     ", ".join(str(p.pid) for p in self.procs))
 
@@ -198,12 +206,14 @@ class TensorParallelWorkers:
         lines = [f"rank {r} raised:\n{tb.rstrip()}" for r, tb in reports] + dead
         if not lines:  # a collective timed out, or rank 0 itself raised after it sent the pass
             lines = [f"rank 0 raised with every worker alive: {type(error).__name__}: {error}"]
+        self._stop_watching()  # the workers killed now end on purpose
         self.kill()
         return WorkerFailed("a tensor-parallel rank failed; the engine cannot run another pass:\n"
                             + "\n".join(lines))
 
     def stop(self) -> None:
         """Tells the workers to exit and waits for them; kills those that do not."""
+        self._stop_watching()
         if self.failure is None and all(p.exitcode is None for p in self.procs):
             try:
                 self.tp.broadcast_object(None)
@@ -213,6 +223,10 @@ class TensorParallelWorkers:
             p.join(timeout=10)
         self.kill()
         destroy_tensor_parallel(self.tp)
+
+    def _stop_watching(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
 
     def kill(self) -> None:
         for p in self.procs:
@@ -282,6 +296,9 @@ def _worker_main(rank: int, config: EngineConfig, port: int, errors: Any) -> Non
             torch.cuda.set_device(device)
         tp = init_tensor_parallel(rank, config.tensor_parallel_size, port, device,
                                   expert_parallel=config.enable_expert_parallel)
+        parent = mp.parent_process()
+        if parent is not None:  # rank 0 gone: end this rank, wherever it waits (an NCCL collective never returns)
+            PeerWatcher([parent.sentinel], lambda: os._exit(1), name="rimuru-tp-rank0-watcher")
         engine = LLMEngine(config, tp=tp)
         while True:
             plan = tp.broadcast_object()
