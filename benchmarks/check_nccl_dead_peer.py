@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import metadata, print_header  # noqa: E402
+from benchmarks.common import metadata, print_header, write_json  # noqa: E402
 from rimuru.distributed.parallel_state import free_port, init_tensor_parallel  # noqa: E402
 from rimuru.distributed.peer_watcher import PeerWatcher, abort_device_groups  # noqa: E402
 
@@ -162,9 +162,7 @@ def main() -> None:
     passed = all(c.get("blocked_rank") in ("rank 1 ended",) or str(c.get("blocked_rank", "")).startswith("raised")
                  for c in watched)
     print("dead peer under NCCL:", "the watched ranks got out" if passed else "FAILED (see the cases above)")
-    if args.output_json:
-        args.output_json.write_text(json.dumps({**meta, "passed": passed, "cases": cases}, indent=1))
-        print(f"wrote {args.output_json}")
+    write_json(args.output_json, {**meta, "passed": passed}, cases)  # one row a case
 
 
 if __name__ == "__main__":
