@@ -4,7 +4,8 @@
 #   regime_cell.sh CELL CONFIGS RATES
 #   CELL     qwen3-59gib-zipf | qwen3-59gib-uniform | qwen3-62gib-zipf | qwen3-48gib-zipf | qwen1.5-32gib-uniform
 #   CONFIGS  comma separated: static, elastic (the defaults), elastic-slo (TTFT p99 2 s, TPOT p99 50 ms), fixedN (N
-#            experts of each layer resident: in a zipf cell the N most popular, by the router's ranking)
+#            experts of each layer resident: in a zipf cell the N most popular, by the router's ranking), vllm
+#            (vLLM 0.26 at the same budget, uniform cells only: it has no skewed router; installed under VLLM_SITE)
 #   RATES    comma separated req/s
 # e.g. regime_cell.sh qwen3-62gib-zipf static,elastic-slo 8,10,12
 #      RANKING=profile regime_cell.sh qwen3-59gib-zipf fixed126 8,12,16   (fixed ranked by a measured profile)
@@ -21,6 +22,14 @@ case "$cell" in
 esac
 budget=$(echo "$cell" | sed -E 's/^[^-]+-([0-9]+)gib-.*/\1/')GiB
 routing=${cell##*-}
+vllm=()
+if [[ ",$configs," == *,vllm,* ]]; then
+  if [ "$routing" != uniform ]; then echo "vLLM has no skewed router: its rows are uniform only ($cell)" >&2; exit 2; fi
+  # vLLM reads a model folder (config and tokenizer; weights made up at start), which Rimuru's rows read too
+  dir=/tmp/models/$model
+  [ -f $dir/config.json ] || python3 benchmarks/model_folder.py $model $dir || exit 1
+  model=$dir; vllm=(--vllm-site "$VLLM_SITE")
+fi
 args=(); label=uniform
 if [ "$routing" = zipf ]; then args=(--rimuru-args="--dummy-routing zipf:1.0"); label=zipf1.0; fi
 # fixed splits keep the first N of each layer's ranking resident: under the skewed dummy router, by default the
@@ -66,6 +75,6 @@ for c in ${configs//,/ }; do
 done
 # TIMEOUT_S (default 580) bounds the sweep, so that two cells can share one device command
 t=$(( ${TIMEOUT_S:-580} - profile_s ))
-timeout "$t" $SWEEP --model $model --gpu-memory-budget "$budget" "${args[@]}" "${defines[@]}" --configs "$configs" \
+timeout "$t" $SWEEP --model $model --gpu-memory-budget "$budget" "${args[@]}" "${vllm[@]}" "${defines[@]}" --configs "$configs" \
   --rates "$rates" --num-prompts "${NP:-400}" --label "$label" --time-budget-s $((t - 10)) ${SWEEP_ARGS:-} \
   --output-json "$OUT/$D-serve-$cell-${configs//,/-}-${rates//,/-}rps-$C-$G.json"
