@@ -48,12 +48,12 @@ def _all_reduce(device: torch.device) -> None:
 
 
 def _rank1(case: str, watch: bool, port: int, results) -> None:
+    parent = mp.parent_process()
+    if watch and case == "rank0_dies" and parent is not None:  # as the engine's workers watch rank 0
+        PeerWatcher([parent.sentinel], lambda: os._exit(1))
     device = torch.device("cuda", 1)
     torch.cuda.set_device(device)
     init_tensor_parallel(1, 2, port, device, timeout_s=GROUP_TIMEOUT_S)
-    parent = mp.parent_process()
-    if watch and case == "rank0_dies" and parent is not None:
-        PeerWatcher([parent.sentinel], lambda: os._exit(1))
     _all_reduce(device)
     results.put(("rank1_pid", os.getpid()))
     if case == "worker_dies":

@@ -291,14 +291,14 @@ def _worker_main(rank: int, config: EngineConfig, port: int, errors: Any) -> Non
     torch.set_num_threads(1)  # tiny per-rank work on shared cores; a GPU rank does its work on the device
     tp: TensorParallel | None = None
     try:
+        parent = mp.parent_process()
+        if parent is not None:  # rank 0 gone: end this rank, wherever it waits (the rendezvous, an NCCL collective)
+            PeerWatcher([parent.sentinel], lambda: os._exit(1), name="rimuru-tp-rank0-watcher")
         device = rank_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tp = init_tensor_parallel(rank, config.tensor_parallel_size, port, device,
                                   expert_parallel=config.enable_expert_parallel)
-        parent = mp.parent_process()
-        if parent is not None:  # rank 0 gone: end this rank, wherever it waits (an NCCL collective never returns)
-            PeerWatcher([parent.sentinel], lambda: os._exit(1), name="rimuru-tp-rank0-watcher")
         engine = LLMEngine(config, tp=tp)
         while True:
             plan = tp.broadcast_object()
