@@ -112,8 +112,10 @@ def test_prefill_sequences_in_groups_equal_one_group(ckpt: Path, per_group: int,
     got, seen = run(grouped=True)
     monkeypatch.undo()
     assert max(seen) >= 5 // per_group  # the last pass's five prefill sequences went in several groups
+    # the same sums over other matmul shapes (a group's rows): the CPU's kernels block them otherwise, so the logits
+    # (|x| ~ 10) differ by float32 rounding, ~1e-5 on a CPU with AMX; the reorderings above are held to ATOL = 1e-3
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=f"output {i}")
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=f"output {i}")
 
 
 @pytest.mark.parametrize("decodes", [0, 2])
