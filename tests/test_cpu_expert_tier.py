@@ -125,6 +125,21 @@ def test_host_compute_equals_the_paged_reference_and_completes_its_kernel() -> N
     assert not torch.allclose(HostExpertCompute(swapped).compute(layer, hidden, every), want, atol=1e-4)
 
 
+def test_host_compute_of_one_token_experts_equals_the_paged_reference() -> None:
+    """A decode step's host experts mostly see one token each: they take matrix-vector products, not one-row GEMMs."""
+    store = _store()
+    compute = HostExpertCompute(store)
+    view, table = _paged(store, 0)
+    for seed in range(3):
+        hidden = torch.randn(1, store.d, generator=torch.Generator().manual_seed(10 + seed))
+        ids, weights = _routing(1, 3, store.num_experts, seed=seed)
+        want = fused_moe_reference(hidden, weights, ids, view, table, store.f)  # [1, d]
+        got = compute.compute(0, hidden, HostAssignments.select(ids, weights, torch.arange(store.num_experts)))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(compute.compute(1, hidden, HostAssignments.select(
+            ids, weights, torch.arange(store.num_experts))), want, atol=1e-4)  # another layer's weights differ
+
+
 def test_host_compute_spread_over_threads_equals_the_paged_reference() -> None:
     """A call's experts dealt to min(m, T) workers of T // m threads each: any thread count gives the reference's
     result, every expert is computed once (a dropped or doubled one differs), and the caller's threads stay."""
