@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import metadata  # noqa: E402
 from rimuru.experts.expert_tiers import TierCosts, choose_host_experts  # noqa: E402
 from rimuru.experts.host_compute import HostExpertCompute  # noqa: E402
 from rimuru.experts.host_profile import (  # noqa: E402
@@ -167,6 +168,7 @@ def main() -> None:
                       f"{c['tok_s_without']:7.1f} without")
     if args.output_json is not None:
         args.output_json.write_text(json.dumps({
+            **metadata("bench_host_experts"),
             "model": args.model, "dtype": args.dtype, "cores": cores, "numa_nodes": numa_nodes(),
             "matrix_isa": cpu_matrix_isa(), "read_bandwidth": bandwidth, "expert_bytes": expert_bytes,
             "expert_ms": {n: [1e3 * s for s in t.seconds] for n, t in by_threads.items()}, "spread": spread_rows,
