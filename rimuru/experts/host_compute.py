@@ -9,9 +9,9 @@ weighted sum over its host-computed experts:
     out[t] = sum over assignments (t, e, w) of  w * W2_e (SiLU(W1_e h_t) * W3_e h_t)        [T_host, d] float32
 
 Weights are read in place from the store (`layers[l][e]` = [3, f*d]: W1 and W3 are adjacent rows, so
-`[2, f*d] -> [2f, d]` is one gate/up GEMM over a view, no copy); the matmuls run in the store's dtype, where
-oneDNN uses AVX-512 BF16 / AMX when the CPU has them (host_profile.py reports which); the combine accumulates in
-float32, as the paged kernel's reference does.
+`[2, f*d] -> [2f, d]` is one gate/up GEMM over a view, or a matrix-vector product for one token; no copy); the
+matmuls run in the store's dtype, where oneDNN uses AVX-512 BF16 / AMX when the CPU has them (host_profile.py
+reports which); the combine accumulates in float32, as the paged kernel's reference does.
 
 Threads: a call's experts are spread over the host's T intra-op threads (`torch.get_num_threads()` when the
 compute is made; the engine sets it from `--cpu-expert-threads`): w = min(m, T) workers for m experts, each with
