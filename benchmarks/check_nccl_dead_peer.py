@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import metadata, print_header, write_json  # noqa: E402
+from benchmarks.sweep_processes import process_stat  # noqa: E402
 from rimuru.distributed.parallel_state import free_port, init_tensor_parallel  # noqa: E402
 from rimuru.distributed.peer_watcher import PeerWatcher, abort_device_groups  # noqa: E402
 
@@ -98,10 +99,8 @@ def _rank0(case: str, watch: bool, port: int, results) -> None:
 
 def _process_ended(pid: int) -> bool:
     """A process gone, or a zombie waiting to be reaped (it ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
+    fields = process_stat(pid)
+    return fields is None or fields[0] == "Z"
 
 
 def run_case(case: str, watch: bool, deadline_s: float) -> dict[str, object]:
