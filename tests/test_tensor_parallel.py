@@ -19,7 +19,7 @@ import torch
 
 from rimuru import LLM
 from rimuru.config import EngineConfig
-from rimuru.distributed.parallel_state import SINGLE, TensorParallel
+from rimuru.distributed.parallel_state import SINGLE, TensorParallel, free_port
 from rimuru.engine import tp_workers
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.tp_workers import PassPlan, WorkerFailed
@@ -679,6 +679,55 @@ def test_rank_0_aborts_the_groups_when_a_worker_dies_where_collectives_would_blo
     finally:
         llm.shutdown()
     assert all(not p.is_alive() for p in workers.procs)
+
+
+def _rank_0_that_never_joins(config: EngineConfig, worker_pids) -> None:
+    """Starts rank 1 as rank 0 does, then never joins the group: the worker waits in the rendezvous (the store it
+    connects to is never opened), as it would wait in an NCCL collective on a rank 0 that died."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    errors = ctx.Queue()  # held here: the worker unpickles it after its start
+    worker = ctx.Process(target=tp_workers._worker_main, args=(1, config, free_port(), errors), daemon=True)
+    worker.start()
+    worker_pids.put(worker.pid)
+    time.sleep(120)
+
+
+def _has_ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaps (an orphan's new parent may not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
+@slow
+def test_a_worker_ends_when_rank_0_dies_while_it_waits(parity_checkpoints: dict[str, Path]) -> None:
+    """A worker watches rank 0 (its parent) from its first line: killed rank 0, the worker ends within seconds,
+    where the rendezvous it waits in would hold it for the group's timeout (ten minutes)."""
+    config = EngineConfig(model=str(parity_checkpoints["qwen2_moe"]), device="cpu", gpu_memory_budget="64MiB",
+                          tensor_parallel_size=2)
+    ctx = torch.multiprocessing.get_context("spawn")
+    worker_pids = ctx.Queue()
+    rank_0 = ctx.Process(target=_rank_0_that_never_joins, args=(config, worker_pids))
+    rank_0.start()
+    worker = None
+    try:
+        worker = worker_pids.get(timeout=60)
+        time.sleep(3)  # the worker's imports and the watch's start
+        assert not _has_ended(worker)  # waiting in the rendezvous: nothing else ends it
+        os.kill(rank_0.pid, signal.SIGKILL)
+        rank_0.join(timeout=5)
+        t0 = time.monotonic()
+        while not _has_ended(worker) and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        assert _has_ended(worker), "the worker outlived rank 0"
+    finally:
+        if rank_0.is_alive():
+            rank_0.kill()
+        rank_0.join(timeout=5)
+        if worker is not None and not _has_ended(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 @slow
