@@ -9,11 +9,11 @@
 #                                    and a point (~3 min at 2 req/s) fit one command.
 . "$(dirname "$0")/common.sh"
 dir=/tmp/models/qwen3moe
-[ -f $dir/config.json ] || python3 benchmarks/model_folder.py qwen3-30b-a3b $dir || exit 1
 case "${1:-}" in
   host) timeout 560 python3 benchmarks/bench_host_experts.py --model qwen3-30b-a3b --budgets-gib 48 24 \
       --output-json "$OUT/$D-host-experts-qwen3-$C-$G.json" ;;
   serve) config=${2:?CONFIG}; rate=${3:?RATE}
+    [ -f $dir/config.json ] || python3 benchmarks/model_folder.py qwen3-30b-a3b $dir || exit 1
     case "$config" in
       tier) flags="--offload-mode elastic --offload-access copy --cpu-expert-compute on" ;;
       copy) flags="--offload-mode elastic --offload-access copy --cpu-expert-compute off" ;;
