@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import metadata, print_header, write_json  # noqa: E402
-from benchmarks.sweep_processes import process_stat  # noqa: E402
+from benchmarks.sweep_processes import process_ended  # noqa: E402
 from rimuru.distributed.parallel_state import free_port, init_tensor_parallel  # noqa: E402
 from rimuru.distributed.peer_watcher import PeerWatcher, abort_device_groups  # noqa: E402
 
@@ -97,12 +97,6 @@ def _rank0(case: str, watch: bool, port: int, results) -> None:
     os._exit(0)  # no teardown of an aborted group
 
 
-def _process_ended(pid: int) -> bool:
-    """A process gone, or a zombie waiting to be reaped (it ended)."""
-    fields = process_stat(pid)
-    return fields is None or fields[0] == "Z"
-
-
 def run_case(case: str, watch: bool, deadline_s: float) -> dict[str, object]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -126,7 +120,7 @@ def run_case(case: str, watch: bool, deadline_s: float) -> dict[str, object]:
         elif kind == "rank1_returned":
             out["blocked_rank"] = "rank 1's collective returned"
             break
-        if case == "rank0_dies" and killed_at is not None and rank1_pid is not None and _process_ended(rank1_pid):
+        if case == "rank0_dies" and killed_at is not None and rank1_pid is not None and process_ended(rank1_pid):
             out["blocked_rank"] = "rank 1 ended"
             out["seconds_to_end"] = time.time() - killed_at
             break
@@ -135,7 +129,7 @@ def run_case(case: str, watch: bool, deadline_s: float) -> dict[str, object]:
     if proc.is_alive():
         proc.kill()
     proc.join(timeout=10)
-    if rank1_pid is not None and not _process_ended(rank1_pid):
+    if rank1_pid is not None and not process_ended(rank1_pid):
         os.kill(rank1_pid, signal.SIGKILL)
     return out
 

@@ -56,6 +56,12 @@ def process_stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()
 
 
+def process_ended(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (an orphan's new parent may never reap it): the process ended."""
+    fields = process_stat(pid)
+    return fields is None or fields[0] == "Z"
+
+
 def process_start_ticks(pid: int) -> int | None:
     """When the process started (ticks since boot): with the pid, it names one process, never a later one
     that got the same pid. None where it cannot be read."""

@@ -25,8 +25,8 @@ from sweep_processes import (  # noqa: E402
     DetachedServer,
     free_port,
     port_is_free,
+    process_ended,
     process_start_ticks,
-    process_stat,
     start_detached,
 )
 
@@ -257,7 +257,7 @@ def test_a_detached_server_that_exits_or_whose_pid_is_reused_counts_as_exited(tm
     pid = start_detached([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), tmp_path / "log")
     start = process_start_ticks(pid)
     deadline = time.monotonic() + 30
-    while (process_stat(pid) or ["Z"])[0] != "Z" and time.monotonic() < deadline:
+    while not process_ended(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     gc.collect()
     subprocess.run([sys.executable, "-c", "pass"], check=True)

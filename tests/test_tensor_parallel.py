@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.sweep_processes import process_ended
 from rimuru import LLM
 from rimuru.config import EngineConfig
 from rimuru.distributed.parallel_state import SINGLE, TensorParallel, free_port
@@ -692,15 +693,6 @@ def _rank_0_that_never_joins(config: EngineConfig, worker_pids) -> None:
     time.sleep(120)
 
 
-def _has_ended(pid: int) -> bool:
-    """Gone, or a zombie nobody reaps (an orphan's new parent may not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat[stat.rindex(")") + 2] in "ZX"
-
-
 @slow
 def test_a_worker_ends_when_rank_0_dies_while_it_waits(parity_checkpoints: dict[str, Path]) -> None:
     """A worker watches rank 0 (its parent) from its first line: killed rank 0, the worker ends within seconds,
@@ -715,18 +707,18 @@ def test_a_worker_ends_when_rank_0_dies_while_it_waits(parity_checkpoints: dict[
     try:
         worker = worker_pids.get(timeout=60)
         time.sleep(3)  # the worker's imports and the watch's start
-        assert not _has_ended(worker)  # waiting in the rendezvous: nothing else ends it
+        assert not process_ended(worker)  # waiting in the rendezvous: nothing else ends it
         os.kill(rank_0.pid, signal.SIGKILL)
         rank_0.join(timeout=5)
         t0 = time.monotonic()
-        while not _has_ended(worker) and time.monotonic() - t0 < 15:
+        while not process_ended(worker) and time.monotonic() - t0 < 15:
             time.sleep(0.1)
-        assert _has_ended(worker), "the worker outlived rank 0"
+        assert process_ended(worker), "the worker outlived rank 0"
     finally:
         if rank_0.is_alive():
             rank_0.kill()
         rank_0.join(timeout=5)
-        if worker is not None and not _has_ended(worker):
+        if worker is not None and not process_ended(worker):
             os.kill(worker, signal.SIGKILL)
 
 

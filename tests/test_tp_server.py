@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.sweep_processes import process_stat, wait_healthy
+from benchmarks.sweep_processes import process_ended, wait_healthy
 from rimuru.distributed.parallel_state import free_port
 
 
@@ -22,12 +22,6 @@ def _children(pid: int) -> set[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         out |= {int(c) for c in (task / "children").read_text().split()}
     return out
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (exited, not reaped yet)."""
-    fields = process_stat(pid)
-    return fields is not None and fields[0] != "Z"
 
 
 @pytest.mark.slow
@@ -61,6 +55,6 @@ def test_sigterm_stops_a_tensor_parallel_server_and_its_workers(parity_checkpoin
     # tracker, which says so ("leaked semaphore objects")
     assert "leaked" not in output, output
     deadline = time.monotonic() + 10  # a worker told to stop may still be unwinding when the server exits
-    while (alive := [pid for pid in workers if _running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in workers if not process_ended(pid)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive, f"workers {alive} outlived the server\n{output}"
